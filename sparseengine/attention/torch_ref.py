@@ -1,0 +1,107 @@
+"""The torch reference provider: plain gathers and softmax over the paged cache.
+
+It is the correctness oracle on CPU and GPU. Decode without selection or scores runs as
+one batched masked SDPA call per layer; everything else runs request by request with
+explicit float32 probabilities, so column sums come from the same softmax.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from sparseengine.attention.provider import AttentionProvider
+from sparseengine.engine.step_context import LayerView, ScoreRows, Selection, StepContext
+
+
+def token_slots(page_table_row: torch.Tensor, length: int, page_size: int) -> torch.Tensor:
+    """Cache slots of logical tokens 0..length-1 of one request."""
+    pos = torch.arange(length, device=page_table_row.device)
+    return page_table_row[pos // page_size].long() * page_size + pos % page_size
+
+
+class TorchAttentionProvider(AttentionProvider):
+    name = "torch"
+
+    def write_kv(self, k_cache, v_cache, k, v, slot_mapping):
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep]
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[keep].to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[keep].to(v_cache.dtype))
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext,
+               view: LayerView, selection: Selection | None, score_rows: ScoreRows | None):
+        if ctx.is_decode and selection is None and score_rows is None:
+            return self._decode_batched(q, k_cache, v_cache, view), None
+        page_size = k_cache.shape[1]
+        kc = k_cache.view(-1, *k_cache.shape[2:])
+        vc = v_cache.view(-1, *v_cache.shape[2:])
+        out = torch.empty_like(q)
+        colsums: list[torch.Tensor] | None = [] if score_rows is not None else None
+        start = 0
+        for b, q_len in enumerate(ctx.q_lens):
+            length = view.kv_lens_list[b]
+            slots = token_slots(view.page_table[b], length, page_size)
+            k, v = kc[slots], vc[slots]
+            qb = q[start:start + q_len]
+            allowed = None
+            if selection is not None:
+                allowed = torch.zeros(k.shape[1], length, dtype=torch.bool, device=q.device)
+                n_sel = selection.num_selected[b]
+                idx = selection.token_indices[b]
+                valid = torch.arange(idx.shape[-1], device=q.device)[None, :] < n_sel[:, None]
+                allowed.scatter_(1, torch.where(valid, idx, 0), valid)
+            rows = score_rows.rows[b] if score_rows is not None else 0
+            if allowed is None and rows == 0:
+                out[start:start + q_len] = self._sdpa(qb, k, v, length)
+            else:
+                o, p = self._explicit(qb, k, v, length, allowed)
+                out[start:start + q_len] = o
+                if colsums is not None:
+                    g = qb.shape[1] // k.shape[1]
+                    cs = p[:, q_len - rows:, :].sum(1) if rows else p.new_zeros(p.shape[0], length)
+                    colsums.append(cs.view(k.shape[1], g, length).mean(1))
+            start += q_len
+        return out, colsums
+
+    @staticmethod
+    def _causal_mask(q_len: int, length: int, device) -> torch.Tensor:
+        qpos = torch.arange(length - q_len, length, device=device)[:, None]
+        return torch.arange(length, device=device)[None, :] <= qpos  # [q_len, length]
+
+    def _sdpa(self, q, k, v, length):
+        q_len = q.shape[0]
+        mask = self._causal_mask(q_len, length, q.device)
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            attn_mask=mask[None, None], enable_gqa=True)
+        return o[0].transpose(0, 1)
+
+    def _explicit(self, q, k, v, length, allowed):
+        """-> out [q_len, Hq, d], probs [Hq, q_len, length] (float32)."""
+        q_len, hq, d = q.shape
+        g = hq // k.shape[1]
+        kk = k.float().repeat_interleave(g, dim=1)  # [L, Hq, d]
+        vv = v.float().repeat_interleave(g, dim=1)
+        s = torch.einsum("qhd,lhd->hql", q.float(), kk) * d ** -0.5
+        mask = self._causal_mask(q_len, length, q.device)[None]
+        if allowed is not None:
+            mask = mask & allowed.repeat_interleave(g, dim=0)[:, None, :]
+        s = s.masked_fill(~mask, float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        o = torch.einsum("hql,lhd->qhd", p, vv)
+        return o.to(q.dtype), p
+
+    @staticmethod
+    def _decode_batched(q, k_cache, v_cache, view):
+        page_size = k_cache.shape[1]
+        max_len = max(view.kv_lens_list)
+        pos = torch.arange(max_len, device=q.device)
+        slots = view.page_table[:, pos // page_size].long() * page_size + pos % page_size  # [B, L]
+        k = k_cache.view(-1, *k_cache.shape[2:])[slots]  # [B, L, Hkv, d]
+        v = v_cache.view(-1, *v_cache.shape[2:])[slots]
+        mask = pos[None, :] < view.kv_lens.to(pos.device)[:, None]  # [B, L]
+        o = F.scaled_dot_product_attention(
+            q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=mask[:, None, None, :], enable_gqa=True)
+        return o[:, :, 0, :]

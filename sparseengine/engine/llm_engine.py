@@ -1,0 +1,259 @@
+"""``LLM``: the engine's front door. ``generate`` loops ``step`` until every request ends."""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Any, Sequence as Seq
+
+import torch
+
+from sparseengine.attention.provider import make_provider
+from sparseengine.config import Config, ConfigError
+from sparseengine.engine.cache_manager import CacheManager
+from sparseengine.engine.kv_cache import KVCache, page_bytes
+from sparseengine.engine.model_runner import ModelRunner
+from sparseengine.engine.outputs import RequestOutput
+from sparseengine.engine.page_allocator import PageAllocator
+from sparseengine.engine.scheduler import Scheduler, SchedulerConfig
+from sparseengine.engine.sequence import Sequence
+from sparseengine.layers.sampler import Sampler
+from sparseengine.method_registry import get_spec, resolve_prefill_policy
+from sparseengine.models import loader
+from sparseengine.models.llama import LlamaForCausalLM
+from sparseengine.sampling_params import SamplingParams
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class LLM:
+    def __init__(self, model: str = loader.EMBEDDED_MODEL, **kwargs: Any) -> None:
+        self.config = cfg = Config.from_kwargs(model=model, **kwargs)
+        self.device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available()
+                                   else ("cpu" if cfg.device == "auto" else cfg.device))
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device='cuda' but no CUDA device is available")
+        self.dtype = _DTYPES.get(cfg.dtype) or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.source = loader.resolve(cfg.model, cfg.load_format)
+        self.model_config = mc = self.source.model_config
+        self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
+        torch.manual_seed(cfg.seed)
+        self.model = self._build_model()
+        self.tokenizer = loader.load_tokenizer(self.source)
+        self.eos_token_ids = set(mc.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        num_pages = self._num_pages()
+        self.allocator = PageAllocator(num_pages)
+        self.prefill_policy = resolve_prefill_policy(cfg)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            prefill_chunk_size=cfg.prefill_chunk_size, page_size=cfg.page_size,
+            max_model_len=self.max_model_len, prefill_policy=self.prefill_policy,
+            long_prefill_threshold=cfg.long_prefill_threshold), self.allocator)
+        self.kv_cache = KVCache(mc, num_pages, cfg.page_size, self.dtype, self.device)
+        self.cache = CacheManager(self.kv_cache, self.scheduler)
+        self.provider = make_provider(cfg.attention_provider, self.device)
+        self.method = get_spec(cfg.sparse_method).runtime(cfg, mc, self.cache)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.provider, self.method, self.device, cfg.page_size)
+        self.sampler = Sampler()
+        self._closed = False
+
+    # ---- construction ---------------------------------------------------------------
+    def _build_model(self) -> LlamaForCausalLM:
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = LlamaForCausalLM(self.model_config)
+        finally:
+            torch.set_default_dtype(default)
+        if self.config.load_format == "dummy":
+            loader.init_dummy(model, self.config.seed)
+        else:
+            loader.load_weights(model, self.source)
+        model.rotary.inv_freq = model.rotary.inv_freq.float()
+        return model.eval()
+
+    def _num_pages(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_pages is not None:
+            return cfg.num_kv_pages
+        per_page = page_bytes(self.model_config, cfg.page_size, self.dtype)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            free, total = torch.cuda.mem_get_info(self.device)
+            reserve = self._activation_bytes()
+            budget = total * cfg.gpu_memory_utilization - (total - free) - reserve
+        else:
+            budget = cfg.kv_cache_memory * (1 << 30)
+        pages = int(budget // per_page)
+        if pages < 1:
+            raise ConfigError(f"No room for the KV pool: {budget / 2**30:.2f} GiB left for it; "
+                              "raise kv_cache_memory or gpu_memory_utilization")
+        return pages
+
+    def _activation_bytes(self) -> int:
+        """Peak activation memory of the largest step (a bound, kept simple)."""
+        mc, cfg = self.model_config, self.config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        per_token = (4 * mc.hidden_size + 3 * mc.intermediate_size
+                     + (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim) * elem
+        logits = cfg.max_num_seqs * mc.vocab_size * 4 * 2
+        return cfg.max_num_batched_tokens * per_token + logits + (1 << 30)
+
+    # ---- requests -------------------------------------------------------------------
+    def _tokenize(self, prompt: str | list[int], chat: bool) -> list[int]:
+        if not isinstance(prompt, str):
+            return [int(t) for t in prompt]
+        if self.tokenizer is None:
+            raise ConfigError(f"model {self.source.name!r} has no tokenizer: pass token-id lists as prompts")
+        if chat:
+            return list(self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
+                return_dict=False))
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def generate(self, prompts: str | list[int] | Seq[str | list[int]],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 apply_chat_template: bool = False, use_tqdm: bool = False) -> list[RequestOutput]:
+        if self._closed:
+            raise RuntimeError("this LLM has been closed")
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ConfigError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        seqs = []
+        now = time.perf_counter()
+        for prompt, p in zip(prompts, params):
+            seq = Sequence(self._tokenize(prompt, apply_chat_template), p, self.model_config.num_layers,
+                           arrival_time=now)
+            seqs.append(seq)
+            error = self.scheduler.validate(seq)
+            if error is not None:
+                self.scheduler.finish(seq, "error", error=error)
+            elif p.max_tokens == 0:
+                self.scheduler.finish(seq, "length")
+            else:
+                self.scheduler.add(seq)
+        progress = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            progress = tqdm(total=len(seqs), desc="generate")
+        while self.scheduler.has_unfinished:
+            done = self.step()
+            if progress is not None:
+                progress.update(done)
+        if progress is not None:
+            progress.close()
+        return [self._output(seq, prompt) for seq, prompt in zip(seqs, prompts)]
+
+    def prompt_logits(self, prompts: Seq[str | list[int]]) -> list[torch.Tensor]:
+        """The float32 logits at every prompt position [n, vocab], computed by the engine's
+        own (chunked, batched) prefill."""
+        seqs = []
+        for prompt in prompts:
+            seq = Sequence(self._tokenize(prompt, False), SamplingParams(temperature=0, max_tokens=1),
+                           self.model_config.num_layers, prompt_logits=[])
+            error = self.scheduler.validate(seq)
+            if error is not None:
+                raise ConfigError(error)
+            self.scheduler.add(seq)
+            seqs.append(seq)
+        while self.scheduler.has_unfinished:
+            self.step()
+        return [torch.cat(s.prompt_logits) for s in seqs]
+
+    def step(self) -> int:
+        """One engine step; returns how many requests finished in it."""
+        batch = self.scheduler.schedule()
+        for seq in batch.preempted + batch.failed:
+            self.method.release(seq)
+            self.cache.drop(seq)
+        if batch.is_empty:
+            if batch.failed or batch.preempted:
+                return len(batch.failed)
+            raise RuntimeError("scheduler made no progress: no request fits in the KV pool")
+        sample_seqs, logits = self.runner.run(batch)
+        self.scheduler.advance(batch)
+        self.method.finish_step(batch)
+        finished = len(batch.failed)
+        if sample_seqs:
+            tokens = self.sampler(logits, [s.sampling_params for s in sample_seqs], [s.seq_id for s in sample_seqs])
+            now = time.perf_counter()
+            for seq, tok in zip(sample_seqs, tokens):
+                seq.output_token_ids.append(tok)
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                reason = self._finish_reason(seq, tok)
+                if reason is not None:
+                    seq.finish_time = now
+                    seq.kv_tokens_at_end = self.method.kv_tokens(seq)
+                    self.scheduler.finish(seq, reason)
+                    self.method.release(seq)
+                    self.cache.drop(seq)
+                    self.sampler.release(seq.seq_id)
+                    finished += 1
+        return finished
+
+    def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
+        p = seq.sampling_params
+        if not p.ignore_eos and tok in self.eos_token_ids:
+            return "stop"
+        if tok in p.stop_token_ids:
+            return "stop"
+        if p.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            if any(s in text for s in p.stop):
+                return "stop"
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, seq: Sequence, prompt) -> RequestOutput:
+        text = ""
+        if self.tokenizer is not None and seq.output_token_ids:
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            for s in seq.sampling_params.stop:
+                if s in text:
+                    text = text[: text.index(s)]
+        ttft = (seq.first_token_time - seq.arrival_time) if seq.first_token_time else None
+        decode = (seq.finish_time - seq.first_token_time) if seq.finish_time and seq.first_token_time else 0.0
+        return RequestOutput(
+            request_id=seq.seq_id, prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=list(seq.prompt_token_ids), text=text, token_ids=list(seq.output_token_ids),
+            finish_reason=seq.finish_reason or "error", error=seq.error,
+            metrics={"prompt_tokens": seq.num_prompt_tokens, "output_tokens": len(seq.output_token_ids),
+                     "ttft_s": ttft, "decode_s": decode, "preemptions": seq.num_preemptions,
+                     "kv_tokens": getattr(seq, "kv_tokens_at_end", None)},
+        )
+
+    @property
+    def peak_pages_used(self) -> int:
+        return self.allocator.peak_used
+
+    # ---- lifetime -------------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for name in ("runner", "method", "cache", "kv_cache", "model", "provider", "scheduler", "allocator"):
+            if hasattr(self, name):
+                delattr(self, name)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

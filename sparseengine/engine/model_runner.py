@@ -1,0 +1,86 @@
+"""Turns a scheduled batch into tensors, runs the model once, returns the logits to sample."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from sparseengine.engine.scheduler import ScheduledBatch
+from sparseengine.engine.sequence import Sequence
+from sparseengine.engine.step_context import LayerView, StepContext, set_step_context
+
+
+class ModelRunner:
+    def __init__(self, model, kv_cache, provider, method, device: torch.device, page_size: int) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.provider = provider
+        self.method = method
+        self.device = device
+        self.page_size = page_size
+        self.num_layers = model.config.num_layers
+
+    def _views(self, seqs: list[Sequence], q_lens: list[int]) -> list[LayerView]:
+        ps = self.page_size
+        max_pages = max(len(s.page_table) for s in seqs)
+        table = np.zeros((len(seqs), max_pages), dtype=np.int32)
+        for b, s in enumerate(seqs):
+            table[b, : len(s.page_table)] = s.page_table
+        table_t = torch.from_numpy(table).to(self.device)
+        by_lens: dict[tuple[int, ...], LayerView] = {}
+        views = []
+        for layer in range(self.num_layers):
+            starts = tuple(s.layer_lens[layer] for s in seqs)
+            view = by_lens.get(starts)
+            if view is None:
+                slots = []
+                for b, (start, n) in enumerate(zip(starts, q_lens)):
+                    pos = np.arange(start, start + n)
+                    slots.append(table[b, pos // ps].astype(np.int64) * ps + pos % ps)
+                lens = tuple(st + n for st, n in zip(starts, q_lens))
+                view = LayerView(
+                    slot_mapping=torch.from_numpy(np.concatenate(slots)).to(self.device),
+                    kv_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
+                    kv_lens_list=lens,
+                    page_table=table_t,
+                )
+                by_lens[starts] = view
+            views.append(view)
+        return views
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor | None]:
+        seqs, q_lens = batch.seqs, batch.num_new_tokens
+        ids, pos, sample_rows, sample_seqs = [], [], [], []
+        offset = 0
+        for seq, n in zip(seqs, q_lens):
+            start = seq.num_computed_tokens
+            ids.extend(seq.all_token_ids[start:start + n])
+            pos.extend(range(start, start + n))
+            offset += n
+            if start + n == seq.num_tokens:
+                sample_rows.append(offset - 1)
+                sample_seqs.append(seq)
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32, device=self.device)
+        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
+        ctx = StepContext(
+            seqs=seqs, q_lens=tuple(q_lens), cu_q_lens=cu, is_decode=all(n == 1 for n in q_lens),
+            views=self._views(seqs, q_lens), kv_cache=self.kv_cache, provider=self.provider,
+            method=self.method, positions=positions,
+        )
+        self.method.begin_step(ctx)
+        set_step_context(ctx)
+        try:
+            hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), positions)
+        finally:
+            set_step_context(None)
+        offset = 0
+        for seq, n in zip(seqs, q_lens):  # requests that asked for every prompt position's logits
+            if seq.prompt_logits is not None and seq.num_computed_tokens < seq.num_prompt_tokens:
+                upto = min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
+                seq.prompt_logits.append(self.model.compute_logits(hidden[offset:offset + upto]).cpu())
+            offset += n
+        if not sample_rows:
+            return [], None
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        return sample_seqs, self.model.compute_logits(hidden[rows])

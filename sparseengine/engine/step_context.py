@@ -1,0 +1,75 @@
+"""Per-step attention metadata: one object the runner fills before each forward.
+
+Typed, frozen views at the boundary between cache state and attention:
+- ``LayerView``: where this layer writes and what each request holds in its cache.
+- ``Selection``: the cache tokens each (request, KV head) may read, chosen by a method.
+- ``ScoreRows``: how many of each request's last query rows must report the attention
+  probability mass every cached token received (column sums), from the attention the
+  step computes anyway.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from sparseengine.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class LayerView:
+    slot_mapping: torch.Tensor  # [T] int64 cache slot of each new token
+    kv_lens: torch.Tensor  # [B] int32 tokens in the cache after this step's writes
+    kv_lens_list: tuple[int, ...]  # the same on the host
+    page_table: torch.Tensor  # [B, max_pages] int32
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Per request and KV head, the logical cache indices a query may read.
+    ``token_indices [B, Hkv, K]`` int64; entries at or past ``num_selected [B, Hkv]`` are
+    ignored. Used for decode (one query per request)."""
+
+    token_indices: torch.Tensor
+    num_selected: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ScoreRows:
+    """rows[b]: report column sums over the last rows[b] query rows of request b."""
+
+    rows: tuple[int, ...]
+
+
+@dataclass
+class StepContext:
+    seqs: list["Sequence"]
+    q_lens: tuple[int, ...]
+    cu_q_lens: torch.Tensor  # [B+1] int32
+    is_decode: bool  # every request feeds exactly one token
+    views: list[LayerView]  # one per layer (shared objects when layers agree)
+    kv_cache: Any  # sparseengine.engine.kv_cache.KVCache
+    provider: Any  # an AttentionProvider
+    method: Any  # a SparseMethodRuntime
+    positions: torch.Tensor  # [T]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seqs)
+
+
+_CONTEXT: StepContext | None = None
+
+
+def set_step_context(ctx: StepContext | None) -> None:
+    global _CONTEXT
+    _CONTEXT = ctx
+
+
+def get_step_context() -> StepContext:
+    if _CONTEXT is None:
+        raise RuntimeError("attention called outside an engine step (no StepContext set)")
+    return _CONTEXT

@@ -1,0 +1,49 @@
+"""Greedy, temperature, top-k and top-p sampling, seeded per request."""
+
+from __future__ import annotations
+
+import torch
+
+from sparseengine.sampling_params import SamplingParams
+
+
+class Sampler:
+    def __init__(self) -> None:
+        self._generators: dict[int, torch.Generator] = {}
+
+    def generator(self, seq_id: int, seed: int | None, device: torch.device) -> torch.Generator | None:
+        if seed is None:
+            return None
+        gen = self._generators.get(seq_id)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(seed)
+            self._generators[seq_id] = gen
+        return gen
+
+    def release(self, seq_id: int) -> None:
+        self._generators.pop(seq_id, None)
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], seq_ids: list[int]) -> list[int]:
+        """logits [B, V] (float32) -> one token per row."""
+        greedy = logits.argmax(dim=-1)
+        if all(p.greedy for p in params):
+            return greedy.tolist()
+        out = greedy.tolist()
+        for i, p in enumerate(params):
+            if p.greedy:
+                continue
+            row = logits[i].float() / p.temperature
+            if p.top_k > 0 and p.top_k < row.numel():
+                kth = torch.topk(row, p.top_k).values[-1]
+                row = row.masked_fill(row < kth, float("-inf"))
+            if p.top_p < 1.0:
+                sorted_logits, order = torch.sort(row, descending=True)
+                cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+                drop = cum - torch.softmax(sorted_logits, dim=-1) > p.top_p  # keep the token crossing top_p
+                sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+                row = torch.full_like(row, float("-inf")).scatter(0, order, sorted_logits)
+            probs = torch.softmax(row, dim=-1)
+            gen = self.generator(seq_ids[i], p.seed, logits.device)
+            out[i] = int(torch.multinomial(probs, 1, generator=gen).item())
+        return out

@@ -1,0 +1,1 @@
+"""Sparse methods: one runtime file each, discovered by ``sparseengine.method_registry``."""

@@ -1,0 +1,75 @@
+"""Shared fixtures: the embedded SmolLM2 (engine + Hugging Face twin) and tiny random models."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("WANDB_MODE", "offline")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2_folder():
+    from sparseengine.models import loader
+
+    return loader.resolve(loader.EMBEDDED_MODEL, "auto").folder
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_folder):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(smollm2_folder), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from sparseengine import LLM
+
+    llm = LLM("smollm2-135m-instruct", dtype="float32", device="cpu")
+    yield llm
+    llm.close()
+
+
+def make_tiny_hf_folder(tmp_path_factory, shape: str, seed: int = 0):
+    """An HF model built from a shipped tiny config with random weights, saved as safetensors."""
+    import transformers
+    from sparseengine.models.loader import SHAPES_DIR
+
+    cfg = json.loads((SHAPES_DIR / f"{shape}.json").read_text())
+    config_cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[cfg["model_type"]]
+    model_cls = {"llama": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}[cfg["model_type"]]
+    torch.manual_seed(seed)
+    hf = model_cls(config_cls(**cfg)).eval()
+    with torch.no_grad():  # larger than default init so attention is not uniform
+        for name, p in hf.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.1)
+            else:
+                p.uniform_(0.8, 1.2)
+    folder = tmp_path_factory.mktemp(shape)
+    hf.save_pretrained(folder)
+    return folder, hf
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    return make_tiny_hf_folder(tmp_path_factory, "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory):
+    return make_tiny_hf_folder(tmp_path_factory, "tiny-qwen3")

@@ -1,0 +1,73 @@
+"""The engine matches Hugging Face transformers token for token (float32, greedy)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparseengine import LLM, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a short poem about the sea. The waves",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "In 1969, the Apollo 11 mission landed on the Moon. The astronauts were Neil Armstrong, "
+    "Buzz Aldrin and Michael Collins. After landing, they",
+]
+NEW_TOKENS = 32
+
+
+def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+    from transformers import GenerationConfig
+
+    x = torch.tensor([ids])
+    hf.generation_config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n)
+    assert out.shape[1] == len(ids) + n
+    return out[0, len(ids):].tolist()
+
+
+def hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def test_smollm2_batch_matches_hf_generate(smollm2, hf_smollm2):
+    ids = [smollm2.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+    assert len({len(i) for i in ids}) == len(ids), "prompts must differ in length"
+    outs = smollm2.generate(ids, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    for prompt_ids, out in zip(ids, outs):
+        assert out.finish_reason == "length"
+        assert out.token_ids == hf_greedy(hf_smollm2, prompt_ids, NEW_TOKENS)
+
+
+def test_smollm2_prompt_logits_match_hf(smollm2, hf_smollm2):
+    ids = [smollm2.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+    for got, prompt_ids in zip(smollm2.prompt_logits(ids), ids):
+        assert rel_err(got, hf_logits(hf_smollm2, prompt_ids)) < 1e-4
+
+
+def test_string_prompts_and_text(smollm2, hf_smollm2):
+    out = smollm2.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    ids = smollm2.tokenizer.encode(PROMPTS[0], add_special_tokens=False)
+    assert out.prompt_token_ids == ids
+    assert out.text == smollm2.tokenizer.decode(hf_greedy(hf_smollm2, ids, 8), skip_special_tokens=True)
+    assert out.metrics["prompt_tokens"] == len(ids) and out.metrics["output_tokens"] == 8
+    assert out.metrics["ttft_s"] > 0 and out.metrics["decode_s"] >= 0
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3"])
+def test_tiny_random_models_match_hf(fixture, request):
+    folder, hf = request.getfixturevalue(fixture)
+    gen = torch.Generator().manual_seed(1)
+    ids = [torch.randint(3, hf.config.vocab_size, (n,), generator=gen).tolist() for n in (5, 17, 40, 64)]
+    with LLM(str(folder), dtype="float32", page_size=8, kv_cache_memory=0.01) as llm:
+        outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+        for prompt_ids, out in zip(ids, outs):
+            assert out.token_ids == hf_greedy(hf, prompt_ids, NEW_TOKENS)
+        for got, prompt_ids in zip(llm.prompt_logits(ids), ids):
+            assert rel_err(got, hf_logits(hf, prompt_ids)) < 1e-4
