@@ -96,7 +96,7 @@ class Scheduler:
         for seq in [s for s in self.running if not s.is_decoding]:
             if len(batch.seqs) >= self.config.max_num_seqs or budget < 1:
                 break
-            if seq.status != SequenceStatus.RUNNING or seq in batch.seqs:
+            if seq.status != SequenceStatus.RUNNING or seq in batch.seqs or seq.num_uncomputed == 0:
                 continue
             n = min(seq.num_uncomputed, self.config.prefill_chunk_size, budget)
             if self._make_room(seq, n, batch):

@@ -18,7 +18,7 @@ class SequenceStatus(Enum):
 _ids = itertools.count()
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two requests with the same prompt are different requests
 class Sequence:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
