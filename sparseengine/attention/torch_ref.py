@@ -41,17 +41,25 @@ class TorchAttentionProvider(AttentionProvider):
         start = 0
         for b, q_len in enumerate(ctx.q_lens):
             length = view.kv_lens_list[b]
+            qb = q[start:start + q_len]
+            rows = score_rows.rows[b] if score_rows is not None else 0
+            selected = selection is not None and not selection.dense[b]
+            if selected and q_len == 1 and rows == 0:  # read only the selected tokens
+                out[start] = self._selected_decode(qb[0], kc, vc, view.page_table[b], page_size,
+                                                   selection.token_indices[b], selection.num_selected[b])
+                if colsums is not None:
+                    colsums.append(q.new_zeros(kc.shape[1], length, dtype=torch.float32))
+                start += q_len
+                continue
             slots = token_slots(view.page_table[b], length, page_size)
             k, v = kc[slots], vc[slots]
-            qb = q[start:start + q_len]
             allowed = None
-            if selection is not None:
+            if selected:
                 allowed = torch.zeros(k.shape[1], length, dtype=torch.bool, device=q.device)
-                n_sel = selection.num_selected[b]
-                idx = selection.token_indices[b]
+                idx, n_sel = selection.token_indices[b], selection.num_selected[b]
                 valid = torch.arange(idx.shape[-1], device=q.device)[None, :] < n_sel[:, None]
-                allowed.scatter_(1, torch.where(valid, idx, 0), valid)
-            rows = score_rows.rows[b] if score_rows is not None else 0
+                heads = torch.arange(idx.shape[0], device=q.device)[:, None].expand_as(idx)
+                allowed[heads[valid], idx[valid]] = True
             if allowed is None and rows == 0:
                 out[start:start + q_len] = self._sdpa(qb, k, v, length)
             else:
@@ -63,6 +71,19 @@ class TorchAttentionProvider(AttentionProvider):
                     colsums.append(cs.view(k.shape[1], g, length).mean(1))
             start += q_len
         return out, colsums
+
+    @staticmethod
+    def _selected_decode(q, kc, vc, table_row, page_size, idx, n_sel):
+        """One decode query [Hq, d] over its selected tokens idx [Hkv, K] (first n_sel valid)."""
+        hkv, width = idx.shape
+        hq, d = q.shape
+        slots = table_row[idx // page_size].long() * page_size + idx % page_size  # [Hkv, K]
+        heads = torch.arange(hkv, device=q.device)[:, None]
+        k, v = kc[slots, heads].float(), vc[slots, heads].float()  # [Hkv, K, d]
+        s = torch.einsum("hgd,hkd->hgk", q.float().view(hkv, hq // hkv, d), k) * d ** -0.5
+        valid = torch.arange(width, device=q.device)[None, :] < n_sel[:, None]
+        p = torch.softmax(s.masked_fill(~valid[:, None, :], float("-inf")), dim=-1)
+        return torch.einsum("hgk,hkd->hgd", p, v).reshape(hq, d).to(q.dtype)
 
     @staticmethod
     def _causal_mask(q_len: int, length: int, device) -> torch.Tensor:

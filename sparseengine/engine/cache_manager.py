@@ -31,11 +31,12 @@ class CacheManager:
         table = torch.tensor(seq.page_table, dtype=torch.long, device=positions.device)
         return table[positions // self.page_size] * self.page_size + positions % self.page_size
 
-    def gather(self, seq: Sequence, layer: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [n, Hkv, d] of a request's first ``length`` cached tokens in one layer."""
+    def gather(self, seq: Sequence, layer: int, length: int | None = None,
+               start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [n, Hkv, d] of a request's cached tokens ``start..length-1`` in one layer."""
         n = seq.layer_lens[layer] if length is None else length
         k_cache, v_cache = self.kv.layer(layer)
-        slots = self.slots(seq, torch.arange(n, device=k_cache.device))
+        slots = self.slots(seq, torch.arange(start, n, device=k_cache.device))
         return k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots]
 
     def compact(self, seq: Sequence, layer: int, keep: torch.Tensor) -> None:

@@ -19,6 +19,7 @@ from sparseengine.engine.scheduler import Scheduler, SchedulerConfig
 from sparseengine.engine.sequence import Sequence
 from sparseengine.layers.sampler import Sampler
 from sparseengine.method_registry import get_spec, resolve_prefill_policy
+from sparseengine.methods.base import MethodStack
 from sparseengine.models import loader
 from sparseengine.models.llama import LlamaForCausalLM
 from sparseengine.sampling_params import SamplingParams
@@ -55,6 +56,9 @@ class LLM:
         self.cache = CacheManager(self.kv_cache, self.scheduler)
         self.provider = make_provider(cfg.attention_provider, self.device)
         self.method = get_spec(cfg.sparse_method).runtime(cfg, mc, self.cache)
+        if cfg.prefill_sparse_method != "none":
+            prefill = get_spec(cfg.prefill_sparse_method, "prefill").runtime(cfg, mc, self.cache)
+            self.method = MethodStack(prefill, self.method)
         self.runner = ModelRunner(self.model, self.kv_cache, self.provider, self.method, self.device, cfg.page_size)
         self.sampler = Sampler()
         self._closed = False
@@ -131,7 +135,7 @@ class LLM:
             seq = Sequence(self._tokenize(prompt, apply_chat_template), p, self.model_config.num_layers,
                            arrival_time=now)
             seqs.append(seq)
-            error = self.scheduler.validate(seq)
+            error = self.scheduler.validate(seq, self.method.cache_tokens_needed(seq.num_prompt_tokens))
             if error is not None:
                 self.scheduler.finish(seq, "error", error=error)
             elif p.max_tokens == 0:
@@ -157,7 +161,7 @@ class LLM:
         for prompt in prompts:
             seq = Sequence(self._tokenize(prompt, False), SamplingParams(temperature=0, max_tokens=1),
                            self.model_config.num_layers, prompt_logits=[])
-            error = self.scheduler.validate(seq)
+            error = self.scheduler.validate(seq, self.method.cache_tokens_needed(seq.num_prompt_tokens))
             if error is not None:
                 raise ConfigError(error)
             self.scheduler.add(seq)

@@ -56,7 +56,7 @@ class ModelRunner:
         for seq, n in zip(seqs, q_lens):
             start = seq.num_computed_tokens
             ids.extend(seq.all_token_ids[start:start + n])
-            pos.extend(range(start, start + n))
+            pos.extend(self.method.positions(seq, start, n))
             offset += n
             if start + n == seq.num_tokens:
                 sample_rows.append(offset - 1)

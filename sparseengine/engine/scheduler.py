@@ -55,14 +55,16 @@ class Scheduler:
         self.running: list[Sequence] = []
 
     # ---- admission -------------------------------------------------------------------
-    def validate(self, seq: Sequence) -> str | None:
-        """The reason this request cannot run at all, or None."""
+    def validate(self, seq: Sequence, cache_tokens: int | None = None) -> str | None:
+        """The reason this request cannot run at all, or None. ``cache_tokens``: the most
+        cache slots the prompt needs (less than its length for methods that compact
+        during prefill)."""
         n = seq.num_prompt_tokens
         if n == 0:
             return "empty prompt: a request needs at least one prompt token"
         if n > self.config.max_model_len:
             return f"prompt has {n} tokens, longer than max_model_len={self.config.max_model_len}"
-        pages = -(-n // self.config.page_size)
+        pages = -(-(n if cache_tokens is None else cache_tokens) // self.config.page_size)
         if pages > self.allocator.num_pages:
             return (f"prompt needs {pages} KV pages but the pool holds {self.allocator.num_pages}; "
                     f"raise kv_cache_memory / gpu_memory_utilization or num_kv_pages")

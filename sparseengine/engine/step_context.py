@@ -29,12 +29,29 @@ class LayerView:
 
 @dataclass(frozen=True)
 class Selection:
-    """Per request and KV head, the logical cache indices a query may read.
+    """Per request and KV head, the logical cache indices a decode query may read.
     ``token_indices [B, Hkv, K]`` int64; entries at or past ``num_selected [B, Hkv]`` are
-    ignored. Used for decode (one query per request)."""
+    ignored. Requests with ``dense[b]`` True (prefill rows in a mixed batch, or layers the
+    method leaves dense) read their whole cache."""
 
     token_indices: torch.Tensor
     num_selected: torch.Tensor
+    dense: tuple[bool, ...]
+
+    @staticmethod
+    def from_lists(per_request: list[torch.Tensor | None], num_kv_heads: int, device) -> "Selection":
+        """Build from one ``[Hkv, k_b]`` (or ``[k_b]``, shared by heads) index tensor per
+        request, or None for a dense request."""
+        width = max([t.shape[-1] for t in per_request if t is not None] or [1])
+        idx = torch.zeros(len(per_request), num_kv_heads, width, dtype=torch.long, device=device)
+        count = torch.zeros(len(per_request), num_kv_heads, dtype=torch.int32, device=device)
+        for b, t in enumerate(per_request):
+            if t is None:
+                continue
+            t = t.expand(num_kv_heads, -1) if t.dim() == 1 else t
+            idx[b, :, : t.shape[-1]] = t
+            count[b] = t.shape[-1]
+        return Selection(idx, count, tuple(t is None for t in per_request))
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,17 @@
 """The sparse-method runtime interface: per-step logic behind generic attention.
 
 The engine calls these hooks and never asks which method it runs:
+- ``begin_step(ctx)``: once per step, before the forward.
+- ``positions(seq, start, n)``: RoPE positions of the step's new tokens (default: logical).
 - ``select(layer, q, ctx)``: the cache tokens each (request, KV head) may read, or None.
 - ``score_rows(layer, ctx)``: which query rows must report column sums, or None.
 - ``observe(layer, q, colsums, ctx)``: receives those column sums.
 - ``finish_step(batch)``: evictions and compactions after the step; pages that no layer
   needs go back to the pool through ``cache.trim_pages``.
 - ``release(seq)``: the request finished or was preempted; drop its state.
-Persistent per-request state (scores, page metadata, latents) lives in the
-``MethodState`` the cache manager keeps for each request.
+- ``cache_tokens_needed(n)``: the most cache slots a prompt of n tokens ever needs.
+Persistent per-request state (scores, page metadata, latents) lives in the cache
+manager's per-request ``state(seq)`` dict.
 """
 
 from __future__ import annotations
@@ -33,12 +36,23 @@ class SparseMethodRuntime:
         self.config = config
         self.model = model
         self.cache = cache
+        self.prefill_ending: list["Sequence"] = []  # requests whose prefill ends this step
+        self.decoding: list["Sequence"] = []  # requests that feed one decode token this step
 
     def knob(self, name: str) -> Any:
         return self.config.knob(name)
 
+    @property
+    def total(self) -> int:
+        return self.config.sink_tokens + self.config.budget + self.config.recent_tokens
+
     def begin_step(self, ctx: "StepContext") -> None:
-        pass
+        self.prefill_ending = [s for s, n in zip(ctx.seqs, ctx.q_lens)
+                               if not s.is_decoding and s.num_computed_tokens + n == s.num_tokens]
+        self.decoding = [s for s in ctx.seqs if s.is_decoding]
+
+    def positions(self, seq: "Sequence", start: int, n: int) -> range:
+        return range(start, start + n)
 
     def select(self, layer: int, q: torch.Tensor, ctx: "StepContext") -> "Selection | None":
         return None
@@ -55,6 +69,59 @@ class SparseMethodRuntime:
     def release(self, seq: "Sequence") -> None:
         pass
 
+    def cache_tokens_needed(self, prompt_tokens: int) -> int:
+        return prompt_tokens
+
     def kv_tokens(self, seq: "Sequence") -> float:
         """Tokens held per layer and KV head (mean over layers)."""
         return sum(seq.layer_lens) / max(1, len(seq.layer_lens))
+
+
+class MethodStack(SparseMethodRuntime):
+    """A prefill-side runtime and a decode runtime behind one interface. The prefill-side
+    one acts first; the first selection wins; score requests merge (most rows)."""
+
+    def __init__(self, prefill: SparseMethodRuntime, decode: SparseMethodRuntime) -> None:
+        super().__init__(decode.config, decode.model, decode.cache)
+        self.parts = (prefill, decode)
+
+    def begin_step(self, ctx):
+        for p in self.parts:
+            p.begin_step(ctx)
+
+    def positions(self, seq, start, n):
+        return self.parts[1].positions(seq, start, n)
+
+    def select(self, layer, q, ctx):
+        for p in self.parts:
+            sel = p.select(layer, q, ctx)
+            if sel is not None:
+                return sel
+        return None
+
+    def score_rows(self, layer, ctx):
+        from sparseengine.engine.step_context import ScoreRows
+
+        asks = [r for r in (p.score_rows(layer, ctx) for p in self.parts) if r is not None]
+        if not asks:
+            return None
+        return ScoreRows(tuple(max(col) for col in zip(*(a.rows for a in asks))))
+
+    def observe(self, layer, q, colsums, ctx):
+        for p in self.parts:
+            if p.score_rows(layer, ctx) is not None:
+                p.observe(layer, q, colsums, ctx)
+
+    def finish_step(self, batch):
+        for p in self.parts:
+            p.finish_step(batch)
+
+    def release(self, seq):
+        for p in self.parts:
+            p.release(seq)
+
+    def cache_tokens_needed(self, prompt_tokens):
+        return min(p.cache_tokens_needed(prompt_tokens) for p in self.parts)
+
+    def kv_tokens(self, seq):
+        return self.parts[1].kv_tokens(seq)

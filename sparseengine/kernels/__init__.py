@@ -1,0 +1,44 @@
+"""Attention and cache kernels: each a plain torch reference (`*_ref`, the oracle) and a
+Triton version (`*_triton`) with the same positional signature (Triton ones may add
+keyword-only tuning knobs). Triton kernels are jitted at first launch; on CPU tensors
+they need TRITON_INTERPRET=1 (tests only). Importing this package needs no Triton.
+"""
+from .attention_colsum import (decode_colsum_ref, decode_colsum_triton, prefill_window_colsum_ref,
+                               prefill_window_colsum_triton)
+from .block_sparse_prefill import block_sparse_prefill_ref, block_sparse_prefill_triton
+from .deltakv_rebuild import deltakv_rebuild_ref, deltakv_rebuild_triton
+from .omnikv_scores import omnikv_scores_ref, omnikv_scores_triton
+from .paged_decode import paged_decode_ref, paged_decode_triton
+from .paged_kv_write import paged_kv_write_ref, paged_kv_write_triton
+from .paged_prefill import paged_prefill_ref, paged_prefill_triton
+from .quest import (quest_page_scores_ref, quest_page_scores_triton, update_page_minmax_ref,
+                    update_page_minmax_triton)
+from .sparse_decode import (sparse_decode_ref, sparse_decode_triton, sparse_page_decode_ref,
+                            sparse_page_decode_triton)
+
+__all__ = [
+    "block_sparse_prefill_ref",
+    "block_sparse_prefill_triton",
+    "decode_colsum_ref",
+    "decode_colsum_triton",
+    "deltakv_rebuild_ref",
+    "deltakv_rebuild_triton",
+    "omnikv_scores_ref",
+    "omnikv_scores_triton",
+    "paged_decode_ref",
+    "paged_decode_triton",
+    "paged_kv_write_ref",
+    "paged_kv_write_triton",
+    "paged_prefill_ref",
+    "paged_prefill_triton",
+    "prefill_window_colsum_ref",
+    "prefill_window_colsum_triton",
+    "quest_page_scores_ref",
+    "quest_page_scores_triton",
+    "sparse_decode_ref",
+    "sparse_decode_triton",
+    "sparse_page_decode_ref",
+    "sparse_page_decode_triton",
+    "update_page_minmax_ref",
+    "update_page_minmax_triton",
+]

@@ -1,0 +1,123 @@
+"""Plumbing shared by the kernel modules: lazy Triton jit, launch checks, torch helpers.
+
+Kernels are jitted on their first launch, not at import: `triton.jit` reads
+TRITON_INTERPRET when it decorates, so a module imported before a test's conftest sets
+the variable still runs under the interpreter. Importing this package never needs Triton.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+class LazyKernel:
+    """A `@triton.jit` kernel built at first launch: `kernel[grid](...)`."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self._jitted = None
+
+    def __getitem__(self, grid):
+        if self._jitted is None:
+            import triton
+
+            self._jitted = triton.jit(self.fn)
+        return self._jitted[grid]
+
+
+def lazy_jit(fn) -> LazyKernel:
+    return LazyKernel(fn)
+
+
+def check_launch(*tensors: torch.Tensor) -> torch.device:
+    """Raise a clear error where a Triton launch cannot work; return the common device."""
+    device = tensors[0].device
+    for t in tensors:
+        if t.device != device:
+            raise ValueError(f"all tensors must be on one device, got {device} and {t.device}")
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:  # pragma: no cover - Triton ships with torch on Linux
+        raise RuntimeError("the Triton kernels need the `triton` package") from e
+    if device.type == "cpu" and not interpreting():
+        raise RuntimeError(
+            "Triton kernels on CPU tensors need TRITON_INTERPRET=1 set before the first "
+            "kernel launch (use the torch reference functions otherwise)"
+        )
+    return device
+
+
+def empty(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """Every buffer a wrapper allocates goes through here (tests poison it with NaN)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs would silently use TF32 tensor cores on NVIDIA; keep them exact.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def default_scale(head_dim: int, scale: float | None) -> float:
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+def num_sms(device: torch.device) -> int:
+    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 4
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def check_cache(k_cache: torch.Tensor, num_q_heads: int, head_dim: int) -> tuple[int, int]:
+    """Validate an NHD paged cache; return (page_size, num_kv_heads)."""
+    if k_cache.dim() != 4 or k_cache.shape[-1] != head_dim:
+        raise ValueError(f"cache must be [num_pages, page_size, Hkv, {head_dim}], got {tuple(k_cache.shape)}")
+    if k_cache.stride(-1) != 1:
+        raise ValueError("cache head_dim must be contiguous (stride 1)")
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
+    return page_size, num_kv_heads
+
+
+def check_dtypes(q: torch.Tensor, *caches: torch.Tensor) -> None:
+    for c in caches:
+        if c.dtype != q.dtype:
+            raise ValueError(f"query dtype {q.dtype} must match K/V dtype {c.dtype}")
+
+
+def gather_tokens(cache: torch.Tensor, page_row: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Logical tokens of one request -> `[n, Hkv, d]` (reference path)."""
+    page_size = cache.shape[1]
+    tokens = tokens.long()
+    pages = page_row.long()[tokens // page_size]
+    return cache[pages, tokens % page_size]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """Plain softmax attention in fp32: q `[g, d]`, k/v `[n, d]` -> (out `[g, d]`, lse `[g]`)."""
+    s = (q.float() @ k.float().T) * scale
+    lse = torch.logsumexp(s, dim=-1) if s.shape[-1] else torch.full(s.shape[:-1], -math.inf, device=s.device)
+    p = torch.softmax(s, dim=-1) if s.shape[-1] else s
+    return p @ v.float(), lse

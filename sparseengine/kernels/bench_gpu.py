@@ -1,0 +1,262 @@
+"""GPU check and benchmark of the kernels: `python -m sparseengine.kernels.bench_gpu --out FILE`.
+
+1. Checks every Triton kernel against its torch reference at a medium bf16 shape.
+2. Times dense paged decode (Llama-3.1-8B attention shape: Hq=32, Hkv=8, d=128, bf16,
+   page 16) at batch 32 x 32K and batch 1 x 128K with `triton.testing.do_bench`
+   (median), reporting GB/s of K+V read, for several split sizes; and FlashInfer's
+   `BatchDecodeWithPagedKVCacheWrapper` on the same cache when `flashinfer` imports.
+3. Times the sparse decode paths at the headline budget (2048 tokens), the paged prefill
+   and the block-sparse prefill, for reference.
+Every result is one JSON line appended to `--out` (and printed).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import time
+
+import torch
+
+from . import (decode_colsum_ref, decode_colsum_triton, deltakv_rebuild_ref, deltakv_rebuild_triton,
+               omnikv_scores_ref, omnikv_scores_triton, paged_decode_ref, paged_decode_triton,
+               paged_kv_write_ref, paged_kv_write_triton, paged_prefill_ref, paged_prefill_triton,
+               prefill_window_colsum_ref, prefill_window_colsum_triton, quest_page_scores_ref,
+               quest_page_scores_triton, sparse_decode_ref, sparse_decode_triton, sparse_page_decode_ref,
+               sparse_page_decode_triton, update_page_minmax_ref, update_page_minmax_triton)
+from .block_sparse_prefill import block_sparse_prefill_ref, block_sparse_prefill_triton
+from .paged_decode import MODE_DENSE, split_k_decode
+from .testing import random_paged_kv, randn, rel_err
+
+HQ, HKV, D, PS = 32, 8, 128, 16
+BF16 = torch.bfloat16
+
+
+def _emit(out_path, record):
+    line = json.dumps(record)
+    print(line, flush=True)
+    with open(out_path, "a") as f:
+        f.write(line + "\n")
+
+
+def _meta():
+    try:
+        git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+        commit = git.stdout.strip() if git.returncode == 0 else ""
+    except OSError:
+        commit = ""
+    import triton
+
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "git_commit": commit or None, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def _pairs(a, b):
+    return zip(a, b) if isinstance(a, tuple) else [(a, b)]
+
+
+def check_kernels(out_path):
+    """Each Triton kernel against its reference at a medium bf16 shape."""
+    gen = torch.Generator().manual_seed(0)
+    lens = [4000, 1234, 777, 2048]
+    kv = random_paged_kv(lens, HKV, D, PS, generator=gen, dtype=BF16, device="cuda", poison=False)
+    B = len(lens)
+    q = randn(B, HQ, D, generator=gen, dtype=BF16, device="cuda")
+    base = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens)
+    idx = torch.stack([torch.stack([torch.randperm(n, generator=gen)[:512] for _ in range(HKV)]) for n in lens])
+    idx, num = idx.int().cuda(), torch.full((B, HKV), 512, dtype=torch.int32, device="cuda")
+    pidx = torch.stack([torch.stack([torch.randperm(-(-n // PS), generator=gen)[:32] for _ in range(HKV)])
+                        for n in lens]).int().cuda()
+    pnum = torch.full((B, HKV), 32, dtype=torch.int32, device="cuda")
+    cu = torch.tensor([0, 512, 512 + 64, 512 + 64 + 1, 512 + 64 + 1 + 300], device="cuda").int()
+    qp = randn(int(cu[-1]), HQ, D, generator=gen, dtype=BF16, device="cuda")
+    hi = torch.zeros(kv.k_cache.shape[0], HKV, D, device="cuda", dtype=BF16)
+    lo = hi.clone()
+    slots = torch.cat([kv.slots(b) for b in range(B)])
+    update_page_minmax_ref(kv.k_cache, slots, hi, lo)
+    n = 3000
+    qs, ks, vs = (randn(n, h, D, generator=gen, dtype=BF16, device="cuda") for h in (HQ, HKV, HKV))
+    bmask = (torch.rand(HQ, -(-n // 128), -(-n // 128), generator=gen) < 0.3).cuda()
+    z, up = randn(1000, 256, generator=gen, dtype=BF16, device="cuda"), randn(256, 2 * HKV * D, generator=gen,
+                                                                           dtype=BF16, device="cuda") / 16
+    mean = randn(1000, 2 * HKV * D, generator=gen, dtype=BF16, device="cuda")
+    pos = torch.randint(0, 8192, (1000,), generator=gen).cuda()
+    cos, sin = randn(8192, D, generator=gen, device="cuda"), randn(8192, D, generator=gen, device="cuda")
+
+    def minmax(fn):
+        a, b = torch.zeros_like(hi), torch.zeros_like(lo)
+        fn(kv.k_cache, slots, a, b)
+        return a, b
+
+    def kv_write(fn):
+        caches = kv.k_cache.clone(), kv.v_cache.clone()
+        new = randn(5, HKV, D, generator=torch.Generator().manual_seed(1), dtype=BF16, device="cuda")
+        fn(new, new, *caches, torch.tensor([3, -1, 40, 41, 7], device="cuda"))
+        return caches
+
+    cases = {
+        "paged_kv_write": (lambda: kv_write(paged_kv_write_ref), lambda: kv_write(paged_kv_write_triton)),
+        "paged_decode": (lambda: paged_decode_ref(*base, return_lse=True),
+                         lambda: paged_decode_triton(*base, return_lse=True)),
+        "paged_prefill": (lambda: paged_prefill_ref(qp, *base[1:], cu, return_lse=True),
+                          lambda: paged_prefill_triton(qp, *base[1:], cu, return_lse=True)),
+        "sparse_decode": (lambda: sparse_decode_ref(*base, idx, num), lambda: sparse_decode_triton(*base, idx, num)),
+        "sparse_page_decode": (lambda: sparse_page_decode_ref(*base, pidx, pnum),
+                               lambda: sparse_page_decode_triton(*base, pidx, pnum)),
+        "decode_colsum": (lambda: decode_colsum_ref(*base), lambda: decode_colsum_triton(*base)),
+        "prefill_window_colsum": (
+            lambda: prefill_window_colsum_ref(qp, kv.k_cache, kv.page_table, kv.kv_lens, cu, 32),
+            lambda: prefill_window_colsum_triton(qp, kv.k_cache, kv.page_table, kv.kv_lens, cu, 32)),
+        "update_page_minmax": (lambda: minmax(update_page_minmax_ref), lambda: minmax(update_page_minmax_triton)),
+        "quest_page_scores": (lambda: quest_page_scores_ref(q, hi, lo, kv.page_table, kv.kv_lens, PS),
+                              lambda: quest_page_scores_triton(q, hi, lo, kv.page_table, kv.kv_lens, PS)),
+        "omnikv_scores_logits": (lambda: omnikv_scores_ref(q, kv.k_cache, kv.page_table, kv.kv_lens),
+                                 lambda: omnikv_scores_triton(q, kv.k_cache, kv.page_table, kv.kv_lens)),
+        "omnikv_scores_probs": (lambda: omnikv_scores_ref(q, kv.k_cache, kv.page_table, kv.kv_lens, "probs"),
+                                lambda: omnikv_scores_triton(q, kv.k_cache, kv.page_table, kv.kv_lens, "probs")),
+        "deltakv_rebuild": (lambda: deltakv_rebuild_ref(z, up, mean, pos, cos, sin, HKV),
+                            lambda: deltakv_rebuild_triton(z, up, mean, pos, cos, sin, HKV)),
+        "block_sparse_prefill": (lambda: block_sparse_prefill_ref(qs, ks, vs, bmask),
+                                 lambda: block_sparse_prefill_triton(qs, ks, vs, bmask)),
+    }
+    ok = True
+    for name, (ref_fn, tri_fn) in cases.items():
+        try:
+            pairs = list(_pairs(tri_fn(), ref_fn()))
+            errs = [rel_err(t, r) for t, r in pairs]
+            nan = any(bool(t.isnan().any()) for t, _ in pairs)
+            passed = max(errs) < 2e-2 and not nan
+            _emit(out_path, {"kind": "check", "kernel": name, "rel_err": max(errs), "nan": nan, "ok": passed})
+        except Exception as e:  # report and go on: one broken kernel must not hide the others
+            passed = False
+            _emit(out_path, {"kind": "check", "kernel": name, "ok": False, "error": repr(e)[:500]})
+        ok &= passed
+    return ok
+
+
+def _decode_cache(B, L, gen_seed=0):
+    torch.manual_seed(gen_seed)
+    pages = L // PS
+    k_cache = torch.randn(B * pages, PS, HKV, D, device="cuda", dtype=BF16)
+    v_cache = torch.randn_like(k_cache)
+    page_table = torch.randperm(B * pages, device="cuda").int().view(B, pages)
+    kv_lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
+    q = torch.randn(B, HQ, D, device="cuda", dtype=BF16)
+    return q, k_cache, v_cache, page_table, kv_lens
+
+
+def bench_decode(out_path, B, L, chunks=(None, 512, 1024, 2048, 4096, 8192), tune=False):
+    from triton.testing import do_bench
+
+    q, k_cache, v_cache, page_table, kv_lens = _decode_cache(B, L)
+    kv_bytes = 2 * B * L * HKV * D * k_cache.element_size()
+    shape = {"batch": B, "kv_len": L, "hq": HQ, "hkv": HKV, "head_dim": D, "page_size": PS, "dtype": "bfloat16"}
+    ours = paged_decode_triton(q, k_cache, v_cache, page_table, kv_lens)
+    for chunk in chunks:
+        ms = do_bench(lambda: paged_decode_triton(q, k_cache, v_cache, page_table, kv_lens, kv_chunk=chunk),
+                      return_mode="median")
+        _emit(out_path, {"kind": "bench", "kernel": "paged_decode_triton", "kv_chunk": chunk or "auto", **shape,
+                         "ms": ms, "GBps": kv_bytes / ms / 1e6})
+    if tune:  # launch parameters of the split kernel, at two chunk sizes
+        for chunk in (None, 1024):
+            for block_n, warps, stages in [(bn, nw, ns) for bn in (32, 64, 128) for nw in (4, 8) for ns in (2, 3)]:
+                fn = lambda: split_k_decode(q, k_cache, v_cache, page_table, kv_lens, mode=MODE_DENSE,  # noqa: E731
+                                            capacity=L, kv_chunk=chunk, block_n=block_n, num_warps=warps,
+                                            num_stages=stages)
+                ms = do_bench(fn, return_mode="median")
+                _emit(out_path, {"kind": "tune", "kernel": "paged_decode_triton", "kv_chunk": chunk or "auto",
+                                 "block_n": block_n, "num_warps": warps, "num_stages": stages, **shape, "ms": ms,
+                                 "GBps": kv_bytes / ms / 1e6})
+    try:
+        import flashinfer
+    except Exception as e:  # noqa: BLE001 - any import failure means "not available"
+        _emit(out_path, {"kind": "bench", "kernel": "flashinfer_decode", **shape, "skipped": repr(e)[:200]})
+        return
+    pages = L // PS
+    indptr = torch.arange(B + 1, device="cuda", dtype=torch.int32) * pages
+    last_page_len = torch.full((B,), PS, device="cuda", dtype=torch.int32)
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    for tensor_cores in (False, True):
+        try:
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tensor_cores)
+            wrapper.plan(indptr, page_table.flatten(), last_page_len, HQ, HKV, D, PS,
+                         pos_encoding_mode="NONE", q_data_type=BF16, kv_data_type=BF16)
+            ref = wrapper.run(q, (k_cache, v_cache))
+            ms = do_bench(lambda: wrapper.run(q, (k_cache, v_cache)), return_mode="median")
+            _emit(out_path, {"kind": "bench", "kernel": "flashinfer_decode", "tensor_cores": tensor_cores, **shape,
+                             "ms": ms, "GBps": kv_bytes / ms / 1e6, "rel_err_vs_triton": rel_err(ours, ref),
+                             "flashinfer": getattr(flashinfer, "__version__", None)})
+        except Exception as e:  # noqa: BLE001
+            _emit(out_path, {"kind": "bench", "kernel": "flashinfer_decode", "tensor_cores": tensor_cores,
+                             **shape, "error": repr(e)[:500]})
+
+
+def bench_sparse(out_path, B=32, L=32768, budget=2048):
+    from triton.testing import do_bench
+
+    q, k_cache, v_cache, page_table, kv_lens = _decode_cache(B, L)
+    idx = torch.stack([torch.randperm(L, device="cuda")[:budget] for _ in range(B * HKV)]).int().view(B, HKV, budget)
+    num = torch.full((B, HKV), budget, dtype=torch.int32, device="cuda")
+    pidx = (idx[..., : budget // PS] // PS).contiguous()
+    npg = torch.full((B, HKV), budget // PS, dtype=torch.int32, device="cuda")
+    hi = torch.randn(k_cache.shape[0], HKV, D, device="cuda", dtype=BF16)
+    base = (q, k_cache, v_cache, page_table, kv_lens)
+    bytes_sel = 2 * B * HKV * budget * D * 2
+    runs = {
+        "sparse_decode_triton": (lambda: sparse_decode_triton(*base, idx, num), bytes_sel),
+        "sparse_page_decode_triton": (lambda: sparse_page_decode_triton(*base, pidx, npg), bytes_sel),
+        "quest_page_scores_triton": (lambda: quest_page_scores_triton(q, hi, hi, page_table, kv_lens, PS),
+                                     2 * B * (L // PS) * HKV * D * 2),
+        "omnikv_scores_triton": (lambda: omnikv_scores_triton(q, k_cache, page_table, kv_lens), B * L * HKV * D * 2),
+        "decode_colsum_triton": (lambda: decode_colsum_triton(*base, max_kv_len=L), 2 * B * L * HKV * D * 2),
+    }
+    for name, (fn, nbytes) in runs.items():
+        ms = do_bench(fn, return_mode="median")
+        _emit(out_path, {"kind": "bench", "kernel": name, "batch": B, "kv_len": L, "budget": budget, "ms": ms,
+                         "GBps": nbytes / ms / 1e6})
+
+
+def bench_prefill(out_path, ctx=32768, chunk=4096, n=16384):
+    """Paged chunked prefill (last chunk of a 32K prompt) and block-sparse prefill, TFLOP/s."""
+    from triton.testing import do_bench
+
+    torch.manual_seed(0)
+    kv = random_paged_kv([ctx], HKV, D, PS, generator=torch.Generator().manual_seed(0), dtype=BF16,
+                         device="cuda", poison=False)
+    q = torch.randn(chunk, HQ, D, device="cuda", dtype=BF16)
+    cu = torch.tensor([0, chunk], device="cuda", dtype=torch.int32)
+    ms = do_bench(lambda: paged_prefill_triton(q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, cu,
+                                               max_q_len=chunk), return_mode="median")
+    flops = 4 * HQ * D * sum(ctx - chunk + i + 1 for i in range(chunk))
+    _emit(out_path, {"kind": "bench", "kernel": "paged_prefill_triton", "kv_len": ctx, "q_len": chunk, "ms": ms,
+                     "TFLOPs": flops / ms / 1e9})
+    qs, ks, vs = (torch.randn(n, h, D, device="cuda", dtype=BF16) for h in (HQ, HKV, HKV))
+    nb = -(-n // 128)
+    for density in (1.0, 0.3):
+        mask = torch.rand(HQ, nb, nb, device="cuda") < density
+        ms = do_bench(lambda: block_sparse_prefill_triton(qs, ks, vs, mask), return_mode="median")
+        kept = (mask | torch.eye(nb, dtype=torch.bool, device="cuda")).tril().sum().item()
+        _emit(out_path, {"kind": "bench", "kernel": "block_sparse_prefill_triton", "n": n, "density": density,
+                         "ms": ms, "dense_equiv_TFLOPs": 4 * HQ * D * n * n / 2 / ms / 1e9,
+                         "block_fraction": kept / (HQ * nb * (nb + 1) / 2)})
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="JSON-lines file to append results to")
+    parser.add_argument("--skip-check", action="store_true")
+    parser.add_argument("--tune", action="store_true", help="also sweep the decode kernel's launch parameters")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_gpu needs a CUDA GPU")
+    _emit(args.out, {"kind": "meta", **_meta()})
+    if not args.skip_check:
+        check_kernels(args.out)
+    bench_decode(args.out, 32, 32768, tune=args.tune)
+    bench_decode(args.out, 1, 131072, tune=args.tune)
+    bench_sparse(args.out)
+    bench_prefill(args.out)
+
+
+if __name__ == "__main__":
+    main()

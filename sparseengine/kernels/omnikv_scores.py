@@ -1,0 +1,131 @@
+"""OmniKV filter-layer token scores.
+
+`omnikv_scores_*(q [B, Hq, d], k_cache, page_table, kv_lens, mode, max_kv_len, scale,
+lse)` -> `[B, max_kv_len]` fp32, -inf past `kv_lens[b]`:
+- mode "logits": max over ALL query heads of `q_h . k_{h // g} * scale`;
+- mode "probs": max over all query heads of the softmax probability of the token.
+"probs" needs each head's log-sum-exp over the whole row: pass the natural-log `lse
+[B, Hq]` the filter layer's dense attention already returned
+(`paged_decode_triton(..., return_lse=True)`); without it the kernel first runs a pass
+that writes per-tile (max, sum) partials, merged by a torch logsumexp.
+
+Triton: one program per (request, tile of tokens) loops over the KV heads, so every K
+element is read once per pass and the max over heads stays in registers.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _common
+from ._common import cdiv, check_cache, check_launch, lazy_jit, next_pow2
+
+try:
+    import triton.language as tl
+except ImportError:  # the references stay importable without Triton
+    tl = None
+
+MODES = ("logits", "probs")
+
+
+def omnikv_scores_ref(q, k_cache, page_table, kv_lens, mode="logits", max_kv_len=None, scale=None, lse=None):
+    """`lse` is accepted for signature parity; the reference computes its own."""
+    B, Hq, d = q.shape
+    _, Hkv = check_cache(k_cache, Hq, d)
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    g, scale = Hq // Hkv, _common.default_scale(d, scale)
+    L = int(kv_lens.max()) if max_kv_len is None else max_kv_len
+    scores = torch.full((B, L), float("-inf"), device=q.device)
+    for b in range(B):
+        n = int(kv_lens[b])
+        k = _common.gather_tokens(k_cache, page_table[b], torch.arange(n, device=q.device)).float()
+        k = k.repeat_interleave(g, dim=1)  # [n, Hq, d]
+        s = torch.einsum("hd,nhd->hn", q[b].float(), k) * scale
+        if mode == "probs":
+            s = torch.softmax(s, dim=-1)
+        scores[b, :n] = s.max(0).values[:L]
+    return scores
+
+
+def omnikv_scores_triton(q, k_cache, page_table, kv_lens, mode="logits", max_kv_len=None, scale=None,
+                         lse=None):
+    B, Hq, d = q.shape
+    page_size, Hkv = check_cache(k_cache, Hq, d)
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    device = check_launch(q, k_cache, page_table, kv_lens)
+    _common.check_dtypes(q, k_cache)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    g = Hq // Hkv
+    L = int(kv_lens.max()) if max_kv_len is None else max_kv_len
+    block_n = 64
+    n_tiles = cdiv(max(L, 1), block_n)
+    scores = _common.empty((B, L), torch.float32, device)
+    part_m = part_l = scores
+    if mode == "probs" and lse is None:
+        part_m = _common.empty((B, Hq, n_tiles), torch.float32, device)
+        part_l = _common.empty((B, Hq, n_tiles), torch.float32, device)
+    def launch(phase, lse_t):
+        _omnikv_kernel[(B, n_tiles)](
+            q, k_cache, page_table, kv_lens, lse_t, scores, part_m, part_l,
+            _common.default_scale(d, scale), q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), page_table.stride(0), L, n_tiles, Hkv, Hq,
+            GROUP=g, BLOCK_H=max(16, next_pow2(g)), HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
+            PAGE_SIZE=page_size, BLOCK_N=block_n, PHASE=phase, DOT_PREC=_common.dot_precision(q.dtype),
+            num_warps=4,
+        )
+
+    if mode == "logits":
+        launch(0, scores)
+        return scores
+    if lse is None:
+        launch(1, scores)
+        lse = torch.logsumexp(part_m + torch.log(part_l), dim=-1)
+    launch(2, lse.float().contiguous())
+    return scores
+
+
+@lazy_jit
+def _omnikv_kernel(
+    q_ptr, k_ptr, page_table_ptr, kv_lens_ptr, lse_ptr, scores_ptr, part_m_ptr, part_l_ptr, scale,
+    stride_qb, stride_qh, stride_kp, stride_ko, stride_kh, stride_pt, L, n_tiles, HKV, HQ,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PHASE: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    # PHASE 0: max logits; 1: per-tile softmax partials (max, sum); 2: max probs given lse.
+    b = tl.program_id(0)
+    tile = tl.program_id(1)
+    kv_len = tl.load(kv_lens_ptr + b)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < kv_len
+    offs_h = tl.arange(0, BLOCK_H)
+    h_ok = offs_h < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    page = tl.load(page_table_ptr + b * stride_pt + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+    k_row = page[:, None] * stride_kp + (offs_n % PAGE_SIZE)[:, None] * stride_ko + offs_d[None, :]
+    best = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    for kvh in range(0, HKV):
+        hq = kvh * GROUP + offs_h
+        q = tl.load(q_ptr + b * stride_qb + hq[:, None] * stride_qh + offs_d[None, :],
+                    mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+        k = tl.load(k_ptr + k_row + kvh * stride_kh, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale
+        ok = h_ok[:, None] & n_ok[None, :]
+        s = tl.where(ok, s, float("-inf"))
+        if PHASE == 0:
+            best = tl.maximum(best, tl.max(s, 0))
+        elif PHASE == 1:
+            m = tl.max(s, 1)
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            l_sum = tl.sum(tl.exp(s - m_safe[:, None]), 1)
+            part = (b * HQ + hq) * n_tiles + tile
+            tl.store(part_m_ptr + part, m, mask=h_ok)
+            tl.store(part_l_ptr + part, l_sum, mask=h_ok)
+        else:
+            lse = tl.load(lse_ptr + b * HQ + hq, mask=h_ok, other=0.0)
+            p = tl.where(ok, tl.exp(s - lse[:, None]), float("-inf"))
+            best = tl.maximum(best, tl.max(p, 0))
+    if PHASE != 1:
+        tl.store(scores_ptr + b * L + offs_n, tl.where(n_ok, best, float("-inf")), mask=offs_n < L)

@@ -1,0 +1,226 @@
+"""Decode attention (one query token per request) over the paged KV cache.
+
+Triton path: split-K flash decoding. Each request's KV range is cut into chunks of
+`kv_chunk` tokens; one program per (request, KV head, chunk) loads the g query heads of
+the group (GQA: K/V are read once for the whole group), runs an online softmax over the
+chunk in fp32 and writes a partial (normalised output, log-sum-exp). A second kernel
+merges the partials per (request, query head). The number of chunks depends only on
+static shapes (page-table width), never on `kv_lens` values, so the launch is CUDA-graph
+safe. The same split kernel serves the sparse variants (`sparse_decode.py`: token or
+page selections) and the H2O column sums (`attention_colsum.py`: it can store logits).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _common
+from ._common import LOG2E, cdiv, check_cache, check_launch, lazy_jit, next_pow2
+
+try:
+    import triton.language as tl
+except ImportError:  # the references stay importable without Triton
+    tl = None
+
+MODE_DENSE, MODE_TOKENS, MODE_PAGES = 0, 1, 2
+
+
+def paged_decode_ref(q, k_cache, v_cache, page_table, kv_lens, scale=None, return_lse=False):
+    """q `[B, Hq, d]` -> out `[B, Hq, d]` (and lse `[B, Hq]` fp32, natural log)."""
+    B, Hq, d = q.shape
+    _, Hkv = check_cache(k_cache, Hq, d)
+    g, scale = Hq // Hkv, _common.default_scale(d, scale)
+    out = torch.zeros(B, Hq, d, dtype=torch.float32, device=q.device)
+    lse = torch.full((B, Hq), float("-inf"), device=q.device)
+    for b in range(B):
+        tokens = torch.arange(int(kv_lens[b]), device=q.device)
+        k = _common.gather_tokens(k_cache, page_table[b], tokens)
+        v = _common.gather_tokens(v_cache, page_table[b], tokens)
+        for h in range(Hkv):
+            heads = slice(h * g, (h + 1) * g)
+            out[b, heads], lse[b, heads] = _common.attend(q[b, heads], k[:, h], v[:, h], scale)
+    out = out.to(q.dtype)
+    return (out, lse) if return_lse else out
+
+
+def paged_decode_triton(q, k_cache, v_cache, page_table, kv_lens, scale=None, return_lse=False,
+                        *, kv_chunk=None):
+    """Same contract as `paged_decode_ref`; `kv_chunk` (power of two) overrides the split size."""
+    capacity = page_table.shape[1] * k_cache.shape[1]
+    return split_k_decode(q, k_cache, v_cache, page_table, kv_lens, mode=MODE_DENSE, capacity=capacity,
+                          scale=scale, return_lse=return_lse, kv_chunk=kv_chunk)
+
+
+def auto_kv_chunk(capacity: int, rows: int, device: torch.device) -> int:
+    """Chunk so that (request, KV head, chunk) programs fill the GPU a few times over."""
+    want_splits = max(1, cdiv(4 * _common.num_sms(device), rows))
+    lo = 256 if device.type == "cuda" else 32
+    # H200, Hkv=8, d=128 bf16: 1K-2K token chunks ran at 3.7-4.3 TB/s at B=1x128K and B=32x32K.
+    return max(lo, min(2048, next_pow2(cdiv(max(capacity, 1), want_splits))))
+
+
+def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, sel=None, num_sel=None,
+                   scale=None, return_lse=False, kv_chunk=None, logits=None, block_n=64, num_warps=4,
+                   num_stages=2):
+    """Launch the split kernel + merge. `capacity` = static upper bound of items per row.
+
+    mode DENSE: items are tokens 0..kv_len-1. TOKENS: `sel [B, Hkv, K]` token ids, `num_sel
+    [B, Hkv]` valid entries. PAGES: `sel [B, Hkv, P]` logical pages, `num_sel` valid pages.
+    `logits [B, Hq, L]` fp32 (optional, DENSE only) receives the log2-domain scaled scores.
+    `block_n`, `num_warps`, `num_stages`: launch tuning (bench_gpu sweeps them).
+    """
+    B, Hq, d = q.shape
+    page_size, Hkv = check_cache(k_cache, Hq, d)
+    device = check_launch(q, k_cache, v_cache, page_table, kv_lens)
+    _common.check_dtypes(q, k_cache, v_cache)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    g = Hq // Hkv
+    chunk = kv_chunk or auto_kv_chunk(capacity, B * Hkv, device)
+    if chunk < 16 or chunk & (chunk - 1):
+        raise ValueError(f"kv_chunk must be a power of two >= 16, got {chunk}")
+    block_n = min(chunk, block_n)
+    num_splits = max(1, cdiv(capacity, chunk))
+    part_out = _common.empty((B, Hq, num_splits, d), torch.float32, device)
+    part_lse = _common.empty((B, Hq, num_splits), torch.float32, device)
+    has_sel = sel is not None
+    sel_t = sel if has_sel else kv_lens
+    num_sel_t = num_sel if has_sel else kv_lens
+    logits_t = logits if logits is not None else part_lse
+    _decode_split_kernel[(B * Hkv, num_splits)](
+        q, k_cache, v_cache, page_table, kv_lens, sel_t, num_sel_t, part_out, part_lse, logits_t,
+        _common.default_scale(d, scale) * LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        page_table.stride(0),
+        sel_t.stride(0) if has_sel else 0, sel_t.stride(1) if has_sel else 0,
+        num_sel_t.stride(0) if has_sel else 0, num_sel_t.stride(1) if has_sel else 0,
+        num_splits, logits.shape[-1] if logits is not None else 0,
+        Hkv, Hq,
+        GROUP=g, BLOCK_H=max(16, next_pow2(g)), HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
+        PAGE_SIZE=page_size, CHUNK=chunk, BLOCK_N=block_n, MODE=mode,
+        STORE_LOGITS=logits is not None, DOT_PREC=_common.dot_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    out = _common.empty((B, Hq, d), q.dtype, device)
+    lse = _common.empty((B, Hq), torch.float32, device) if return_lse else part_lse
+    _combine_splits_kernel[(B * Hq,)](
+        part_out, part_lse, out, lse, num_splits, out.stride(0), out.stride(1), Hq,
+        HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_S=min(64, next_pow2(num_splits)),
+        STORE_LSE=return_lse, num_warps=4,
+    )
+    return (out, lse) if return_lse else out
+
+
+@lazy_jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, sel_ptr, num_sel_ptr,
+    part_out_ptr, part_lse_ptr, logits_ptr, qk_scale,
+    stride_qb, stride_qh, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh,
+    stride_pt, stride_sel_b, stride_sel_h, stride_ns_b, stride_ns_h,
+    num_splits, logits_len, HKV, HQ,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
+    STORE_LOGITS: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid_bh // HKV
+    kvh = pid_bh % HKV
+    kv_len = tl.load(kv_lens_ptr + b)
+    if MODE == 0:
+        n_items = kv_len
+    elif MODE == 1:
+        n_items = tl.load(num_sel_ptr + b * stride_ns_b + kvh * stride_ns_h)
+    else:
+        n_items = tl.load(num_sel_ptr + b * stride_ns_b + kvh * stride_ns_h) * PAGE_SIZE
+    start = split * CHUNK
+    end = tl.minimum(start + CHUNK, n_items)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_mask = offs_h < GROUP
+    d_mask = offs_d < HEAD_DIM
+    hq = kvh * GROUP + offs_h
+    q = tl.load(q_ptr + b * stride_qb + hq[:, None] * stride_qh + offs_d[None, :],
+                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    sel_row = sel_ptr + b * stride_sel_b + kvh * stride_sel_h
+    pt_row = page_table_ptr + b * stride_pt
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        items = n0 + tl.arange(0, BLOCK_N)
+        valid = items < end
+        if MODE == 0:
+            tok = items
+        elif MODE == 1:
+            tok = tl.load(sel_row + items, mask=valid, other=0)
+            valid = valid & (tok >= 0) & (tok < kv_len)
+        else:
+            lp = tl.load(sel_row + items // PAGE_SIZE, mask=valid, other=0)
+            tok = lp * PAGE_SIZE + items % PAGE_SIZE
+            valid = valid & (lp >= 0) & (tok < kv_len)
+        tok = tl.where(valid, tok, 0)
+        page = tl.load(pt_row + tok // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+        off = tok % PAGE_SIZE
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + page[:, None] * stride_kp + off[:, None] * stride_ko + kvh * stride_kh
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        if STORE_LOGITS:
+            l_ptrs = logits_ptr + (b * HQ + hq)[:, None] * logits_len + items[None, :]
+            tl.store(l_ptrs, s, mask=h_mask[:, None] & valid[None, :] & (items < logits_len)[None, :])
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + page[:, None] * stride_vp + off[:, None] * stride_vo + kvh * stride_vh
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    row = (b * HQ + hq) * num_splits + split
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None],
+             mask=h_mask[:, None] & d_mask[None, :])
+    lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))  # log2 domain
+    tl.store(part_lse_ptr + row, lse, mask=h_mask)
+
+
+@lazy_jit
+def _combine_splits_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_splits, stride_ob, stride_oh, HQ,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, STORE_LSE: tl.constexpr,
+):
+    row = tl.program_id(0)
+    b = row // HQ
+    h = row % HQ
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    lse_row = part_lse_ptr + row * num_splits
+    m_vec = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        m_vec = tl.maximum(m_vec, tl.load(lse_row + s0 + offs_s, mask=s0 + offs_s < num_splits,
+                                          other=float("-inf")))
+    m = tl.max(m_vec, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    w_vec = tl.zeros([BLOCK_S], tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        s_mask = s0 + offs_s < num_splits
+        w = tl.exp2(tl.load(lse_row + s0 + offs_s, mask=s_mask, other=float("-inf")) - m)
+        o = tl.load(part_out_ptr + (row * num_splits + s0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+        acc += tl.sum(w[:, None] * o, 0)
+        w_vec += w
+    w_sum = tl.sum(w_vec, 0)
+    out = acc / tl.where(w_sum > 0, w_sum, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+    if STORE_LSE:
+        lse = tl.where(w_sum > 0, m + tl.log2(tl.where(w_sum > 0, w_sum, 1.0)), float("-inf"))
+        tl.store(lse_ptr + row, lse * 0.6931471805599453)

@@ -1,0 +1,134 @@
+"""Chunked-prefill attention over the paged KV cache.
+
+New query tokens of B requests are packed `q [T, Hq, d]`, request b owning rows
+`cu_q_lens[b]:cu_q_lens[b+1]`. Its new K/V are already written at the end of its cache,
+so query i of request b sits at absolute position `kv_lens[b] - q_len_b + i` and sees
+cache tokens at positions `<=` that (causal).
+
+Triton: flash-attention tiles. One program per (request, tile of BLOCK_M query tokens,
+KV head); the tile's rows are the BLOCK_M tokens x the g query heads of the KV head
+(GQA packing), so each K/V tile is read once per group. KV tiles past the tile's last
+position are never loaded. `max_q_len` (host int), if the caller knows it, shrinks the
+grid; otherwise T bounds it with no device sync (CUDA-graph safe).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _common
+from ._common import LOG2E, cdiv, check_cache, check_launch, lazy_jit, next_pow2
+
+try:
+    import triton.language as tl
+except ImportError:  # the references stay importable without Triton
+    tl = None
+
+
+def paged_prefill_ref(q, k_cache, v_cache, page_table, kv_lens, cu_q_lens, scale=None, return_lse=False):
+    """q `[T, Hq, d]` -> out `[T, Hq, d]` (and lse `[T, Hq]` fp32, natural log)."""
+    T, Hq, d = q.shape
+    _, Hkv = check_cache(k_cache, Hq, d)
+    g, scale = Hq // Hkv, _common.default_scale(d, scale)
+    out = torch.zeros(T, Hq, d, dtype=torch.float32, device=q.device)
+    lse = torch.full((T, Hq), float("-inf"), device=q.device)
+    for b in range(page_table.shape[0]):
+        start, end, n = int(cu_q_lens[b]), int(cu_q_lens[b + 1]), int(kv_lens[b])
+        k = _common.gather_tokens(k_cache, page_table[b], torch.arange(n, device=q.device))
+        v = _common.gather_tokens(v_cache, page_table[b], torch.arange(n, device=q.device))
+        m = end - start
+        visible = torch.arange(n, device=q.device)[None, :] <= (n - m + torch.arange(m, device=q.device))[:, None]
+        for h in range(Hkv):
+            heads = slice(h * g, (h + 1) * g)
+            s = torch.einsum("mgd,nd->mgn", q[start:end, heads].float(), k[:, h].float()) * scale
+            s = s.masked_fill(~visible[:, None, :], float("-inf"))
+            lse[start:end, heads] = torch.logsumexp(s, dim=-1)
+            out[start:end, heads] = torch.einsum("mgn,nd->mgd", torch.softmax(s, dim=-1), v[:, h].float())
+    out = out.to(q.dtype)
+    return (out, lse) if return_lse else out
+
+
+def paged_prefill_triton(q, k_cache, v_cache, page_table, kv_lens, cu_q_lens, scale=None, return_lse=False,
+                         *, max_q_len=None):
+    T, Hq, d = q.shape
+    page_size, Hkv = check_cache(k_cache, Hq, d)
+    device = check_launch(q, k_cache, v_cache, page_table, kv_lens, cu_q_lens)
+    _common.check_dtypes(q, k_cache, v_cache)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    B, g = page_table.shape[0], Hq // Hkv
+    out = _common.empty((T, Hq, d), q.dtype, device)
+    lse = _common.empty((T, Hq), torch.float32, device) if return_lse else out
+    if T == 0:
+        return (out, lse) if return_lse else out
+    g_pad = next_pow2(g)
+    block_m = max(1, 64 // g_pad)  # tokens per tile
+    n_tiles = cdiv(max_q_len if max_q_len is not None else T, block_m)
+    _prefill_kernel[(B, n_tiles, Hkv)](
+        q, k_cache, v_cache, out, lse, page_table, kv_lens, cu_q_lens,
+        _common.default_scale(d, scale) * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        page_table.stride(0), Hq,
+        GROUP=g, G_PAD=g_pad, BLOCK_M=block_m, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
+        PAGE_SIZE=page_size, BLOCK_N=64, STORE_LSE=return_lse,
+        DOT_PREC=_common.dot_precision(q.dtype), num_warps=4, num_stages=2,
+    )
+    return (out, lse) if return_lse else out
+
+
+@lazy_jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, page_table_ptr, kv_lens_ptr, cu_q_ptr, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, stride_pt, HQ,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, STORE_LSE: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    b = tl.program_id(0)
+    tile = tl.program_id(1)
+    kvh = tl.program_id(2)
+    q_start = tl.load(cu_q_ptr + b)
+    q_len = tl.load(cu_q_ptr + b + 1) - q_start
+    if tile * BLOCK_M < q_len:
+        kv_len = tl.load(kv_lens_ptr + b)
+        offs_r = tl.arange(0, BLOCK_M * G_PAD)
+        i = tile * BLOCK_M + offs_r // G_PAD
+        hh = offs_r % G_PAD
+        row_ok = (i < q_len) & (hh < GROUP)
+        pos = kv_len - q_len + i
+        hq = kvh * GROUP + hh
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < HEAD_DIM
+        q = tl.load(q_ptr + (q_start + i)[:, None] * stride_qt + hq[:, None] * stride_qh + offs_d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        m_i = tl.full([BLOCK_M * G_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M * G_PAD], tl.float32)
+        acc = tl.zeros([BLOCK_M * G_PAD, BLOCK_D], tl.float32)
+        kv_end = tl.minimum(kv_len, kv_len - q_len + (tile + 1) * BLOCK_M)
+        for n0 in range(0, kv_end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < kv_len
+            page = tl.load(page_table_ptr + b * stride_pt + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+            off = offs_n % PAGE_SIZE
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + page[:, None] * stride_kp + off[:, None] * stride_ko + kvh * stride_kh
+                        + offs_d[None, :], mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+            s = tl.where(n_ok[None, :] & (offs_n[None, :] <= pos[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + page[:, None] * stride_vp + off[:, None] * stride_vo + kvh * stride_vh
+                        + offs_d[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+            m_i = m_new
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        o_ptrs = out_ptr + (q_start + i)[:, None] * stride_ot + hq[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        if STORE_LSE:
+            lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")) * 0.6931471805599453
+            tl.store(lse_ptr + (q_start + i) * HQ + hq, lse, mask=row_ok)

@@ -1,0 +1,165 @@
+"""Quest page metadata and page scores.
+
+`update_page_minmax_*(k_cache, slot_mapping, kmax, kmin)`: after K was written at
+`slot_mapping`, refresh `kmax/kmin [num_pages, Hkv, d]`, the per-page per-channel max/min
+of the keys. Writing offset 0 of a page resets it. Call it after `paged_kv_write`.
+`quest_page_scores_*(q, kmax, kmin, page_table, kv_lens, page_size)` -> `[B, Hkv,
+max_pages]` fp32: `max over the group's query heads of sum_c max(q_c M_c, q_c m_c)`
+(unscaled), -inf for logical pages at or past `ceil(kv_lens / page_size)`. Top-k is left
+to `torch.topk`. The Triton kernel casts q to the metadata dtype and computes the bound as
+`max(q, 0) . M + min(q, 0) . m` (equal since M >= m): two tensor-core dots per page tile.
+
+Triton update: tokens are appended in order, so a page's metadata after this step is
+the max/min over its cached offsets 0..o, o = the largest offset written to it now. One
+program per slot; only the program holding that largest offset recomputes the page from
+the cache (up to page_size tokens), so there are no races and no atomics, whatever the
+order of `slot_mapping`. The check scans `slot_mapping` (O(T) per slot, trivial for
+decode; for a prefill chunk the next slot usually answers it at once).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _common
+from ._common import cdiv, check_launch, lazy_jit, next_pow2
+
+try:
+    import triton.language as tl
+except ImportError:  # the references stay importable without Triton
+    tl = None
+
+
+def update_page_minmax_ref(k_cache, slot_mapping, kmax, kmin) -> None:
+    page_size = k_cache.shape[1]
+    for slot in slot_mapping.tolist():
+        if slot < 0:
+            continue
+        page, off = slot // page_size, slot % page_size
+        k = k_cache[page, off].to(kmax.dtype)
+        if off == 0:
+            kmax[page], kmin[page] = k, k
+        else:
+            kmax[page] = torch.maximum(kmax[page], k)
+            kmin[page] = torch.minimum(kmin[page], k)
+
+
+def update_page_minmax_triton(k_cache, slot_mapping, kmax, kmin) -> None:
+    num_pages, page_size, Hkv, d = k_cache.shape
+    if kmax.shape != (num_pages, Hkv, d) or kmin.shape != kmax.shape:
+        raise ValueError(f"kmax/kmin must be [{num_pages}, {Hkv}, {d}], got {tuple(kmax.shape)}")
+    if not (kmax.is_contiguous() and kmin.is_contiguous()):
+        raise ValueError("kmax/kmin must be contiguous")
+    T = slot_mapping.shape[0]
+    if T == 0:
+        return
+    check_launch(k_cache, slot_mapping, kmax, kmin)
+    _minmax_kernel[(T,)](
+        k_cache, slot_mapping, kmax, kmin, T,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), Hkv,
+        PAGE_SIZE=page_size, BLOCK_O=next_pow2(page_size), HEAD_DIM=d, BLOCK_D=next_pow2(d),
+        BLOCK_T=min(1024, next_pow2(T)), num_warps=4,
+    )
+
+
+def quest_page_scores_ref(q, kmax, kmin, page_table, kv_lens, page_size):
+    B, Hq, d = q.shape
+    Hkv = kmax.shape[1]
+    g = Hq // Hkv
+    P = page_table.shape[1]
+    scores = torch.full((B, Hkv, P), float("-inf"), device=q.device)
+    for b in range(B):
+        n_pages = cdiv(int(kv_lens[b]), page_size)
+        pages = page_table[b, :n_pages].long()
+        for h in range(Hkv):
+            qg = q[b, h * g:(h + 1) * g].float()[:, None, :]  # [g, 1, d]
+            hi, lo = kmax[pages, h].float()[None], kmin[pages, h].float()[None]  # [1, n, d]
+            upper = torch.maximum(qg * hi, qg * lo).sum(-1)  # [g, n]
+            scores[b, h, :n_pages] = upper.max(0).values
+    return scores
+
+
+def quest_page_scores_triton(q, kmax, kmin, page_table, kv_lens, page_size):
+    B, Hq, d = q.shape
+    Hkv = kmax.shape[1]
+    device = check_launch(q, kmax, kmin, page_table, kv_lens)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if kmax.stride(-1) != 1 or kmin.stride() != kmax.stride():
+        raise ValueError("kmax/kmin must share strides with a contiguous last dim")
+    g, P = Hq // Hkv, page_table.shape[1]
+    scores = _common.empty((B, Hkv, P), torch.float32, device)
+    block_p = 64
+    _page_scores_kernel[(B * Hkv, cdiv(P, block_p))](
+        q, kmax, kmin, page_table, kv_lens, scores, q.stride(0), q.stride(1),
+        kmax.stride(0), kmax.stride(1), page_table.stride(0), P, Hkv,
+        GROUP=g, BLOCK_H=max(16, next_pow2(g)), PAGE_SIZE=page_size, HEAD_DIM=d,
+        BLOCK_D=max(16, next_pow2(d)), BLOCK_P=block_p, DOT_PREC=_common.dot_precision(kmax.dtype), num_warps=4,
+    )
+    return scores
+
+
+@lazy_jit
+def _minmax_kernel(
+    k_ptr, slot_ptr, kmax_ptr, kmin_ptr, T, stride_kp, stride_ko, stride_kh, HKV,
+    PAGE_SIZE: tl.constexpr, BLOCK_O: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    page = slot // PAGE_SIZE
+    off = slot % PAGE_SIZE
+    # Another slot of this page with a larger offset owns the refresh; the next slot
+    # usually tells (prefill chunks are in order), else scan them all.
+    nxt = tl.load(slot_ptr + t + 1, mask=t + 1 < T, other=-1).to(tl.int64)
+    if (slot >= 0) & ((nxt < 0) | (nxt // PAGE_SIZE != page) | (nxt % PAGE_SIZE <= off)):
+        n_later = tl.zeros([BLOCK_T], tl.int32)
+        for t0 in range(0, T, BLOCK_T):
+            offs_t = t0 + tl.arange(0, BLOCK_T)
+            other = tl.load(slot_ptr + offs_t, mask=offs_t < T, other=-1).to(tl.int64)
+            later = (other >= 0) & (other // PAGE_SIZE == page) & (other % PAGE_SIZE > off)
+            n_later += later.to(tl.int32)
+        if tl.sum(n_later, 0) == 0:
+            offs_o = tl.arange(0, BLOCK_O)
+            offs_d = tl.arange(0, BLOCK_D)
+            mask = (offs_o <= off)[:, None] & (offs_d < HEAD_DIM)[None, :]
+            for h in range(0, HKV):
+                ptrs = k_ptr + page * stride_kp + offs_o[:, None] * stride_ko + h * stride_kh + offs_d[None, :]
+                k = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+                hi = tl.max(tl.where(mask, k, float("-inf")), 0)
+                lo = tl.min(tl.where(mask, k, float("inf")), 0)
+                meta = (page * HKV + h) * HEAD_DIM + offs_d
+                tl.store(kmax_ptr + meta, hi.to(kmax_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+                tl.store(kmin_ptr + meta, lo.to(kmin_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+@lazy_jit
+def _page_scores_kernel(
+    q_ptr, kmax_ptr, kmin_ptr, page_table_ptr, kv_lens_ptr, scores_ptr,
+    stride_qb, stride_qh, stride_mp, stride_mh, stride_pt, P, HKV,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    b = pid_bh // HKV
+    kvh = pid_bh % HKV
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    h_ok = offs_h < GROUP
+    d_ok = offs_d < HEAD_DIM
+    n_pages = (tl.load(kv_lens_ptr + b) + PAGE_SIZE - 1) // PAGE_SIZE
+    p_ok = offs_p < n_pages
+    q = tl.load(q_ptr + b * stride_qb + (kvh * GROUP + offs_h)[:, None] * stride_qh + offs_d[None, :],
+                mask=h_ok[:, None] & d_ok[None, :], other=0.0).to(kmax_ptr.dtype.element_ty)
+    page = tl.load(page_table_ptr + b * stride_pt + offs_p, mask=p_ok, other=0).to(tl.int64)
+    meta = page[:, None] * stride_mp + kvh * stride_mh + offs_d[None, :]
+    m_ok = p_ok[:, None] & d_ok[None, :]
+    hi = tl.load(kmax_ptr + meta, mask=m_ok, other=0.0)
+    lo = tl.load(kmin_ptr + meta, mask=m_ok, other=0.0)
+    # max(q_c M_c, q_c m_c) = max(q_c, 0) M_c + min(q_c, 0) m_c since M_c >= m_c: two dots.
+    q_pos = tl.where(q > 0, q, tl.zeros_like(q))
+    upper = tl.dot(q_pos, tl.trans(hi), input_precision=DOT_PREC)
+    upper += tl.dot(q - q_pos, tl.trans(lo), input_precision=DOT_PREC)  # [BLOCK_H, BLOCK_P]
+    upper = tl.where(h_ok[:, None], upper, float("-inf"))
+    best = tl.where(p_ok, tl.max(upper, 0), float("-inf"))
+    tl.store(scores_ptr + pid_bh * P + offs_p, best, mask=offs_p < P)

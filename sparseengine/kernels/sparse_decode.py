@@ -1,0 +1,86 @@
+"""Decode attention over a per-(request, KV head) selection of the paged cache.
+
+Token variant: `indices [B, Hkv, K]` int32 logical token ids, the first
+`num_selected [B, Hkv]` valid. Page variant: `page_indices [B, Hkv, P]` logical page
+numbers, the first `num_pages_selected [B, Hkv]` valid; every token of a chosen page that
+is below `kv_lens[b]` is attended. Logical token i lives at page `page_table[b, i //
+page_size]`, offset `i % page_size`. Out-of-range ids (< 0 or >= kv_lens) are skipped;
+duplicates are attended twice (callers pass sets). A row with nothing selected gives a
+zero output and lse -inf.
+
+Triton: the split-K kernel of `paged_decode.py`, whose items are the selection entries
+(split over K entries, or P * page_size tokens) instead of the token range.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _common
+from ._common import check_cache
+from .paged_decode import MODE_PAGES, MODE_TOKENS, split_k_decode
+
+
+def _selected_attention_ref(q, k_cache, v_cache, page_table, kv_lens, tokens_of, scale, return_lse):
+    B, Hq, d = q.shape
+    _, Hkv = check_cache(k_cache, Hq, d)
+    g, scale = Hq // Hkv, _common.default_scale(d, scale)
+    out = torch.zeros(B, Hq, d, dtype=torch.float32, device=q.device)
+    lse = torch.full((B, Hq), float("-inf"), device=q.device)
+    for b in range(B):
+        for h in range(Hkv):
+            tok = tokens_of(b, h).long()
+            tok = tok[(tok >= 0) & (tok < int(kv_lens[b]))]
+            k = _common.gather_tokens(k_cache, page_table[b], tok)[:, h]
+            v = _common.gather_tokens(v_cache, page_table[b], tok)[:, h]
+            heads = slice(h * g, (h + 1) * g)
+            out[b, heads], lse[b, heads] = _common.attend(q[b, heads], k, v, scale)
+    out = out.to(q.dtype)
+    return (out, lse) if return_lse else out
+
+
+def sparse_decode_ref(q, k_cache, v_cache, page_table, kv_lens, indices, num_selected, scale=None,
+                      return_lse=False):
+    def tokens_of(b, h):
+        return indices[b, h, : int(num_selected[b, h])]
+
+    return _selected_attention_ref(q, k_cache, v_cache, page_table, kv_lens, tokens_of, scale, return_lse)
+
+
+def sparse_decode_triton(q, k_cache, v_cache, page_table, kv_lens, indices, num_selected, scale=None,
+                         return_lse=False, *, kv_chunk=None):
+    _check_selection(q, k_cache, indices, num_selected)
+    return split_k_decode(q, k_cache, v_cache, page_table, kv_lens, mode=MODE_TOKENS,
+                          capacity=indices.shape[2], sel=indices, num_sel=num_selected, scale=scale,
+                          return_lse=return_lse, kv_chunk=kv_chunk)
+
+
+def sparse_page_decode_ref(q, k_cache, v_cache, page_table, kv_lens, page_indices, num_pages_selected,
+                           scale=None, return_lse=False):
+    page_size = k_cache.shape[1]
+
+    def tokens_of(b, h):
+        pages = page_indices[b, h, : int(num_pages_selected[b, h])].long()
+        pages = pages[pages >= 0]
+        offsets = torch.arange(page_size, device=pages.device)
+        return (pages[:, None] * page_size + offsets[None, :]).reshape(-1)
+
+    return _selected_attention_ref(q, k_cache, v_cache, page_table, kv_lens, tokens_of, scale, return_lse)
+
+
+def sparse_page_decode_triton(q, k_cache, v_cache, page_table, kv_lens, page_indices, num_pages_selected,
+                              scale=None, return_lse=False, *, kv_chunk=None):
+    _check_selection(q, k_cache, page_indices, num_pages_selected)
+    return split_k_decode(q, k_cache, v_cache, page_table, kv_lens, mode=MODE_PAGES,
+                          capacity=page_indices.shape[2] * k_cache.shape[1], sel=page_indices,
+                          num_sel=num_pages_selected, scale=scale, return_lse=return_lse, kv_chunk=kv_chunk)
+
+
+def _check_selection(q, k_cache, sel, num_sel):
+    B, Hkv = q.shape[0], k_cache.shape[2]
+    if sel.dim() != 3 or tuple(sel.shape[:2]) != (B, Hkv) or tuple(num_sel.shape) != (B, Hkv):
+        raise ValueError(f"selection must be [B={B}, Hkv={Hkv}, K] with counts [B, Hkv], got "
+                         f"{tuple(sel.shape)} and {tuple(num_sel.shape)}")
+    if sel.stride(-1) != 1:
+        raise ValueError("selection rows must be contiguous")
+    if sel.dtype not in (torch.int32, torch.int64) or num_sel.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"selection must be integer, got {sel.dtype} / {num_sel.dtype}")

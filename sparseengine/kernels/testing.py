@@ -1,0 +1,94 @@
+"""Random paged-cache fixtures shared by tests/kernels and bench_gpu (no pytest here)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._common import cdiv
+
+
+# (Hq, Hkv, head_dim, page_size, kv_lens): B in {1, 3}; GQA groups 1, 4, 2; lengths off
+# the page and block sizes.
+CASES = [
+    (4, 4, 16, 4, [29]),
+    (8, 2, 32, 16, [37, 1, 70]),
+    (6, 3, 64, 4, [5, 50, 23]),
+    (8, 2, 64, 16, [100]),
+    (6, 3, 32, 16, [17, 33, 2]),
+]
+
+
+def case_id(case) -> str:
+    hq, hkv, d, ps, lens = case
+    return f"hq{hq}-hkv{hkv}-d{d}-ps{ps}-b{len(lens)}"
+
+
+@dataclass
+class PagedKV:
+    k_cache: torch.Tensor  # [num_pages, page_size, Hkv, d]
+    v_cache: torch.Tensor
+    page_table: torch.Tensor  # [B, max_pages] int32, shuffled page ids, padding 0
+    kv_lens: torch.Tensor  # [B] int32
+
+    @property
+    def page_size(self) -> int:
+        return self.k_cache.shape[1]
+
+    def slots(self, b: int) -> torch.Tensor:
+        """Flat slot of each logical token of request b (int64)."""
+        i = torch.arange(int(self.kv_lens[b]), device=self.page_table.device)
+        return self.page_table[b].long()[i // self.page_size] * self.page_size + i % self.page_size
+
+    def dense(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Request b's K and V `[kv_len, Hkv, d]`, read through flat slots."""
+        s = self.slots(b)
+        return tuple(c.reshape(-1, *c.shape[2:])[s] for c in (self.k_cache, self.v_cache))
+
+
+def random_paged_kv(kv_lens, num_kv_heads, head_dim, page_size, *, generator, dtype=torch.float32,
+                    device="cpu", spare_pages=3, extra_cols=1, poison=True) -> PagedKV:
+    """Random K/V in shuffled pages; slots no request owns are NaN when `poison`."""
+    pages_per = [cdiv(n, page_size) for n in kv_lens]
+    num_pages = sum(pages_per) + spare_pages
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    k = torch.randn(shape, generator=generator)
+    v = torch.randn(shape, generator=generator)
+    perm = torch.randperm(num_pages, generator=generator)
+    page_table = torch.zeros(len(kv_lens), max(pages_per, default=0) + extra_cols, dtype=torch.int32)
+    owned = torch.zeros(num_pages * page_size, dtype=torch.bool)
+    used = 0
+    for b, (n, p) in enumerate(zip(kv_lens, pages_per)):
+        page_table[b, :p] = perm[used:used + p].int()
+        used += p
+        i = torch.arange(n)
+        owned[page_table[b].long()[i // page_size] * page_size + i % page_size] = True
+    if poison:
+        k.view(-1, num_kv_heads, head_dim)[~owned] = float("nan")
+        v.view(-1, num_kv_heads, head_dim)[~owned] = float("nan")
+    return PagedKV(k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype),
+                   page_table.to(device), torch.tensor(kv_lens, dtype=torch.int32, device=device))
+
+
+def randn(*shape, generator, dtype=torch.float32, device="cpu") -> torch.Tensor:
+    return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |a - e| / max |e| over the entries where `expected` is finite."""
+    fin = torch.isfinite(expected)
+    if not fin.any():
+        return 0.0
+    a, e = actual.float()[fin], expected.float()[fin]
+    return ((a - e).abs().max() / e.abs().max().clamp_min(1e-30)).item()
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float = 1e-4, what: str = "") -> None:
+    """Same shape, NaN/inf exactly where expected has them, relative error below `tol`."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    a, e = actual.detach().float().cpu(), expected.detach().float().cpu()
+    assert torch.equal(a.isnan(), e.isnan()), f"{what}: {int(a.isnan().sum())} NaN (expected {int(e.isnan().sum())})"
+    inf = e.isinf() | a.isinf()
+    assert torch.equal(a[inf], e[inf]), f"{what}: infinities differ"
+    err = rel_err(a, e)
+    assert err < tol, f"{what}: relative error {err:.3e} >= {tol:.0e}"

@@ -1,0 +1,463 @@
+"""DeltaKV codec: residual compression of one layer's KV history (METHODS.md, deltakv).
+
+A token's vector is ``kv = [K | V]``, its pre-RoPE keys and values flattened and
+concatenated: ``D = 2 * Hkv * d`` (:func:`concat_kv` / :func:`split_kv`).
+
+- Centers: every ``s = round(1 / center_ratio)``-th token, positions ``0, s, 2s, ...``,
+  stored raw in the input dtype.
+- Every other token t stores the indices of its ``neighbors`` nearest centers (L2 in kv
+  space, among centers at positions ``< t``; fewer when fewer exist, padded with -1) and
+  ``z = (kv_t - mean of those centers) @ Down`` with ``Down [D, r]``, as float16
+  (``latent_bits=16``) or int4 (``latent_bits=4``: groups of 32, float16 scale and min
+  per group, two codes per byte).
+- Decode: ``kv = z @ Up + mean of the same centers`` with ``Up [r, D]``; centers come
+  back bit-exact. RoPE is re-applied to K by the caller.
+
+Error bound (what the tests check). Let R ``[N, D]`` be the residuals, ``R = U S W^T``
+its SVD with singular values ``s_1 >= s_2 >= ...``, and ``Down = W_r`` (top-r right
+singular vectors), ``Up = W_r^T`` (:func:`fit_down_up`). Then ``R Down Up = R W_r W_r^T``
+is the orthogonal projection of each row onto span(W_r), and by Eckart-Young
+``||R - R W_r W_r^T||_F^2 = sum_{i>r} s_i^2``, the least error any rank-r linear
+Down/Up pair can reach. With ``r = D`` that sum is zero: reconstruction is exact up to
+float error. Storing ``z`` lossily adds ``dz``; since Up has orthonormal rows,
+``||dz Up||_F = ||dz||_F`` and by the triangle inequality
+``||R - R_hat||_F <= sqrt(sum_{i>r} s_i^2) + ||dz||_F``, where
+``|dz| <= 2^-11 |z|`` elementwise for float16 and ``|dz| <= step / 2`` for int4 (step =
+the group's scale; codes are ``round((z - min) / step)`` with min rounded down and step
+rounded up to float16, so every z of the group lies in ``[min, min + 15 step]``).
+Centers contribute no error. Decoded kv error equals residual error exactly, because
+encode and decode take the mean of the same stored centers.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+
+import torch
+
+QUANT_GROUP = 32
+LATENT_BITS = (4, 16)
+CHECKPOINT_FORMAT = "sparseengine-deltakv-v1"
+_META_TYPES = {"model_name": str, "latent_dim": int, "center_ratio": float, "neighbors": int}
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _int_arg(name: str, value, minimum: int = 0) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+    if v < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {v}")
+    return v
+
+
+def _matrix_arg(name: str, t, layout: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.is_floating_point():
+        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be a floating tensor {layout}, got {got}")
+    return t
+
+
+def _latent_bits_arg(bits) -> int:
+    if bits not in LATENT_BITS:
+        raise ValueError(f"deltakv_latent_bits must be one of {LATENT_BITS}, got {bits!r}")
+    return int(bits)
+
+
+def center_stride(center_ratio: float) -> int:
+    """``round(1 / center_ratio)`` (half up): one token in that many is a center."""
+    if isinstance(center_ratio, bool) or not isinstance(center_ratio, (int, float)):
+        raise ValueError(f"deltakv_center_ratio must be a number in (0, 1], got {center_ratio!r}")
+    if not 0 < center_ratio <= 1:
+        raise ValueError(f"deltakv_center_ratio must be in (0, 1], got {center_ratio!r}")
+    return max(1, int(math.floor(1.0 / center_ratio + 0.5)))
+
+
+def num_centers(n: int, stride: int) -> int:
+    return -(-n // stride)
+
+
+def _index_dtype(centers: int) -> torch.dtype:
+    return torch.int16 if centers <= torch.iinfo(torch.int16).max else torch.int32
+
+
+# ---------------------------------------------------------------------- kv flattening
+
+
+def concat_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``[n, Hkv, d]`` pre-RoPE keys and values -> ``[n, 2 * Hkv * d]`` (K first)."""
+    if not isinstance(k, torch.Tensor) or k.dim() != 3 or not isinstance(v, torch.Tensor):
+        raise ValueError("k and v must be tensors [n, Hkv, d]")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} shapes differ")
+    return torch.cat([k.reshape(k.shape[0], -1), v.reshape(v.shape[0], -1)], dim=1)
+
+
+def split_kv(kv: torch.Tensor, num_kv_heads: int, head_dim: int):
+    """Inverse of :func:`concat_kv`: ``(k, v)``, each ``[n, Hkv, d]``."""
+    hkv = _int_arg("num_kv_heads", num_kv_heads, minimum=1)
+    d = _int_arg("head_dim", head_dim, minimum=1)
+    if kv.dim() != 2 or kv.shape[1] != 2 * hkv * d:
+        raise ValueError(f"kv must be [n, 2*Hkv*d] = [n, {2 * hkv * d}], got {tuple(kv.shape)}")
+    k, v = kv.split(hkv * d, dim=1)
+    return k.reshape(-1, hkv, d), v.reshape(-1, hkv, d)
+
+
+# ---------------------------------------------------------------------- neighbourhood
+
+
+def _assign(centers: torch.Tensor, stride: int, kv: torch.Tensor, pos: torch.Tensor, neighbors: int,
+            chunk_elems: int = 1 << 24) -> torch.Tensor:
+    """Neighbour center indices ``[m, neighbors]`` (nearest first, -1 padded) of tokens
+    ``kv [m, D]`` at positions ``pos``, among ``centers`` at positions ``i * stride < pos``."""
+    m, c = kv.shape[0], centers.shape[0]
+    out = torch.full((m, neighbors), -1, dtype=torch.long, device=kv.device)
+    take = min(neighbors, c)
+    if m == 0 or take == 0:
+        return out
+    cf = centers.float()
+    c_sq = (cf * cf).sum(dim=1)
+    c_pos = torch.arange(c, device=kv.device) * stride
+    rows = max(1, chunk_elems // c)
+    for start in range(0, m, rows):  # chunks bound the [rows, C] distance matrix
+        x = kv[start : start + rows].float()
+        dist = (x * x).sum(dim=1, keepdim=True) - 2.0 * x @ cf.T + c_sq
+        dist = dist.masked_fill(c_pos[None, :] >= pos[start : start + rows, None], float("inf"))
+        val, idx = torch.topk(dist, take, dim=1, largest=False, sorted=True)
+        out[start : start + rows, :take] = idx.masked_fill(torch.isinf(val), -1)
+    return out
+
+
+def _neighbor_mean(centers: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Mean ``[m, D]`` (float32) of the centers named by ``idx [m, K]`` (-1 = none)."""
+    idx = idx.long()
+    valid = idx >= 0
+    gathered = centers.float()[idx.clamp(min=0)] * valid[..., None]
+    return gathered.sum(dim=1) / valid.sum(dim=1, keepdim=True).clamp(min=1)
+
+
+def residuals(kv: torch.Tensor, center_ratio: float, neighbors: int):
+    """``(res [N, D] float32, idx [N, neighbors])`` for the non-center tokens of ``kv``
+    in order: the calibration input of :func:`fit_down_up`."""
+    _matrix_arg("kv", kv, "[n, D]")
+    stride = center_stride(center_ratio)
+    k = _int_arg("deltakv_neighbors", neighbors, minimum=1)
+    pos = torch.arange(kv.shape[0], device=kv.device)
+    is_center = pos % stride == 0
+    centers, others = kv[is_center], pos[~is_center]
+    idx = _assign(centers, stride, kv[others], others, k)
+    return kv[others].float() - _neighbor_mean(centers, idx), idx
+
+
+# ------------------------------------------------------------------------------- int4
+
+
+def quantize_int4(z: torch.Tensor):
+    """``z [N, r]`` (r a multiple of 32) -> ``(packed uint8 [N, r/2], scale f16 [N, r/32],
+    zero f16 [N, r/32])``. Per group of 32: ``zero <= min(z)`` and ``15 * scale >=
+    max(z) - zero`` after rounding to float16, codes ``round((z - zero) / scale)``, so
+    ``|dequantize - z| <= scale / 2`` (+ float32 rounding)."""
+    _matrix_arg("z", z, "[N, r]")
+    n, r = z.shape
+    if r % QUANT_GROUP:
+        raise ValueError(f"deltakv_latent_dim must be a multiple of {QUANT_GROUP} for int4, got {r}")
+    zg = z.float().view(n, r // QUANT_GROUP, QUANT_GROUP)
+    lo, hi = zg.amin(dim=-1), zg.amax(dim=-1)
+    zero = lo.half()
+    zero = torch.where(zero.float() > lo, torch.nextafter(zero, torch.full_like(zero, -math.inf)), zero)
+    step = (hi - zero.float()) / 15
+    scale = step.half()
+    scale = torch.where(scale.float() < step, torch.nextafter(scale, torch.full_like(scale, math.inf)), scale)
+    if not (torch.isfinite(zero).all() and torch.isfinite(scale).all()):
+        raise ValueError("latent values overflow the float16 int4 scale/min; use deltakv_latent_bits=16")
+    sf = scale.float()[..., None]
+    codes = torch.where(sf > 0, torch.round((zg - zero.float()[..., None]) / sf.clamp(min=1e-30)), 0.0)
+    codes = codes.clamp(0, 15).to(torch.uint8).view(n, r)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return packed, scale, zero
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[N, r/2]`` -> codes uint8 ``[N, r]`` (low nibble = even index)."""
+    return torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """Exact inverse map of the stored codes: ``code * scale + zero`` in float32."""
+    codes = unpack_int4(packed).float()
+    n, r = codes.shape
+    g = codes.view(n, r // QUANT_GROUP, QUANT_GROUP)
+    return (g * scale.float()[..., None] + zero.float()[..., None]).view(n, r)
+
+
+# ---------------------------------------------------------------------- encode/decode
+
+
+@dataclass(frozen=True)
+class DeltaKVEncoded:
+    """One layer's compressed history of ``n`` tokens. Centers sit at positions
+    ``i * stride``; the j-th non-center token owns row j of ``neighbors``/``latents``/
+    ``scales``/``zeros`` (the last two empty for 16-bit latents)."""
+
+    n: int
+    stride: int
+    latent_bits: int
+    centers: torch.Tensor  # [C, D], input dtype
+    neighbors: torch.Tensor  # [n - C, K] int16/int32, -1 padded
+    latents: torch.Tensor  # [n - C, r] float16, or [n - C, r/2] uint8 packed int4
+    scales: torch.Tensor  # [n - C, r/32] float16 (int4 only)
+    zeros: torch.Tensor  # [n - C, r/32] float16 (int4 only)
+
+    def nbytes(self) -> int:
+        """Bytes actually stored (positions are implicit and cost nothing)."""
+        parts = (self.centers, self.neighbors, self.latents, self.scales, self.zeros)
+        return sum(t.numel() * t.element_size() for t in parts)
+
+    def dense_latents(self) -> torch.Tensor:
+        """The stored latents as float32 ``[n - C, r]``."""
+        if self.latent_bits == 4:
+            return dequantize_int4(self.latents, self.scales, self.zeros)
+        return self.latents.float()
+
+
+def _store_latents(z: torch.Tensor, bits: int):
+    empty = z.new_zeros((z.shape[0], 0), dtype=torch.float16)
+    if bits == 4:
+        return quantize_int4(z)
+    lat = z.half()
+    if not torch.isfinite(lat).all():
+        raise ValueError("latent values overflow float16 (deltakv_latent_bits=16)")
+    return lat, empty, empty
+
+
+def _encode_tail(centers_old, n_old, kv_new, down, stride, neighbors, bits):
+    pos = torch.arange(n_old, n_old + kv_new.shape[0], device=kv_new.device)
+    is_center = pos % stride == 0
+    centers = torch.cat([centers_old, kv_new[is_center].to(centers_old.dtype)])
+    others = ~is_center
+    idx = _assign(centers, stride, kv_new[others], pos[others], neighbors)
+    res = kv_new[others].float() - _neighbor_mean(centers, idx)
+    lat, scales, zeros = _store_latents(res @ down.float(), bits)
+    return centers, idx.to(_index_dtype(centers.shape[0])), lat, scales, zeros
+
+
+def _check_down(down: torch.Tensor, dim: int) -> torch.Tensor:
+    _matrix_arg("down", down, "[D, r]")
+    if down.shape[0] != dim:
+        raise ValueError(f"down must be [D={dim}, r], got {tuple(down.shape)}")
+    return down
+
+
+def encode(kv: torch.Tensor, down: torch.Tensor, *, center_ratio: float, neighbors: int,
+           latent_bits: int = 4) -> DeltaKVEncoded:
+    """Compress ``kv [n, D]`` (see :func:`concat_kv`) with ``down [D, r]``."""
+    _matrix_arg("kv", kv, "[n, D]")
+    _check_down(down, kv.shape[1])
+    stride = center_stride(center_ratio)
+    k = _int_arg("deltakv_neighbors", neighbors, minimum=1)
+    bits = _latent_bits_arg(latent_bits)
+    parts = _encode_tail(kv[:0], 0, kv, down, stride, k, bits)
+    return DeltaKVEncoded(kv.shape[0], stride, bits, *parts)
+
+
+def extend(enc: DeltaKVEncoded, kv_new: torch.Tensor, down: torch.Tensor) -> DeltaKVEncoded:
+    """Append tokens at positions ``enc.n ...``; equals encoding all tokens at once."""
+    _matrix_arg("kv_new", kv_new, "[m, D]")
+    _check_down(down, enc.centers.shape[1])
+    if kv_new.shape[1] != enc.centers.shape[1]:
+        raise ValueError(f"kv_new must be [m, {enc.centers.shape[1]}], got {tuple(kv_new.shape)}")
+    centers, idx, lat, scales, zeros = _encode_tail(
+        enc.centers, enc.n, kv_new, down, enc.stride, enc.neighbors.shape[1], enc.latent_bits
+    )
+    idx_dtype = _index_dtype(centers.shape[0])
+    return DeltaKVEncoded(
+        enc.n + kv_new.shape[0], enc.stride, enc.latent_bits, centers,
+        torch.cat([enc.neighbors.to(idx_dtype), idx]),
+        torch.cat([enc.latents, lat]), torch.cat([enc.scales, scales]),
+        torch.cat([enc.zeros, zeros]),
+    )
+
+
+def decode(enc: DeltaKVEncoded, up: torch.Tensor, positions: torch.Tensor | None = None):
+    """Rebuild tokens (all, or the LongTensor ``positions``) as float32 ``[m, D]``:
+    centers exactly, others ``z @ up + mean of their centers``."""
+    _matrix_arg("up", up, "[r, D]")
+    if up.shape[1] != enc.centers.shape[1]:
+        raise ValueError(f"up must be [r, D={enc.centers.shape[1]}], got {tuple(up.shape)}")
+    device = enc.centers.device
+    if positions is None:
+        positions = torch.arange(enc.n, device=device)
+    if not isinstance(positions, torch.Tensor) or positions.dim() != 1 or positions.is_floating_point():
+        raise ValueError("positions must be a 1-D integer tensor")
+    positions = positions.long()
+    if positions.numel() and (positions.min() < 0 or positions.max() >= enc.n):
+        raise ValueError(f"positions must lie in [0, n={enc.n})")
+    is_center = positions % enc.stride == 0
+    out = torch.empty(positions.shape[0], enc.centers.shape[1], dtype=torch.float32, device=device)
+    out[is_center] = enc.centers[positions[is_center] // enc.stride].float()
+    other = positions[~is_center]
+    row = other - other // enc.stride - 1  # non-center rank: minus the centers at or before it
+    if enc.latent_bits == 4:
+        z = dequantize_int4(enc.latents[row], enc.scales[row], enc.zeros[row])
+    else:
+        z = enc.latents[row].float()
+    out[~is_center] = z @ up.float() + _neighbor_mean(enc.centers, enc.neighbors[row])
+    return out
+
+
+# ------------------------------------------------------------------------------ bytes
+
+
+@dataclass(frozen=True)
+class ByteAccount:
+    """Bytes of one layer's history of ``n`` tokens, compressed and dense."""
+
+    n: int
+    centers: int
+    center_bytes: int  # raw centers
+    latent_bytes: int  # latents (+ int4 scales and mins)
+    index_bytes: int  # neighbour indices
+    dense_bytes: int
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.center_bytes + self.latent_bytes + self.index_bytes
+
+    @property
+    def stored_per_token(self) -> float:
+        return self.stored_bytes / self.n
+
+    @property
+    def dense_per_token(self) -> float:
+        return self.dense_bytes / self.n
+
+    @property
+    def ratio(self) -> float:
+        return self.stored_bytes / self.dense_bytes
+
+
+def stored_bytes_per_token(n: int, num_kv_heads: int, head_dim: int, latent_dim: int,
+                           center_ratio: float, neighbors: int, latent_bits: int,
+                           kv_bytes: int = 2) -> ByteAccount:
+    """What :func:`encode` stores for ``n`` tokens (matches ``DeltaKVEncoded.nbytes``)
+    against dense K and V of ``kv_bytes`` per element."""
+    n = _int_arg("n", n, minimum=1)
+    dim = 2 * _int_arg("num_kv_heads", num_kv_heads, 1) * _int_arg("head_dim", head_dim, 1)
+    r = _int_arg("deltakv_latent_dim", latent_dim, minimum=1)
+    k = _int_arg("deltakv_neighbors", neighbors, minimum=1)
+    bits = _latent_bits_arg(latent_bits)
+    kv_bytes = _int_arg("kv_bytes", kv_bytes, minimum=1)
+    c = num_centers(n, center_stride(center_ratio))
+    if bits == 4:
+        if r % QUANT_GROUP:
+            raise ValueError(f"deltakv_latent_dim must be a multiple of {QUANT_GROUP} for int4, got {r}")
+        per_latent = r // 2 + (r // QUANT_GROUP) * 2 * 2  # codes + f16 scale + f16 min
+    else:
+        per_latent = 2 * r
+    idx_bytes = torch.tensor([], dtype=_index_dtype(c)).element_size()
+    return ByteAccount(
+        n=n, centers=c, center_bytes=c * dim * kv_bytes, latent_bytes=(n - c) * per_latent,
+        index_bytes=(n - c) * k * idx_bytes, dense_bytes=n * dim * kv_bytes,
+    )
+
+
+# ---------------------------------------------------------------------------- fitting
+
+
+def residual_gram(res: torch.Tensor) -> torch.Tensor:
+    """``R^T R`` in float64 ``[D, D]``; sum these over calibration batches."""
+    _matrix_arg("residuals", res, "[N, D]")
+    r64 = res.double()
+    return r64.T @ r64
+
+
+def fit_down_up_from_gram(gram: torch.Tensor, latent_dim: int):
+    """Down/Up from an accumulated Gram matrix: its top-r eigenvectors are the top-r
+    right singular vectors of the stacked residuals (see :func:`fit_down_up`)."""
+    _matrix_arg("gram", gram, "[D, D]")
+    dim = gram.shape[0]
+    if gram.shape[1] != dim:
+        raise ValueError(f"gram must be square [D, D], got {tuple(gram.shape)}")
+    r = _int_arg("deltakv_latent_dim", latent_dim, minimum=1)
+    if r > dim:
+        raise ValueError(f"deltakv_latent_dim={r} exceeds the kv dim D={dim}")
+    g = gram.double()
+    _, vecs = torch.linalg.eigh((g + g.T) / 2)  # ascending eigenvalues
+    down = vecs[:, -r:].flip(-1).float().contiguous()  # [D, r], largest first
+    return down, down.T.contiguous()
+
+
+def fit_down_up(residuals: torch.Tensor, latent_dim: int):
+    """Fit ``Down [D, r]``, ``Up [r, D]`` (float32) minimising ``||R - R Down Up||_F``.
+
+    PCA/SVD of the residuals is the optimal linear solution (Eckart-Young): with
+    ``R = U S W^T``, ``Down = W_r`` (top-r right singular vectors) and ``Up = W_r^T``
+    reach the minimum ``sum_{i>r} s_i^2`` (uncentred: the codec has no bias term).
+    Computed from the float64 Gram ``R^T R``, which has the same eigenvectors.
+    """
+    return fit_down_up_from_gram(residual_gram(residuals), latent_dim)
+
+
+# ------------------------------------------------------------------------- checkpoint
+
+
+def save_checkpoint(path, layers: dict, meta: dict) -> None:
+    """Write ``{layer: (down, up)}`` to safetensors with metadata ``model_name``,
+    ``latent_dim``, ``center_ratio``, ``neighbors`` (other keys kept as strings)."""
+    from safetensors.torch import save_file
+
+    missing = [key for key in _META_TYPES if key not in meta]
+    if missing:
+        raise ValueError(f"checkpoint meta lacks {missing}; needs {list(_META_TYPES)}")
+    if not layers:
+        raise ValueError("layers is empty: nothing to save")
+    r = _int_arg("latent_dim", meta["latent_dim"], minimum=1)
+    tensors = {}
+    for layer, pair in layers.items():
+        layer = _int_arg("layer", layer)
+        down, up = pair
+        _matrix_arg(f"layer {layer} down", down, "[D, r]")
+        _matrix_arg(f"layer {layer} up", up, "[r, D]")
+        if down.shape[1] != r or tuple(up.shape) != (r, down.shape[0]):
+            raise ValueError(
+                f"layer {layer}: down {tuple(down.shape)} / up {tuple(up.shape)} do not "
+                f"match latent_dim={r}"
+            )
+        tensors[f"layers.{layer}.down"] = down.detach().float().contiguous().cpu()
+        tensors[f"layers.{layer}.up"] = up.detach().float().contiguous().cpu()
+    text = {str(key): str(value) for key, value in meta.items()}
+    text["format"] = CHECKPOINT_FORMAT
+    save_file(tensors, str(path), metadata=text)
+
+
+def load_checkpoint(path, device="cpu"):
+    """``({layer: (down, up)}, meta)`` with ``latent_dim``/``neighbors`` as int and
+    ``center_ratio`` as float."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt", device=str(device)) as f:
+        meta = dict(f.metadata() or {})
+        names = list(f.keys())
+        tensors = {name: f.get_tensor(name) for name in names}
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path}: not a DeltaKV checkpoint (format={meta.get('format')!r})")
+    for key, kind in _META_TYPES.items():
+        if key not in meta:
+            raise ValueError(f"{path}: metadata lacks {key!r}")
+        meta[key] = kind(meta[key])
+    layers = {}
+    for name in names:
+        prefix, layer, part = name.split(".")
+        if part == "down":
+            layers[int(layer)] = (tensors[name], tensors[f"{prefix}.{layer}.up"])
+    for layer, (down, up) in layers.items():
+        if down.shape[1] != meta["latent_dim"]:
+            raise ValueError(f"{path}: layer {layer} latent dim {down.shape[1]} != {meta['latent_dim']}")
+    return dict(sorted(layers.items())), meta
