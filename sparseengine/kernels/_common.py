@@ -1,8 +1,10 @@
 """Plumbing shared by the kernel modules: lazy Triton jit, launch checks, torch helpers.
 
-Kernels are jitted on their first launch, not at import: `triton.jit` reads
-TRITON_INTERPRET when it decorates, so a module imported before a test's conftest sets
-the variable still runs under the interpreter. Importing this package never needs Triton.
+Triton is imported at the first kernel launch, never at import: both `import triton`
+(its own jitted library functions) and `triton.jit` read TRITON_INTERPRET, so importing
+this package before a test's conftest sets the variable is harmless, and importing it
+needs no Triton at all. The kernel modules name `tl` only for type checkers;
+`LazyKernel` binds it in their globals before jitting.
 """
 from __future__ import annotations
 
@@ -38,7 +40,9 @@ class LazyKernel:
     def __getitem__(self, grid):
         if self._jitted is None:
             import triton
+            import triton.language
 
+            self.fn.__globals__["tl"] = triton.language
             self._jitted = triton.jit(self.fn)
         return self._jitted[grid]
 

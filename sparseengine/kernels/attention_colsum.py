@@ -18,16 +18,16 @@ computes the lse.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from . import _common
 from ._common import LOG2E, cdiv, check_cache, check_launch, lazy_jit, next_pow2
 from .paged_decode import MODE_DENSE, split_k_decode
 
-try:
+if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
-except ImportError:  # the references stay importable without Triton
-    tl = None
 
 
 def decode_colsum_ref(q, k_cache, v_cache, page_table, kv_lens, max_kv_len=None, scale=None):

@@ -12,15 +12,15 @@ block_size must be a power of two >= 16.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from . import _common
 from ._common import LOG2E, cdiv, check_launch, lazy_jit, next_pow2
 
-try:
+if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
-except ImportError:  # the references stay importable without Triton
-    tl = None
 
 
 def block_sparse_prefill_ref(q, k, v, block_mask, block_size=128, scale=None):

@@ -13,15 +13,15 @@ d/2 halves are two fp32 accumulators so RoPE is applied in registers before the 
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from . import _common
 from ._common import cdiv, check_launch, lazy_jit, next_pow2
 
-try:
+if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
-except ImportError:  # the references stay importable without Triton
-    tl = None
 
 
 def deltakv_rebuild_ref(z, up, mean, positions, cos, sin, num_kv_heads, out_dtype=None):

@@ -14,15 +14,15 @@ element is read once per pass and the max over heads stays in registers.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from . import _common
 from ._common import cdiv, check_cache, check_launch, lazy_jit, next_pow2
 
-try:
+if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
-except ImportError:  # the references stay importable without Triton
-    tl = None
 
 MODES = ("logits", "probs")
 

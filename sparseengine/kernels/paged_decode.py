@@ -11,15 +11,15 @@ page selections) and the H2O column sums (`attention_colsum.py`: it can store lo
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from . import _common
 from ._common import LOG2E, cdiv, check_cache, check_launch, lazy_jit, next_pow2
 
-try:
+if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
-except ImportError:  # the references stay importable without Triton
-    tl = None
 
 MODE_DENSE, MODE_TOKENS, MODE_PAGES = 0, 1, 2
 

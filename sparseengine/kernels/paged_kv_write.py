@@ -5,12 +5,12 @@ cast to the cache dtype.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ._common import check_launch, lazy_jit, next_pow2
 
-try:
+if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
-except ImportError:  # the references stay importable without Triton
-    tl = None
 
 
 def paged_kv_write_ref(k, v, k_cache, v_cache, slot_mapping) -> None:

@@ -13,15 +13,15 @@ grid; otherwise T bounds it with no device sync (CUDA-graph safe).
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from . import _common
 from ._common import LOG2E, cdiv, check_cache, check_launch, lazy_jit, next_pow2
 
-try:
+if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
-except ImportError:  # the references stay importable without Triton
-    tl = None
 
 
 def paged_prefill_ref(q, k_cache, v_cache, page_table, kv_lens, cu_q_lens, scale=None, return_lse=False):

@@ -18,15 +18,15 @@ decode; for a prefill chunk the next slot usually answers it at once).
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from . import _common
 from ._common import cdiv, check_launch, lazy_jit, next_pow2
 
-try:
+if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
-except ImportError:  # the references stay importable without Triton
-    tl = None
 
 
 def update_page_minmax_ref(k_cache, slot_mapping, kmax, kmin) -> None:

@@ -1,0 +1,64 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sparseengine.kernels import paged_prefill_ref, paged_prefill_triton
+from sparseengine.kernels.testing import CASES, assert_close, case_id, random_paged_kv, randn
+
+
+def _inputs(case, gen, device, dtype=torch.float32):
+    """Each request prefills a chunk at the end of its cache: first chunk, middle, 1 token."""
+    hq, hkv, d, ps, lens = case
+    kv = random_paged_kv(lens, hkv, d, ps, generator=gen, dtype=dtype, device=device)
+    q_lens = [n if b % 3 == 0 else max(1, min(n, [1, 19][b % 3 - 1])) for b, n in enumerate(lens)]
+    cu = torch.tensor([0] + q_lens, device=device).cumsum(0).int()
+    q = randn(int(cu[-1]), hq, d, generator=gen, dtype=dtype, device=device)
+    return q, kv, cu
+
+
+def dense_prefill(q, kv, cu):
+    g = q.shape[1] // kv.k_cache.shape[2]
+    out = []
+    for b in range(len(cu) - 1):
+        qb = q[int(cu[b]):int(cu[b + 1])].float().transpose(0, 1)  # [hq, m, d]
+        k, v = (x.float().repeat_interleave(g, 1).transpose(0, 1) for x in kv.dense(b))
+        m, n = qb.shape[1], k.shape[1]
+        mask = torch.arange(n, device=q.device)[None, :] <= (n - m + torch.arange(m, device=q.device))[:, None]
+        out.append(F.scaled_dot_product_attention(qb, k, v, attn_mask=mask).transpose(0, 1))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_ref_matches_dense(case, gen, device):
+    q, kv, cu = _inputs(case, gen, device)
+    out = paged_prefill_ref(q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, cu)
+    assert_close(out, dense_prefill(q, kv, cu), 1e-5)
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_triton_matches_ref(case, gen, device):
+    q, kv, cu = _inputs(case, gen, device)
+    args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, cu)
+    out_ref, lse_ref = paged_prefill_ref(*args, return_lse=True)
+    out, lse = paged_prefill_triton(*args, return_lse=True)
+    assert_close(out, out_ref, 1e-4, "out")
+    assert_close(lse, lse_ref, 1e-4, "lse")
+    max_q_len = int((cu[1:] - cu[:-1]).max())
+    assert_close(paged_prefill_triton(*args, max_q_len=max_q_len), out_ref, 1e-4, "max_q_len")
+
+
+def test_fp16(gen, device):
+    q, kv, cu = _inputs(CASES[2], gen, device, torch.float16)
+    args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, cu)
+    assert_close(paged_prefill_triton(*args), paged_prefill_ref(*args), 3e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_chunk_over_32k(gen):
+    lens = [32768, 4000, 700]
+    kv = random_paged_kv(lens, 8, 128, 16, generator=gen, dtype=torch.bfloat16, device="cuda")
+    cu = torch.tensor([0, 96, 96 + 4000, 96 + 4000 + 1], device="cuda").int()
+    q = randn(int(cu[-1]), 32, 128, generator=gen, dtype=torch.bfloat16, device="cuda")
+    args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, cu)
+    out = paged_prefill_triton(*args)
+    assert_close(out, dense_prefill(q, kv, cu).to(torch.bfloat16), 2e-2)

@@ -1,0 +1,96 @@
+import pytest
+import torch
+
+from sparseengine.kernels import (paged_kv_write_ref, quest_page_scores_ref, quest_page_scores_triton,
+                                  update_page_minmax_ref, update_page_minmax_triton)
+from sparseengine.kernels.testing import CASES, assert_close, case_id, random_paged_kv, randn
+
+
+def _nan_meta(kv):
+    n, _, hkv, d = kv.k_cache.shape
+    return torch.full((n, hkv, d), float("nan"), device=kv.k_cache.device)
+
+
+def _dense_minmax(kv, b):
+    """Per logical page of request b: channel max/min over its valid tokens."""
+    k, ps = kv.dense(b)[0], kv.page_size
+    pages = -(-k.shape[0] // ps)
+    return (torch.stack([k[p * ps:(p + 1) * ps].amax(0) for p in range(pages)]),
+            torch.stack([k[p * ps:(p + 1) * ps].amin(0) for p in range(pages)]))
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_update_page_minmax(case, gen, device):
+    hq, hkv, d, ps, lens = case
+    kv = random_paged_kv(lens, hkv, d, ps, generator=gen, device=device)
+    # step 1: "prefill" all but the last token of each request (slots in shuffled order)
+    prefix = torch.cat([kv.slots(b)[:-1] for b in range(len(lens))])
+    shuffled = prefix[torch.randperm(len(prefix), generator=gen).to(device)]
+    hi_ref, lo_ref, hi, lo = (_nan_meta(kv) for _ in range(4))
+    update_page_minmax_ref(kv.k_cache, prefix, hi_ref, lo_ref)
+    update_page_minmax_triton(kv.k_cache, torch.cat([shuffled, torch.tensor([-1], device=device)]), hi, lo)
+    assert_close(hi, hi_ref, 1e-6, "prefill max")
+    assert_close(lo, lo_ref, 1e-6, "prefill min")
+    # step 2: "decode" one token per request, written over fresh random values
+    last = torch.stack([kv.slots(b)[-1] for b in range(len(lens))])
+    new_k = randn(len(lens), hkv, d, generator=gen, device=device)
+    paged_kv_write_ref(new_k, new_k, kv.k_cache, kv.v_cache, last)
+    update_page_minmax_ref(kv.k_cache, last, hi_ref, lo_ref)
+    update_page_minmax_triton(kv.k_cache, last, hi, lo)
+    assert_close(hi, hi_ref, 1e-6, "decode max")
+    assert_close(lo, lo_ref, 1e-6, "decode min")
+    for b in range(len(lens)):
+        pages = kv.page_table[b, : -(-lens[b] // ps)].long()
+        dense_hi, dense_lo = _dense_minmax(kv, b)
+        assert torch.equal(hi_ref[pages], dense_hi) and torch.equal(lo_ref[pages], dense_lo)
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_page_scores(case, gen, device):
+    hq, hkv, d, ps, lens = case
+    g = hq // hkv
+    kv = random_paged_kv(lens, hkv, d, ps, generator=gen, device=device)
+    hi, lo = _nan_meta(kv), _nan_meta(kv)
+    for b in range(len(lens)):
+        pages = kv.page_table[b, : -(-lens[b] // ps)].long()
+        hi[pages], lo[pages] = _dense_minmax(kv, b)
+    q = randn(len(lens), hq, d, generator=gen, device=device)
+    args = (q, hi, lo, kv.page_table, kv.kv_lens, ps)
+    ref = quest_page_scores_ref(*args)
+    assert_close(quest_page_scores_triton(*args), ref, 1e-4)
+    # plainest check: a channel loop; and U bounds every q.k in the page
+    for b, n in enumerate(lens):
+        k = kv.dense(b)[0]
+        for h in range(hkv):
+            for p in range(-(-n // ps)):
+                kp = k[p * ps:(p + 1) * ps, h]
+                u = max(sum(max(q[b, j, c] * kp[:, c].max(), q[b, j, c] * kp[:, c].min()) for c in range(d))
+                        for j in range(h * g, (h + 1) * g))
+                assert abs(ref[b, h, p] - u) <= 1e-4 * abs(u) + 1e-5
+                assert ref[b, h, p] >= (q[b, h * g:(h + 1) * g] @ kp.T).max() - 1e-4
+        assert torch.isneginf(ref[b, :, -(-n // ps):]).all()
+
+
+@pytest.mark.gpu
+def test_gpu_32k(gen):
+    lens, hkv, d, ps = [32768, 5000], 8, 128, 16
+    kv = random_paged_kv(lens, hkv, d, ps, generator=gen, dtype=torch.bfloat16, device="cuda")
+    slots = torch.cat([kv.slots(b) for b in range(2)])
+    metas = [torch.zeros(kv.k_cache.shape[0], hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    update_page_minmax_ref(kv.k_cache, slots, metas[0], metas[1])
+    update_page_minmax_triton(kv.k_cache, slots, metas[2], metas[3])
+    assert torch.equal(metas[0], metas[2]) and torch.equal(metas[1], metas[3])
+    q = randn(2, 32, d, generator=gen, dtype=torch.bfloat16, device="cuda")
+    args = (q, metas[0], metas[1], kv.page_table, kv.kv_lens, ps)
+    assert_close(quest_page_scores_triton(*args), quest_page_scores_ref(*args), 1e-3)
+
+
+def test_page_scores_fp16(gen, device):
+    hq, hkv, d, ps, lens = CASES[1]
+    kv = random_paged_kv(lens, hkv, d, ps, generator=gen, dtype=torch.float16, device=device)
+    hi = torch.zeros(kv.k_cache.shape[0], hkv, d, dtype=torch.float16, device=device)
+    lo = hi.clone()
+    update_page_minmax_triton(kv.k_cache, torch.cat([kv.slots(b) for b in range(len(lens))]), hi, lo)
+    q = randn(len(lens), hq, d, generator=gen, dtype=torch.float16, device=device)
+    args = (q, hi, lo, kv.page_table, kv.kv_lens, ps)
+    assert_close(quest_page_scores_triton(*args), quest_page_scores_ref(*args), 1e-3)

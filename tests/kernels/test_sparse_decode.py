@@ -1,0 +1,110 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sparseengine.kernels import (sparse_decode_ref, sparse_decode_triton, sparse_page_decode_ref,
+                                  sparse_page_decode_triton)
+from sparseengine.kernels.testing import CASES, assert_close, case_id, random_paged_kv, randn
+
+
+def _inputs(case, gen, device, dtype=torch.float32):
+    hq, hkv, d, ps, lens = case
+    kv = random_paged_kv(lens, hkv, d, ps, generator=gen, dtype=dtype, device=device)
+    return randn(len(lens), hq, d, generator=gen, dtype=dtype, device=device), kv
+
+
+def _token_selection(lens, hkv, K, gen, device):
+    """Distinct ids per row; entries past num_selected are garbage that must be ignored."""
+    idx = torch.full((len(lens), hkv, K), 10**6, dtype=torch.int32)
+    num = torch.zeros(len(lens), hkv, dtype=torch.int32)
+    for b, n in enumerate(lens):
+        for h in range(hkv):
+            c = int(torch.randint(0, min(n, K) + 1, (1,), generator=gen)) if h else min(n, K)
+            idx[b, h, :c] = torch.randperm(n, generator=gen)[:c].int()
+            num[b, h] = c
+    return idx.to(device), num.to(device)
+
+
+def _page_selection(lens, hkv, ps, P, gen, device):
+    idx = torch.full((len(lens), hkv, P), -7, dtype=torch.int32)
+    num = torch.zeros(len(lens), hkv, dtype=torch.int32)
+    for b, n in enumerate(lens):
+        pages = -(-n // ps)
+        for h in range(hkv):
+            c = min(pages, P) if h == 0 else int(torch.randint(0, min(pages, P) + 1, (1,), generator=gen))
+            chosen = torch.randperm(pages, generator=gen)[:c]
+            if h == 0 and c:
+                chosen[0] = pages - 1  # the partial last page
+            idx[b, h, :c] = chosen.int()
+            num[b, h] = c
+    return idx.to(device), num.to(device)
+
+
+def dense_selected(q, kv, tokens_of):
+    B, hq, d = q.shape
+    hkv = kv.k_cache.shape[2]
+    g = hq // hkv
+    out = torch.zeros(B, hq, d, device=q.device)
+    for b in range(B):
+        k, v = kv.dense(b)
+        for h in range(hkv):
+            t = tokens_of(b, h)
+            if len(t):
+                qg = q[b, h * g:(h + 1) * g].float()[:, None]
+                out[b, h * g:(h + 1) * g] = F.scaled_dot_product_attention(
+                    qg, k[t, h].float()[None].expand(g, -1, -1), v[t, h].float()[None].expand(g, -1, -1))[:, 0]
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_tokens(case, gen, device):
+    q, kv = _inputs(case, gen, device)
+    lens = case[4]
+    idx, num = _token_selection(lens, case[1], 24, gen, device)
+    args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, idx, num)
+    out_ref, lse_ref = sparse_decode_ref(*args, return_lse=True)
+    assert_close(out_ref, dense_selected(q, kv, lambda b, h: idx[b, h, :num[b, h]].long()), 1e-5, "ref")
+    out, lse = sparse_decode_triton(*args, return_lse=True, kv_chunk=16)
+    assert_close(out, out_ref, 1e-4, "out")
+    assert_close(lse, lse_ref, 1e-4, "lse")
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_pages(case, gen, device):
+    q, kv = _inputs(case, gen, device)
+    hq, hkv, d, ps, lens = case
+    idx, num = _page_selection(lens, hkv, ps, 5, gen, device)
+    args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, idx, num)
+    out_ref, lse_ref = sparse_page_decode_ref(*args, return_lse=True)
+
+    def tokens_of(b, h):
+        t = (idx[b, h, :num[b, h]].long()[:, None] * ps + torch.arange(ps, device=device)).flatten()
+        return t[t < lens[b]]
+
+    assert_close(out_ref, dense_selected(q, kv, tokens_of), 1e-5, "ref")
+    out, lse = sparse_page_decode_triton(*args, return_lse=True, kv_chunk=16)
+    assert_close(out, out_ref, 1e-4, "out")
+    assert_close(lse, lse_ref, 1e-4, "lse")
+
+
+def test_full_selection_is_dense(gen, device):
+    from sparseengine.kernels import paged_decode_ref
+
+    q, kv = _inputs(CASES[1], gen, device)
+    lens, hkv = CASES[1][4], CASES[1][1]
+    K = max(lens)
+    idx = torch.arange(K, device=device, dtype=torch.int32).expand(len(lens), hkv, K).contiguous()
+    num = torch.tensor(lens, device=device, dtype=torch.int32)[:, None].expand(-1, hkv).contiguous()
+    args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens)
+    assert_close(sparse_decode_triton(*args, idx, num), paged_decode_ref(*args), 1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_32k(gen):
+    lens, hkv = [32768, 20000], 8
+    q, kv = _inputs((32, hkv, 128, 16, lens), gen, "cuda", torch.bfloat16)
+    idx, num = _token_selection(lens, hkv, 2048, gen, "cuda")
+    pidx, pnum = _page_selection(lens, hkv, 16, 128, gen, "cuda")
+    base = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens)
+    assert_close(sparse_decode_triton(*base, idx, num), sparse_decode_ref(*base, idx, num), 2e-2)
+    assert_close(sparse_page_decode_triton(*base, pidx, pnum), sparse_page_decode_ref(*base, pidx, pnum), 2e-2)
