@@ -9,6 +9,8 @@ import pytest
 import torch
 
 os.environ.setdefault("WANDB_MODE", "offline")
+if not torch.cuda.is_available():  # Triton kernels run interpreted; must precede any triton import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 

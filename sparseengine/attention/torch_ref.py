@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from sparseengine.attention.provider import AttentionProvider
-from sparseengine.engine.step_context import LayerView, ScoreRows, Selection, StepContext
+from sparseengine.engine.step_context import BlockMask, LayerView, ScoreRows, Selection, StepContext
 
 
 def token_slots(page_table_row: torch.Tensor, length: int, page_size: int) -> torch.Tensor:
@@ -30,8 +30,9 @@ class TorchAttentionProvider(AttentionProvider):
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[keep].to(v_cache.dtype))
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext,
-               view: LayerView, selection: Selection | None, score_rows: ScoreRows | None):
-        if ctx.is_decode and selection is None and score_rows is None:
+               view: LayerView, selection: Selection | None, score_rows: ScoreRows | None,
+               block_mask: BlockMask | None = None):
+        if ctx.is_decode and selection is None and score_rows is None and block_mask is None:
             return self._decode_batched(q, k_cache, v_cache, view), None
         page_size = k_cache.shape[1]
         kc = k_cache.view(-1, *k_cache.shape[2:])
@@ -44,7 +45,8 @@ class TorchAttentionProvider(AttentionProvider):
             qb = q[start:start + q_len]
             rows = score_rows.rows[b] if score_rows is not None else 0
             selected = selection is not None and not selection.dense[b]
-            if selected and q_len == 1 and rows == 0:  # read only the selected tokens
+            blocked = block_mask is not None and block_mask.masks[b] is not None
+            if selected and q_len == 1 and rows == 0 and not blocked:  # read only the selected tokens
                 out[start] = self._selected_decode(qb[0], kc, vc, view.page_table[b], page_size,
                                                    selection.token_indices[b], selection.num_selected[b])
                 if colsums is not None:
@@ -60,10 +62,11 @@ class TorchAttentionProvider(AttentionProvider):
                 valid = torch.arange(idx.shape[-1], device=q.device)[None, :] < n_sel[:, None]
                 heads = torch.arange(idx.shape[0], device=q.device)[:, None].expand_as(idx)
                 allowed[heads[valid], idx[valid]] = True
+            row_allowed = block_mask.token_mask(b, q_len, length) if blocked else None
             if allowed is None and rows == 0:
-                out[start:start + q_len] = self._sdpa(qb, k, v, length)
+                out[start:start + q_len] = self._sdpa(qb, k, v, length, row_allowed)
             else:
-                o, p = self._explicit(qb, k, v, length, allowed)
+                o, p = self._explicit(qb, k, v, length, allowed, row_allowed)
                 out[start:start + q_len] = o
                 if colsums is not None:
                     g = qb.shape[1] // k.shape[1]
@@ -90,16 +93,19 @@ class TorchAttentionProvider(AttentionProvider):
         qpos = torch.arange(length - q_len, length, device=device)[:, None]
         return torch.arange(length, device=device)[None, :] <= qpos  # [q_len, length]
 
-    def _sdpa(self, q, k, v, length):
+    def _sdpa(self, q, k, v, length, row_allowed=None):
+        """``row_allowed [Hq, q_len, length]``: a per-row mask (block-sparse prefill) that
+        already holds the causal rule; None: plain causal."""
         q_len = q.shape[0]
-        mask = self._causal_mask(q_len, length, q.device)
+        mask = self._causal_mask(q_len, length, q.device)[None] if row_allowed is None else row_allowed
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            attn_mask=mask[None, None], enable_gqa=True)
+            attn_mask=mask[None], enable_gqa=True)
         return o[0].transpose(0, 1)
 
-    def _explicit(self, q, k, v, length, allowed):
-        """-> out [q_len, Hq, d], probs [Hq, q_len, length] (float32)."""
+    def _explicit(self, q, k, v, length, allowed, row_allowed=None):
+        """-> out [q_len, Hq, d], probs [Hq, q_len, length] (float32). ``allowed [Hkv, length]``:
+        a selection shared by the rows; ``row_allowed [Hq, q_len, length]``: a per-row mask."""
         q_len, hq, d = q.shape
         g = hq // k.shape[1]
         kk = k.float().repeat_interleave(g, dim=1)  # [L, Hq, d]
@@ -108,6 +114,8 @@ class TorchAttentionProvider(AttentionProvider):
         mask = self._causal_mask(q_len, length, q.device)[None]
         if allowed is not None:
             mask = mask & allowed.repeat_interleave(g, dim=0)[:, None, :]
+        if row_allowed is not None:
+            mask = mask & row_allowed
         s = s.masked_fill(~mask, float("-inf"))
         p = torch.softmax(s, dim=-1)
         o = torch.einsum("hql,lhd->qhd", p, vv)

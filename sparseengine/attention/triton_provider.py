@@ -1,0 +1,67 @@
+"""The Triton provider: paged KV write, split-K decode, sparse decode over selections,
+decode with column sums, chunked prefill over the paged cache, and SnapKV window column
+sums. CUDA in production; under ``TRITON_INTERPRET=1`` the same kernels run on a CPU."""
+
+from __future__ import annotations
+
+import torch
+
+from sparseengine import kernels
+from sparseengine.attention.provider import AttentionProvider
+from sparseengine.engine.step_context import LayerView, ScoreRows, Selection, StepContext
+
+
+class TritonAttentionProvider(AttentionProvider):
+    name = "triton"
+
+    def write_kv(self, k_cache, v_cache, k, v, slot_mapping):
+        kernels.paged_kv_write_triton(k, v, k_cache, v_cache, slot_mapping)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext,
+               view: LayerView, selection: Selection | None, score_rows: ScoreRows | None):
+        table, lens = view.page_table, view.kv_lens
+        max_len = max(view.kv_lens_list)
+        if ctx.is_decode:
+            if score_rows is not None:
+                out, colsum = kernels.decode_colsum_triton(q, k_cache, v_cache, table, lens, max_kv_len=max_len)
+                colsums = [colsum[b, :, :n] for b, n in enumerate(view.kv_lens_list)]
+            else:
+                out, colsums = None, None
+            if selection is not None:
+                sparse = kernels.sparse_decode_triton(q, k_cache, v_cache, table, lens,
+                                                      selection.token_indices, selection.num_selected)
+                if out is None and any(selection.dense):
+                    out = kernels.paged_decode_triton(q, k_cache, v_cache, table, lens)
+                dense_rows = torch.tensor(selection.dense, device=q.device)[:, None, None]
+                out = sparse if out is None else torch.where(dense_rows, out, sparse)
+            elif out is None:
+                out = kernels.paged_decode_triton(q, k_cache, v_cache, table, lens)
+            return out, colsums
+        out = kernels.paged_prefill_triton(q, k_cache, v_cache, table, lens, ctx.cu_q_lens,
+                                           max_q_len=max(ctx.q_lens))
+        if selection is not None:  # decode rows of a mixed batch read only their selection
+            rows = [int(c) for c in ctx.cu_q_lens[1:].tolist()]
+            last = torch.tensor([r - 1 for r in rows], device=q.device)
+            sparse = kernels.sparse_decode_triton(q[last], k_cache, v_cache, table, lens,
+                                                  selection.token_indices, selection.num_selected)
+            use = torch.tensor([not d and n == 1 for d, n in zip(selection.dense, ctx.q_lens)], device=q.device)
+            out[last] = torch.where(use[:, None, None], sparse, out[last])
+        colsums = None
+        if score_rows is not None:
+            colsums = []
+            for window in sorted(set(score_rows.rows)):
+                if window == 0:
+                    continue
+                cs = kernels.prefill_window_colsum_triton(q, k_cache, table, lens, ctx.cu_q_lens, window,
+                                                          max_kv_len=max_len)
+                colsums.append((window, cs))
+            colsums = [self._pick(colsums, w, b, n, k_cache.shape[2])
+                       for b, (w, n) in enumerate(zip(score_rows.rows, view.kv_lens_list))]
+        return out, colsums
+
+    @staticmethod
+    def _pick(by_window, window, b, length, hkv):
+        for w, cs in by_window:
+            if w == window:
+                return cs[b, :, :length]
+        return torch.zeros(hkv, length, device=by_window[0][1].device if by_window else "cpu")
