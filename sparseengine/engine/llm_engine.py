@@ -11,12 +11,13 @@ import torch
 from sparseengine.attention.provider import make_provider
 from sparseengine.config import Config, ConfigError
 from sparseengine.engine.cache_manager import CacheManager
+from sparseengine.engine.cuda_graphs import DecodeGraphs
 from sparseengine.engine.kv_cache import KVCache, page_bytes
 from sparseengine.engine.model_runner import ModelRunner
 from sparseengine.engine.outputs import RequestOutput
 from sparseengine.engine.page_allocator import PageAllocator
 from sparseengine.engine.scheduler import Scheduler, SchedulerConfig
-from sparseengine.engine.sequence import Sequence
+from sparseengine.engine.sequence import Sequence, SequenceStatus
 from sparseengine.layers.sampler import Sampler
 from sparseengine.method_registry import get_spec, resolve_prefill_policy
 from sparseengine.methods.base import MethodStack
@@ -59,7 +60,13 @@ class LLM:
         if cfg.prefill_sparse_method != "none":
             prefill = get_spec(cfg.prefill_sparse_method, "prefill").runtime(cfg, mc, self.cache)
             self.method = MethodStack(prefill, self.method)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.provider, self.method, self.device, cfg.page_size)
+        graphs = None
+        if self.device.type == "cuda" and not cfg.enforce_eager and self.provider.name != "torch":
+            graphs = DecodeGraphs(self.model, self.kv_cache, self.provider, self.method, self.device,
+                                  max_batch=cfg.max_num_seqs,
+                                  max_pages=-(-(self.max_model_len + 1) // cfg.page_size))
+        self.runner = ModelRunner(self.model, self.kv_cache, self.provider, self.method, self.device,
+                                  cfg.page_size, graphs)
         self.sampler = Sampler()
         self._closed = False
 
@@ -120,7 +127,13 @@ class LLM:
 
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 apply_chat_template: bool = False, use_tqdm: bool = False) -> list[RequestOutput]:
+                 apply_chat_template: bool = False, use_tqdm: bool = False,
+                 prefill: str = "real") -> list[RequestOutput]:
+        """``prefill="synthesized"`` (decode benchmarks): skip the prompt's forward pass and
+        fill the KV directly with random values at the lengths the method would hold after
+        a real prefill; the prompt's last token stands in for the first output token."""
+        if prefill not in ("real", "synthesized"):
+            raise ConfigError(f"Invalid prefill={prefill!r}. Valid values: real, synthesized")
         if self._closed:
             raise RuntimeError("this LLM has been closed")
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
@@ -140,6 +153,8 @@ class LLM:
                 self.scheduler.finish(seq, "error", error=error)
             elif p.max_tokens == 0:
                 self.scheduler.finish(seq, "length")
+            elif prefill == "synthesized":
+                self._synthesize(seq)
             else:
                 self.scheduler.add(seq)
         progress = None
@@ -153,6 +168,34 @@ class LLM:
         if progress is not None:
             progress.close()
         return [self._output(seq, prompt) for seq, prompt in zip(seqs, prompts)]
+
+    def kv_tokens_needed(self, prompt_tokens: int, output_tokens: int) -> int:
+        """Cache slots one request needs at most (method-aware): its pages in the pool."""
+        return self.method.max_cache_tokens(prompt_tokens, output_tokens)
+
+    @torch.inference_mode()
+    def _synthesize(self, seq: Sequence) -> None:
+        lens = self.method.cache_lens_after_prefill(seq.num_prompt_tokens)
+        need = -(-self.kv_tokens_needed(seq.num_prompt_tokens, seq.sampling_params.max_tokens)
+                 // self.config.page_size)
+        if not self.allocator.can_allocate(need):
+            raise ConfigError(f"synthesized request needs {need} KV pages, {self.allocator.num_free} free "
+                              f"of {self.allocator.num_pages}: the batch does not fit")
+        seq.page_table = self.allocator.allocate(-(-max(lens) // self.config.page_size))
+        pages = torch.tensor(seq.page_table, device=self.device)
+        gen = torch.Generator(device=self.device).manual_seed(self.config.seed + seq.seq_id)
+        for layer in range(self.model_config.num_layers):
+            for cache in self.kv_cache.layer(layer):
+                fill = torch.randn((len(seq.page_table), *cache.shape[1:]), generator=gen, device=self.device,
+                                   dtype=cache.dtype)
+                cache[pages] = fill
+        seq.layer_lens = list(lens)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.output_token_ids.append(seq.prompt_token_ids[-1])
+        seq.first_token_time = time.perf_counter()
+        seq.status = SequenceStatus.RUNNING
+        self.scheduler.running.append(seq)
+        self.method.init_synthetic(seq)
 
     def prompt_logits(self, prompts: Seq[str | list[int]]) -> list[torch.Tensor]:
         """The float32 logits at every prompt position [n, vocab], computed by the engine's

@@ -7,11 +7,13 @@ import torch
 
 from sparseengine.engine.scheduler import ScheduledBatch
 from sparseengine.engine.sequence import Sequence
+from sparseengine.engine.cuda_graphs import DecodeGraphs
 from sparseengine.engine.step_context import LayerView, StepContext, set_step_context
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache, provider, method, device: torch.device, page_size: int) -> None:
+    def __init__(self, model, kv_cache, provider, method, device: torch.device, page_size: int,
+                 graphs: "DecodeGraphs | None" = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.provider = provider
@@ -19,6 +21,20 @@ class ModelRunner:
         self.device = device
         self.page_size = page_size
         self.num_layers = model.config.num_layers
+        self.graphs = graphs
+        self.graph_steps = 0
+
+    def _graph_decode(self, seqs: list[Sequence], ids: list[int], pos: list[int]) -> torch.Tensor:
+        ps = self.page_size
+        starts = np.array([s.layer_lens for s in seqs], dtype=np.int64).T  # [L, B]
+        width = max(len(s.page_table) for s in seqs)
+        table = np.zeros((len(seqs), width), dtype=np.int32)
+        for b, s in enumerate(seqs):
+            table[b, : len(s.page_table)] = s.page_table
+        pages = table[np.arange(len(seqs))[None, :], starts // ps]  # [L, B]
+        slots = pages.astype(np.int64) * ps + starts % ps
+        self.graph_steps += 1
+        return self.graphs.run(ids, pos, slots, (starts + 1).astype(np.int32), table)
 
     def _views(self, seqs: list[Sequence], q_lens: list[int]) -> list[LayerView]:
         ps = self.page_size
@@ -55,12 +71,16 @@ class ModelRunner:
         offset = 0
         for seq, n in zip(seqs, q_lens):
             start = seq.num_computed_tokens
-            ids.extend(seq.all_token_ids[start:start + n])
+            ids.extend(seq.token_slice(start, n))
             pos.extend(self.method.positions(seq, start, n))
             offset += n
             if start + n == seq.num_tokens:
                 sample_rows.append(offset - 1)
                 sample_seqs.append(seq)
+        if (self.graphs is not None and batch.is_pure_decode and not self.method.wants_forward_hooks(seqs)
+                and self.graphs.bucket(len(seqs)) is not None):
+            self.method.begin_step_graph(seqs)
+            return seqs, self._graph_decode(seqs, ids, pos)
         cu = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)
         ctx = StepContext(

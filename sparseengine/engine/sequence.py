@@ -47,6 +47,14 @@ class Sequence:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, n: int) -> list[int]:
+        """Tokens start..start+n-1 of prompt + outputs, without concatenating the two."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p:start - p + n]
+        head = self.prompt_token_ids[start:start + n]
+        return head + self.output_token_ids[: n - len(head)] if len(head) < n else head
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -6,6 +6,8 @@ Typed, frozen views at the boundary between cache state and attention:
 - ``ScoreRows``: how many of each request's last query rows must report the attention
   probability mass every cached token received (column sums), from the attention the
   step computes anyway.
+- ``BlockMask``: block-sparse causal attention for prefill rows: which key blocks each
+  query block of each query head computes.
 """
 
 from __future__ import annotations
@@ -59,6 +61,41 @@ class ScoreRows:
     """rows[b]: report column sums over the last rows[b] query rows of request b."""
 
     rows: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BlockMask:
+    """Block-sparse causal attention for the prefill rows of a step.
+
+    The cache index space is cut into blocks of ``block_size`` (block j holds cache indices
+    ``[j * block_size, (j + 1) * block_size)``). Request b's ``q_len`` rows sit at cache
+    indices ``kv_len - q_len .. kv_len - 1``; its first query block is
+    ``f = (kv_len - q_len) // block_size``. ``masks[b]`` is a bool tensor
+    ``[Hq, (kv_len - 1) // block_size - f + 1, ceil(kv_len / block_size)]``: the row at
+    cache index p of query head h reads key t iff ``t <= p`` and (``t // block_size ==
+    p // block_size``, the diagonal block, always computed, or
+    ``masks[b][h, p // block_size - f, t // block_size]``). ``masks[b]`` None: dense causal
+    (decode rows, short prompts). With every entry True it is exactly dense causal."""
+
+    block_size: int
+    masks: tuple[torch.Tensor | None, ...]
+
+    def token_mask(self, b: int, q_len: int, kv_len: int) -> torch.Tensor | None:
+        """``[Hq, q_len, kv_len]`` bool: the cached tokens each of request b's rows reads
+        (causal rule included), or None for a dense request."""
+        m = self.masks[b]
+        if m is None:
+            return None
+        bs, first = self.block_size, (kv_len - q_len) // self.block_size
+        n_q, n_k = (kv_len - 1) // bs - first + 1, -(-kv_len // bs)
+        if m.dim() != 3 or tuple(m.shape[1:]) != (n_q, n_k):
+            raise ValueError(f"BlockMask.masks[{b}] must be [Hq, {n_q}, {n_k}] for q_len={q_len}, "
+                             f"kv_len={kv_len}, block_size={bs}; got {tuple(m.shape)}")
+        pos = torch.arange(kv_len - q_len, kv_len, device=m.device)
+        keys = torch.arange(kv_len, device=m.device)
+        qb, kb = pos // bs, keys // bs
+        allowed = m[:, (qb - first)[:, None], kb[None, :]] | (qb[:, None] == kb[None, :])
+        return allowed & (keys[None, :] <= pos[:, None])
 
 
 @dataclass

@@ -25,8 +25,10 @@ class Attention(nn.Module):
         k_cache, v_cache = ctx.kv_cache.layer(layer)
         ctx.provider.write_kv(k_cache, v_cache, k, v, view.slot_mapping)
         selection = ctx.method.select(layer, q, ctx)
+        block_mask = ctx.method.block_mask(layer, q, ctx)
         score_rows = ctx.method.score_rows(layer, ctx)
-        out, scores = ctx.provider.attend(q, k_cache, v_cache, ctx, view, selection, score_rows)
+        extra = {} if block_mask is None else {"block_mask": block_mask}
+        out, scores = ctx.provider.attend(q, k_cache, v_cache, ctx, view, selection, score_rows, **extra)
         if score_rows is not None:
             ctx.method.observe(layer, q, scores, ctx)
         return out

@@ -4,6 +4,7 @@ The engine calls these hooks and never asks which method it runs:
 - ``begin_step(ctx)``: once per step, before the forward.
 - ``positions(seq, start, n)``: RoPE positions of the step's new tokens (default: logical).
 - ``select(layer, q, ctx)``: the cache tokens each (request, KV head) may read, or None.
+- ``block_mask(layer, q, ctx)``: block-sparse causal attention for prefill rows, or None.
 - ``score_rows(layer, ctx)``: which query rows must report column sums, or None.
 - ``observe(layer, q, colsums, ctx)``: receives those column sums.
 - ``finish_step(batch)``: evictions and compactions after the step; pages that no layer
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from sparseengine.engine.cache_manager import CacheManager
     from sparseengine.engine.scheduler import ScheduledBatch
     from sparseengine.engine.sequence import Sequence
-    from sparseengine.engine.step_context import ScoreRows, Selection, StepContext
+    from sparseengine.engine.step_context import BlockMask, ScoreRows, Selection, StepContext
     from sparseengine.models.model_config import ModelConfig
 
 
@@ -51,10 +52,25 @@ class SparseMethodRuntime:
                                if not s.is_decoding and s.num_computed_tokens + n == s.num_tokens]
         self.decoding = [s for s in ctx.seqs if s.is_decoding]
 
+    def wants_forward_hooks(self, seqs: list["Sequence"]) -> bool:
+        """Does a pure-decode step of these requests need select/score_rows/observe inside
+        the forward? If not, it may replay a CUDA graph. Default: yes when the method
+        overrides either hook."""
+        cls = type(self)
+        return cls.select is not SparseMethodRuntime.select or cls.score_rows is not SparseMethodRuntime.score_rows
+
+    def begin_step_graph(self, seqs: list["Sequence"]) -> None:
+        """``begin_step`` for a pure-decode step that replays a CUDA graph."""
+        self.prefill_ending = []
+        self.decoding = list(seqs)
+
     def positions(self, seq: "Sequence", start: int, n: int) -> range:
         return range(start, start + n)
 
     def select(self, layer: int, q: torch.Tensor, ctx: "StepContext") -> "Selection | None":
+        return None
+
+    def block_mask(self, layer: int, q: torch.Tensor, ctx: "StepContext") -> "BlockMask | None":
         return None
 
     def score_rows(self, layer: int, ctx: "StepContext") -> "ScoreRows | None":
@@ -71,6 +87,26 @@ class SparseMethodRuntime:
 
     def cache_tokens_needed(self, prompt_tokens: int) -> int:
         return prompt_tokens
+
+    def cache_lens_after_prefill(self, prompt_tokens: int) -> list[int]:
+        """Tokens each layer holds right after a real prefill of this many tokens: what a
+        synthesised prefill (decode benchmarks) must reproduce."""
+        return [prompt_tokens] * self.model.num_layers
+
+    def max_cache_tokens(self, prompt_tokens: int, output_tokens: int) -> int:
+        """The most tokens any layer holds while generating: pages one request needs."""
+        return max(self.cache_lens_after_prefill(prompt_tokens)) + output_tokens
+
+    def init_synthetic(self, seq: "Sequence") -> None:
+        """Per-request state a real prefill would have left (e.g. accumulated scores)."""
+
+    def tokens_read(self, seq: "Sequence") -> list[int]:
+        """Cache tokens one decode step reads per layer (and KV head): the roofline's KV term."""
+        return list(seq.layer_lens)
+
+    def metadata_bytes_read(self, seq: "Sequence", kv_bytes_per_token_layer: int) -> int:
+        """Bytes of method metadata one decode step reads (page bounds, scores...)."""
+        return 0
 
     def kv_tokens(self, seq: "Sequence") -> float:
         """Tokens held per layer and KV head (mean over layers)."""
@@ -92,11 +128,25 @@ class MethodStack(SparseMethodRuntime):
     def positions(self, seq, start, n):
         return self.parts[1].positions(seq, start, n)
 
+    def wants_forward_hooks(self, seqs):
+        return any(p.wants_forward_hooks(seqs) for p in self.parts)
+
+    def begin_step_graph(self, seqs):
+        for p in self.parts:
+            p.begin_step_graph(seqs)
+
     def select(self, layer, q, ctx):
         for p in self.parts:
             sel = p.select(layer, q, ctx)
             if sel is not None:
                 return sel
+        return None
+
+    def block_mask(self, layer, q, ctx):
+        for p in self.parts:
+            mask = p.block_mask(layer, q, ctx)
+            if mask is not None:
+                return mask
         return None
 
     def score_rows(self, layer, ctx):
@@ -125,3 +175,18 @@ class MethodStack(SparseMethodRuntime):
 
     def kv_tokens(self, seq):
         return self.parts[1].kv_tokens(seq)
+
+    def cache_lens_after_prefill(self, prompt_tokens):
+        return self.parts[1].cache_lens_after_prefill(prompt_tokens)
+
+    def tokens_read(self, seq):
+        return self.parts[1].tokens_read(seq)
+
+    def metadata_bytes_read(self, seq, kv_bytes_per_token_layer):
+        return self.parts[1].metadata_bytes_read(seq, kv_bytes_per_token_layer)
+
+    def max_cache_tokens(self, prompt_tokens, output_tokens):
+        return self.parts[1].max_cache_tokens(prompt_tokens, output_tokens)
+
+    def init_synthetic(self, seq):
+        self.parts[1].init_synthetic(seq)

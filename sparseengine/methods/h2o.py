@@ -22,6 +22,19 @@ class H2O(SparseMethodRuntime):
         self.interval = int(self.knob("h2o_decode_interval"))
         self._rows: ScoreRows | None = None
 
+    def cache_lens_after_prefill(self, n: int) -> list[int]:
+        return [min(n, self.total)] * self.model.num_layers
+
+    def max_cache_tokens(self, n: int, output_tokens: int) -> int:
+        return min(n + output_tokens, self.total + self.interval)
+
+    def init_synthetic(self, seq) -> None:
+        k_cache, _ = self.cache.kv.layer(0)
+        self.cache.state(seq)["h2o_acc"] = {
+            l: torch.rand(self.model.num_kv_heads, n, device=k_cache.device)
+            for l, n in enumerate(seq.layer_lens)}
+        self.cache.state(seq)["decode_steps"] = 0
+
     def begin_step(self, ctx) -> None:
         super().begin_step(ctx)
         self._rows = ScoreRows(tuple(ctx.q_lens))

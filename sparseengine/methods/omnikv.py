@@ -68,6 +68,10 @@ class OmniKV(SparseMethodRuntime):
             return None
         return Selection.from_lists(self._chosen, self.model.num_kv_heads, q.device)
 
+    def tokens_read(self, seq) -> list[int]:
+        dense = set(self.filters) | set(range(self.filters[0]))
+        return [n if l in dense else min(n, self.total) for l, n in enumerate(seq.layer_lens)]
+
     def _choose(self, layer, q, ctx) -> list[torch.Tensor | None]:
         cfg, out, start = self.config, [], 0
         for seq, n in zip(ctx.seqs, ctx.q_lens):

@@ -41,6 +41,15 @@ class Quest(SparseMethodRuntime):
             return None
         return Selection.from_lists(chosen, self.model.num_kv_heads, q.device)
 
+    def tokens_read(self, seq) -> list[int]:
+        cap = self.config.sink_tokens + self.config.recent_tokens + max(3 * self.page, self.config.budget) + 2 * self.page
+        return [n if l < self.skip else min(n, cap) for l, n in enumerate(seq.layer_lens)]
+
+    def metadata_bytes_read(self, seq, kv_bytes_per_token_layer: int) -> int:
+        # per page and KV head: float32 channel max and min (2 x d x 4 bytes), i.e. twice a
+        # bf16 token's K+V (2 x d x 2 bytes)
+        return sum(-(-n // self.page) * 2 * kv_bytes_per_token_layer for n in seq.layer_lens[self.skip:])
+
     def _metadata(self, seq, layer: int, length: int):
         """Per-page key max/min, extended with the tokens appended since the last call."""
         meta = self.cache.state(seq).setdefault("quest", {})

@@ -37,6 +37,17 @@ class SnapKV(SparseMethodRuntime):
     def compresses(self, n: int) -> bool:
         return n > self.total
 
+    def cache_lens_after_prefill(self, n: int) -> list[int]:
+        cfg, tail = self.config, max(self.config.recent_tokens, self.window)
+        if not self.compresses(n) or cfg.sink_tokens + tail >= n:
+            return [n] * self.model.num_layers
+        return [cfg.sink_tokens + min(self.layer_budget(l, n), n - tail - cfg.sink_tokens) + tail
+                for l in range(self.model.num_layers)]
+
+    def max_cache_tokens(self, n: int, output_tokens: int) -> int:
+        grow = max(self.cache_lens_after_prefill(n)) + output_tokens
+        return min(grow, max(self.cache_lens_after_prefill(n)) + self.interval) if self.decode_eviction else grow
+
     # ---- which rows report column sums ------------------------------------------------
     def begin_step(self, ctx) -> None:
         super().begin_step(ctx)
@@ -56,6 +67,13 @@ class SnapKV(SparseMethodRuntime):
 
     def score_rows(self, layer, ctx):
         return self._rows
+
+    def wants_forward_hooks(self, seqs) -> bool:
+        return self.decode_eviction
+
+    def begin_step_graph(self, seqs) -> None:
+        super().begin_step_graph(seqs)
+        self._rows = None
 
     def observe(self, layer, q, colsums, ctx) -> None:
         for seq, rows, cs in zip(ctx.seqs, self._rows.rows, colsums):

@@ -28,6 +28,12 @@ class StreamingLLM(SparseMethodRuntime):
     def total(self) -> int:
         return self.config.sink_tokens + self.config.recent_tokens
 
+    def cache_lens_after_prefill(self, n: int) -> list[int]:
+        return [min(n, self.total)] * self.model.num_layers
+
+    def max_cache_tokens(self, n: int, output_tokens: int) -> int:
+        return min(n + output_tokens, self.total + 1)
+
     def positions(self, seq, start, n):
         if not self.rerotate:
             return range(start, start + n)

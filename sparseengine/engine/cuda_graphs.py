@@ -1,0 +1,82 @@
+"""Decode CUDA graphs over batch-size buckets (1, 2, 4, 8, then every 16).
+
+A graph is captured lazily per bucket for pure-decode steps whose method asks for no
+per-layer hooks in the forward (dense layers read the whole cache). Inputs live in static
+buffers: token ids, positions, per-layer slot mappings and lengths, and a page table as
+wide as ``max_model_len`` needs, so a replay never depends on the batch's lengths.
+Padding rows write nowhere (slot -1) and read one token of page 0.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from sparseengine.engine.step_context import LayerView, StepContext, set_step_context
+
+
+def buckets(max_batch: int) -> list[int]:
+    sizes = [b for b in (1, 2, 4, 8) if b <= max_batch] + list(range(16, max_batch + 1, 16))
+    if sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return sizes
+
+
+class DecodeGraphs:
+    def __init__(self, model, kv_cache, provider, method, device, max_batch: int, max_pages: int) -> None:
+        self.model, self.kv_cache, self.provider, self.method = model, kv_cache, provider, method
+        self.device = device
+        self.sizes = buckets(max_batch)
+        top, layers = self.sizes[-1], model.config.num_layers
+        self.ids = torch.zeros(top, dtype=torch.long, device=device)
+        self.positions = torch.zeros(top, dtype=torch.long, device=device)
+        self.slots = torch.full((layers, top), -1, dtype=torch.long, device=device)
+        self.lens = torch.ones((layers, top), dtype=torch.int32, device=device)
+        self.table = torch.zeros((top, max_pages), dtype=torch.int32, device=device)
+        self.cu = torch.arange(top + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+
+    def bucket(self, batch: int) -> int | None:
+        return next((b for b in self.sizes if b >= batch), None)
+
+    def _context(self, size: int) -> StepContext:
+        layers = self.model.config.num_layers
+        views = [LayerView(self.slots[l, :size], self.lens[l, :size], (1,) * size, self.table[:size])
+                 for l in range(layers)]
+        return StepContext(seqs=[None] * size, q_lens=(1,) * size, cu_q_lens=self.cu[: size + 1], is_decode=True,
+                           views=views, kv_cache=self.kv_cache, provider=self.provider, method=self.method,
+                           positions=self.positions[:size])
+
+    def _capture(self, size: int) -> None:
+        ctx = self._context(size)
+        set_step_context(ctx)
+        try:
+            for _ in range(2):  # compile kernels and settle the allocator outside the capture
+                self.model.compute_logits(self.model(self.ids[:size], self.positions[:size]))
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = self.model.compute_logits(self.model(self.ids[:size], self.positions[:size]))
+            self.pool = graph.pool()
+        finally:
+            set_step_context(None)
+        self.graphs[size] = (graph, logits)
+
+    def run(self, ids: list[int], positions: list[int], slots: np.ndarray, lens: np.ndarray,
+            table: np.ndarray) -> torch.Tensor:
+        """slots/lens [L, B], table [B, pages] -> logits [B, V]."""
+        batch = len(ids)
+        size = self.bucket(batch)
+        self.slots[:, batch:size] = -1
+        self.lens[:, batch:size] = 1
+        self.ids[:batch].copy_(torch.from_numpy(np.asarray(ids, dtype=np.int64)), non_blocking=True)
+        self.positions[:batch].copy_(torch.from_numpy(np.asarray(positions, dtype=np.int64)), non_blocking=True)
+        self.slots[:, :batch].copy_(torch.from_numpy(slots), non_blocking=True)
+        self.lens[:, :batch].copy_(torch.from_numpy(lens), non_blocking=True)
+        self.table[:batch, : table.shape[1]].copy_(torch.from_numpy(table), non_blocking=True)
+        if size not in self.graphs:
+            self._capture(size)
+        graph, logits = self.graphs[size]
+        graph.replay()
+        return logits[:batch]

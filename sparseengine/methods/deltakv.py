@@ -1,0 +1,371 @@
+"""DeltaKV (Hao et al., 2026, "DeltaKV: Residual-Based KV Cache Compression via Long-Range
+Similarity"; METHODS.md, "deltakv"): hybrid residual compression + OmniKV-style selection.
+
+Layers. ``deltakv_full_layers`` (empty: the per-model table, the same one as OmniKV's
+filter layers, whose role they play) keep their whole KV, attend densely and, at each
+decode step, choose one token set as OmniKV does (``omnikv_token_scores`` /
+``omnikv_select``, ``logits`` scores): sink + top-``budget`` + the last ``recent_tokens``.
+Layers before the first full layer have no choice to follow, so they stay dense and keep
+their whole KV too. Every other layer is *sparse*.
+
+Sparse layers, per request, once it holds more than ``sink + budget + recent`` tokens (at
+the end of prefill, or later during decode). Their paged cache is laid out as
+
+    [ sink: S raw | scratch: B slots | raw tail: tokens hist_end .. L-1 ]
+
+and the tokens ``S .. hist_end-1`` (the *history*) live only in the codec
+(``deltakv_codec``) in the per-request state: centers (every ``round(1/ratio)``-th history
+token, raw, pre-RoPE), neighbour indices and ``Down``-projected residual latents (int4 or
+float16). Keys are stored rotated in the cache; they are un-rotated (rotation by the
+negative position, exact up to float error) before encoding. The codec's positions count
+from the first history token (codec position j = token S + j), and so does calibration.
+
+Decode. The full layers choose; each sparse layer maps the chosen tokens onto its cache:
+sink and raw-tail tokens are read in place, history tokens are rebuilt
+(``Up(z) + mean of the same centers``, RoPE re-applied at the token's original position),
+written into the scratch slots through the provider's ``write_kv``, and the Selection
+covers sink + scratch + raw tail picks. The raw tail grows by one token per step; when it
+holds ``FLUSH_TOKENS`` more than ``recent_tokens``, its oldest tokens are appended to the
+history (``codec.extend``) and the layer is compacted back to ``S + B + R`` slots.
+Raw tail tokens older than the last ``recent_tokens`` that the full layers choose are read
+exact (never worse than rebuilding them).
+
+Memory. The engine keeps one page table per request, as long as its longest layer; the
+full layers hold every token, so no page goes back to the pool (``frees_memory=False``,
+``kv_tokens_needed`` = prompt + output). :meth:`DeltaKV.stored_bytes` reports what the
+request really keeps (full layers + raw sink/scratch/tail of sparse layers + centers +
+latents + neighbour indices) against dense, from the tensors held, and the pool bytes its
+page table pins.
+
+With ``budget`` covering the prompt (and the outputs) nothing is ever compressed: the
+method is exactly dense.
+
+Checkpoint. ``Down``/``Up`` per layer from ``deltakv_checkpoint_path`` (safetensors,
+``deltakv_codec.save_checkpoint``), written by
+``python -m sparseengine.methods.deltakv_calibrate``. Its model, center ratio and neighbour
+count must match; ``deltakv_latent_dim`` may be smaller than the checkpoint's (PCA
+components are ordered, so the first r columns are the best rank-r pair).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from sparseengine.config import ConfigError
+from sparseengine.engine.step_context import Selection
+from sparseengine.layers.rotary import apply_rotary, rope_inv_freq
+from sparseengine.method_registry import MethodSpec
+from sparseengine.methods import deltakv_codec as codec
+from sparseengine.methods.base import SparseMethodRuntime
+from sparseengine.methods.omnikv import FILTER_LAYERS, filter_layers_for
+from sparseengine.methods.selection import omnikv_select, omnikv_token_scores
+
+# The full layers choose tokens exactly as OmniKV's filter layers do: same per-model table.
+FULL_LAYERS = FILTER_LAYERS
+# Raw tail tokens beyond recent_tokens before they are moved into the compressed history
+# (amortises the compaction; those tokens stay exact meanwhile).
+FLUSH_TOKENS = 64
+STATE_KEY = "deltakv"
+
+
+def calibrate_hint(model_name: str) -> str:
+    return (f"python -m sparseengine.methods.deltakv_calibrate --model {model_name} "
+            f"--text FILE.txt --out deltakv_{model_name}.safetensors")
+
+
+# ------------------------------------------------------------------------------ rope
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``cos, sin [n, d]`` of ``positions``, computed as the model computes them."""
+    freqs = positions.float()[:, None] * inv_freq.float().to(positions.device)[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotate_keys(k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Apply RoPE at ``positions`` to ``k [n, Hkv, d]`` (float32 result)."""
+    cos, sin = rope_cos_sin(inv_freq, positions)
+    return apply_rotary(k.float(), cos, sin)
+
+
+def unrotate_keys(k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Pre-RoPE keys of cached (rotated) ``k [n, Hkv, d]``: rotate by ``-position``."""
+    cos, sin = rope_cos_sin(inv_freq, positions)
+    return apply_rotary(k.float(), cos, -sin)
+
+
+# --------------------------------------------------------------------------- layers
+
+
+def layer_roles(model, given: str) -> tuple[list[int], list[int], list[int]]:
+    """``(filters, full, sparse)``: the layers that choose tokens (``deltakv_full_layers``),
+    every layer keeping its whole KV (those and all layers before the first), and the
+    compressed ones."""
+    filters = filter_layers_for(model, given, "deltakv_full_layers", FULL_LAYERS)
+    full = sorted(set(filters) | set(range(filters[0])))
+    sparse = [layer for layer in range(model.num_layers) if layer not in full]
+    return filters, full, sparse
+
+
+# ------------------------------------------------------------------------ state/bytes
+
+
+@dataclass
+class _SeqState:
+    hist_end: int  # first token of the raw tail; tokens [sink, hist_end) are compressed
+    compressed: bool = False  # scratch slots exist in the sparse layers
+    enc: dict[int, codec.DeltaKVEncoded] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DeltaKVBytes:
+    """Bytes one request keeps, from the tensors held, against dense K+V of all layers."""
+
+    tokens: int  # tokens with KV (the full layers' length)
+    dense: int  # tokens x layers x 2 x Hkv x d x element size
+    full_layers: int  # raw KV of the full layers
+    raw_sparse: int  # raw sink + scratch + tail slots of the sparse layers
+    centers: int
+    latents: int  # latents (+ int4 scales and mins)
+    indices: int  # neighbour indices
+    pool: int  # bytes of the pool pages its page table pins (all layers)
+
+    @property
+    def stored(self) -> int:
+        return self.full_layers + self.raw_sparse + self.centers + self.latents + self.indices
+
+    @property
+    def ratio(self) -> float:
+        return self.stored / self.dense if self.dense else 1.0
+
+    @property
+    def per_token(self) -> float:
+        return self.stored / self.tokens if self.tokens else 0.0
+
+    def as_dict(self) -> dict:
+        return {**self.__dict__, "stored": self.stored, "ratio": self.ratio, "per_token": self.per_token}
+
+
+# --------------------------------------------------------------------------- runtime
+
+
+class DeltaKV(SparseMethodRuntime):
+    def __init__(self, config, model, cache) -> None:
+        super().__init__(config, model, cache)
+        self.filters, self.full, self.sparse = layer_roles(model, str(self.knob("deltakv_full_layers")))
+        self.filter_set, self.sparse_set = set(self.filters), set(self.sparse)
+        try:
+            self.ratio = float(self.knob("deltakv_center_ratio"))
+            self.stride = codec.center_stride(self.ratio)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"Invalid deltakv_center_ratio: {e}") from None
+        self.neighbors = int(self.knob("deltakv_neighbors"))
+        if self.neighbors < 1:
+            raise ConfigError(f"Invalid deltakv_neighbors={self.neighbors}: must be >= 1")
+        self.bits = int(self.knob("deltakv_latent_bits"))
+        if self.bits not in codec.LATENT_BITS:
+            raise ConfigError(f"Invalid deltakv_latent_bits={self.bits}: valid: {', '.join(map(str, codec.LATENT_BITS))}")
+        self.latent_dim = int(self.knob("deltakv_latent_dim"))
+        if self.latent_dim < 1 or (self.bits == 4 and self.latent_dim % codec.QUANT_GROUP):
+            raise ConfigError(f"Invalid deltakv_latent_dim={self.latent_dim}: must be a positive multiple of "
+                              f"{codec.QUANT_GROUP} with deltakv_latent_bits=4")
+        self.device = cache.kv.k.device
+        self.path = str(self.knob("deltakv_checkpoint_path"))
+        self.down, self.up = self._load(self.path)
+        self.inv_freq = rope_inv_freq(model.head_dim, model.rope_theta, model.rope_scaling).float().to(self.device)
+        self.token_bytes = 2 * model.num_kv_heads * model.head_dim * cache.kv.k.element_size()
+        self.bytes_at_end: dict[int, DeltaKVBytes] = {}  # seq_id -> stored_bytes when it finished
+        self._chosen: list[torch.Tensor | None] | None = None
+
+    # ---- checkpoint ---------------------------------------------------------------------
+    def _load(self, path: str):
+        name = self.model.name
+        if not path:
+            raise ConfigError(f"sparse_method=deltakv needs deltakv_checkpoint_path (Down/Up per layer, safetensors). "
+                              f"Make one from any text with the calibration command: {calibrate_hint(name)}")
+        if not Path(path).is_file():
+            raise ConfigError(f"deltakv_checkpoint_path={path!r} does not exist. Make it with: {calibrate_hint(name)}")
+        try:
+            layers, meta = codec.load_checkpoint(path, self.device)
+        except Exception as e:  # noqa: BLE001 - any unreadable file is a config problem
+            raise ConfigError(f"deltakv_checkpoint_path={path!r} is not a DeltaKV checkpoint ({e}). "
+                              f"Make one with: {calibrate_hint(name)}") from None
+        redo = f"recalibrate: {calibrate_hint(name)}"
+        if meta["model_name"] != name:
+            raise ConfigError(f"deltakv_checkpoint_path={path!r} was fitted on model {meta['model_name']!r}, "
+                              f"not {name!r}; {redo}")
+        if codec.center_stride(meta["center_ratio"]) != self.stride:
+            raise ConfigError(f"deltakv_checkpoint_path={path!r} was fitted with deltakv_center_ratio="
+                              f"{meta['center_ratio']}, the engine runs {self.ratio}; set it or {redo} "
+                              f"--center-ratio {self.ratio}")
+        if meta["neighbors"] != self.neighbors:
+            raise ConfigError(f"deltakv_checkpoint_path={path!r} was fitted with deltakv_neighbors="
+                              f"{meta['neighbors']}, the engine runs {self.neighbors}; set it or {redo} "
+                              f"--neighbors {self.neighbors}")
+        if self.latent_dim > meta["latent_dim"]:
+            raise ConfigError(f"deltakv_latent_dim={self.latent_dim} exceeds the checkpoint's latent dim "
+                              f"{meta['latent_dim']} ({path!r}); set deltakv_latent_dim<={meta['latent_dim']} "
+                              f"or {redo} --latent-dim {self.latent_dim}")
+        dim = 2 * self.model.num_kv_heads * self.model.head_dim
+        missing = [layer for layer in self.sparse if layer not in layers]
+        if missing:
+            raise ConfigError(f"deltakv_checkpoint_path={path!r} has no Down/Up for sparse layers {missing}; {redo}")
+        down, up = {}, {}
+        for layer in self.sparse:
+            d_, u_ = layers[layer]
+            if d_.shape[0] != dim:
+                raise ConfigError(f"deltakv_checkpoint_path={path!r}: layer {layer} Down is {tuple(d_.shape)}, "
+                                  f"the model's K|V dim is {dim}; {redo}")
+            down[layer] = d_[:, : self.latent_dim].contiguous()
+            up[layer] = u_[: self.latent_dim].contiguous()
+        self.checkpoint_meta = meta
+        return down, up
+
+    # ---- engine hooks ---------------------------------------------------------------------
+    @classmethod
+    def kv_tokens_needed(cls, config, prompt_len: int, output_len: int) -> int:
+        """Pool tokens per layer a request pins: all of them (full layers keep every token
+        and the page table is shared by all layers)."""
+        return prompt_len + output_len
+
+    def begin_step(self, ctx) -> None:
+        super().begin_step(ctx)
+        self._chosen = None
+
+    def select(self, layer, q, ctx):
+        if layer < self.filters[0] or not self.decoding:
+            return None
+        if layer in self.filter_set:
+            self._chosen = self._choose(layer, q, ctx)
+            return None  # full layers attend densely
+        if layer not in self.sparse_set or self._chosen is None or all(c is None for c in self._chosen):
+            return None
+        per_request = [None if c is None else self._layer_indices(seq, layer, c, ctx)
+                       for seq, c in zip(ctx.seqs, self._chosen)]
+        return Selection.from_lists(per_request, self.model.num_kv_heads, q.device)
+
+    def _choose(self, layer, q, ctx) -> list[torch.Tensor | None]:
+        """OmniKV's choice at a full layer: token positions (== its cache indices)."""
+        cfg, out, start = self.config, [], 0
+        for seq, n in zip(ctx.seqs, ctx.q_lens):
+            length = seq.layer_lens[layer] + n
+            if not seq.is_decoding or length <= self.total:
+                out.append(None)
+            else:
+                k, _ = self.cache.gather(seq, layer, length)
+                scores = omnikv_token_scores(q[start + n - 1], k, "logits")
+                out.append(omnikv_select(scores, cfg.sink_tokens, cfg.budget, cfg.recent_tokens))
+            start += n
+        return out
+
+    def _state(self, seq) -> _SeqState:
+        st = self.cache.state(seq)
+        if STATE_KEY not in st:
+            st[STATE_KEY] = _SeqState(hist_end=self.config.sink_tokens)
+        return st[STATE_KEY]
+
+    def _layer_indices(self, seq, layer: int, tokens: torch.Tensor, ctx) -> torch.Tensor:
+        """Cache indices of the chosen ``tokens`` in a sparse layer, rebuilding the
+        compressed ones into the scratch slots."""
+        st = self._state(seq)
+        if not st.compressed:
+            return tokens  # uncompressed: cache index == token position
+        sink, budget = self.config.sink_tokens, self.config.budget
+        tokens = tokens.to(self.device)
+        idx = tokens.clone()
+        raw = tokens >= st.hist_end
+        idx[raw] = sink + budget + tokens[raw] - st.hist_end
+        in_hist = (tokens >= sink) & ~raw
+        hist = tokens[in_hist]
+        m = hist.numel()
+        if m:
+            if m > budget:
+                raise RuntimeError(f"deltakv: {m} history tokens chosen for {budget} scratch slots")
+            k, v = self.rebuild(seq, layer, hist)
+            scratch = torch.arange(sink, sink + m, device=self.device)
+            k_cache, v_cache = self.cache.kv.layer(layer)
+            ctx.provider.write_kv(k_cache, v_cache, k, v, self.cache.slots(seq, scratch))
+            idx[in_hist] = scratch
+        return idx
+
+    def rebuild(self, seq, layer: int, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (rotated at each token's position) and V ``[m, Hkv, d]`` float32 of history
+        tokens ``tokens`` (positions in ``[sink, hist_end)``) from the layer's codec."""
+        enc = self._state(seq).enc[layer]
+        kv = codec.decode(enc, self.up[layer], tokens.long() - self.config.sink_tokens)
+        k, v = codec.split_kv(kv, self.model.num_kv_heads, self.model.head_dim)
+        return rotate_keys(k, tokens, self.inv_freq), v
+
+    def finish_step(self, batch) -> None:
+        for seq in self.prefill_ending + self.decoding:
+            self._flush(seq)
+
+    def _flush(self, seq) -> None:
+        """Move raw tail tokens older than the last ``recent_tokens`` into the history."""
+        cfg = self.config
+        sink, budget, recent = cfg.sink_tokens, cfg.budget, cfg.recent_tokens
+        length = seq.num_computed_tokens
+        if length <= self.total or not self.sparse:
+            return
+        st = self._state(seq)
+        end = length - recent
+        if end <= st.hist_end or (st.compressed and end - st.hist_end < FLUSH_TOKENS):
+            return
+        base = sink + budget if st.compressed else sink
+        count = end - st.hist_end
+        positions = torch.arange(st.hist_end, end, device=self.device)
+        for layer in self.sparse:
+            held = seq.layer_lens[layer]
+            if held != base + length - st.hist_end:
+                raise RuntimeError(f"deltakv: layer {layer} holds {held} tokens, expected {base + length - st.hist_end}")
+            k, v = self.cache.gather(seq, layer, base + count, start=base)
+            kv = codec.concat_kv(unrotate_keys(k, positions, self.inv_freq).to(k.dtype), v)
+            enc = st.enc.get(layer)
+            st.enc[layer] = (codec.encode(kv, self.down[layer], center_ratio=self.ratio, neighbors=self.neighbors,
+                                          latent_bits=self.bits)
+                             if enc is None else codec.extend(enc, kv, self.down[layer]))
+            keep = torch.cat([torch.arange(sink + budget, device=self.device),
+                              torch.arange(base + count, held, device=self.device)])
+            self.cache.compact(seq, layer, keep.expand(self.model.num_kv_heads, -1))
+        st.hist_end, st.compressed = end, True
+        self.cache.trim_pages(seq)
+
+    # ---- accounting -----------------------------------------------------------------------
+    def stored_bytes(self, seq) -> DeltaKVBytes:
+        """What this request keeps now (see :class:`DeltaKVBytes`)."""
+        tb, layers = self.token_bytes, self.model.num_layers
+        tokens = max(seq.layer_lens) if seq.layer_lens else 0
+        st = self.cache.state(seq).get(STATE_KEY)
+        encs = list(st.enc.values()) if st is not None else []
+
+        def size(t: torch.Tensor) -> int:
+            return t.numel() * t.element_size()
+
+        return DeltaKVBytes(
+            tokens=tokens, dense=tokens * layers * tb,
+            full_layers=sum(seq.layer_lens[layer] for layer in self.full) * tb,
+            raw_sparse=sum(seq.layer_lens[layer] for layer in self.sparse) * tb,
+            centers=sum(size(e.centers) for e in encs),
+            latents=sum(size(e.latents) + size(e.scales) + size(e.zeros) for e in encs),
+            indices=sum(size(e.neighbors) for e in encs),
+            pool=len(seq.page_table) * self.cache.page_size * layers * tb,
+        )
+
+    def kv_tokens(self, seq) -> float:
+        if len(self.bytes_at_end) >= 1024:
+            self.bytes_at_end.pop(next(iter(self.bytes_at_end)))
+        self.bytes_at_end[seq.seq_id] = self.stored_bytes(seq)
+        return super().kv_tokens(seq)
+
+
+SPEC = MethodSpec(
+    name="deltakv", kind="decode", family="hybrid_compression", runtime=DeltaKV,
+    prefill_policy="long_bs1full_short_batch", frees_memory=False,
+    knobs={"deltakv_full_layers": "", "deltakv_center_ratio": 0.1, "deltakv_neighbors": 4,
+           "deltakv_latent_dim": 256, "deltakv_latent_bits": 4, "deltakv_checkpoint_path": ""},
+    paper="Hao et al., DeltaKV: Residual-Based KV Cache Compression via Long-Range Similarity, "
+          "arXiv 2602.08005, 2026")
