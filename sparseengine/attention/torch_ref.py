@@ -65,6 +65,8 @@ class TorchAttentionProvider(AttentionProvider):
             row_allowed = block_mask.token_mask(b, q_len, length) if blocked else None
             if allowed is None and rows == 0:
                 out[start:start + q_len] = self._sdpa(qb, k, v, length, row_allowed)
+                if colsums is not None:  # one entry per request, even when it asked for no rows
+                    colsums.append(q.new_zeros(k.shape[1], length, dtype=torch.float32))
             else:
                 o, p = self._explicit(qb, k, v, length, allowed, row_allowed)
                 out[start:start + q_len] = o
@@ -80,11 +82,12 @@ class TorchAttentionProvider(AttentionProvider):
         """One decode query [Hq, d] over its selected tokens idx [Hkv, K] (first n_sel valid)."""
         hkv, width = idx.shape
         hq, d = q.shape
+        valid = torch.arange(width, device=q.device)[None, :] < n_sel[:, None]
+        idx = torch.where(valid, idx, 0)  # entries past n_sel may point past the cache
         slots = table_row[idx // page_size].long() * page_size + idx % page_size  # [Hkv, K]
         heads = torch.arange(hkv, device=q.device)[:, None]
         k, v = kc[slots, heads].float(), vc[slots, heads].float()  # [Hkv, K, d]
         s = torch.einsum("hgd,hkd->hgk", q.float().view(hkv, hq // hkv, d), k) * d ** -0.5
-        valid = torch.arange(width, device=q.device)[None, :] < n_sel[:, None]
         p = torch.softmax(s.masked_fill(~valid[:, None, :], float("-inf")), dim=-1)
         return torch.einsum("hgk,hkd->hgd", p, v).reshape(hq, d).to(q.dtype)
 

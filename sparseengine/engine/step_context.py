@@ -41,9 +41,11 @@ class Selection:
     dense: tuple[bool, ...]
 
     @staticmethod
-    def from_lists(per_request: list[torch.Tensor | None], num_kv_heads: int, device) -> "Selection":
+    def from_lists(per_request: list[torch.Tensor | None], num_kv_heads: int, device,
+                   counts: list[torch.Tensor | None] | None = None) -> "Selection":
         """Build from one ``[Hkv, k_b]`` (or ``[k_b]``, shared by heads) index tensor per
-        request, or None for a dense request."""
+        request, or None for a dense request. ``counts[b]`` ``[Hkv]``: how many leading
+        entries of each head are valid (default: all)."""
         width = max([t.shape[-1] for t in per_request if t is not None] or [1])
         idx = torch.zeros(len(per_request), num_kv_heads, width, dtype=torch.long, device=device)
         count = torch.zeros(len(per_request), num_kv_heads, dtype=torch.int32, device=device)
@@ -52,7 +54,7 @@ class Selection:
                 continue
             t = t.expand(num_kv_heads, -1) if t.dim() == 1 else t
             idx[b, :, : t.shape[-1]] = t
-            count[b] = t.shape[-1]
+            count[b] = t.shape[-1] if counts is None or counts[b] is None else counts[b]
         return Selection(idx, count, tuple(t is None for t in per_request))
 
 

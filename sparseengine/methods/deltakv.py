@@ -168,7 +168,8 @@ class DeltaKV(SparseMethodRuntime):
             raise ConfigError(f"Invalid deltakv_neighbors={self.neighbors}: must be >= 1")
         self.bits = int(self.knob("deltakv_latent_bits"))
         if self.bits not in codec.LATENT_BITS:
-            raise ConfigError(f"Invalid deltakv_latent_bits={self.bits}: valid: {', '.join(map(str, codec.LATENT_BITS))}")
+            valid = ", ".join(map(str, codec.LATENT_BITS))
+            raise ConfigError(f"Invalid deltakv_latent_bits={self.bits}: valid: {valid}")
         self.latent_dim = int(self.knob("deltakv_latent_dim"))
         if self.latent_dim < 1 or (self.bits == 4 and self.latent_dim % codec.QUANT_GROUP):
             raise ConfigError(f"Invalid deltakv_latent_dim={self.latent_dim}: must be a positive multiple of "
@@ -231,6 +232,67 @@ class DeltaKV(SparseMethodRuntime):
         """Pool tokens per layer a request pins: all of them (full layers keep every token
         and the page table is shared by all layers)."""
         return prompt_len + output_len
+
+    def cache_lens_after_prefill(self, prompt_tokens: int) -> list[int]:
+        cfg = self.config
+        if prompt_tokens <= self.total:
+            return [prompt_tokens] * self.model.num_layers
+        return [cfg.sink_tokens + cfg.budget + cfg.recent_tokens if layer in self.sparse_set else prompt_tokens
+                for layer in range(self.model.num_layers)]
+
+    def init_synthetic(self, seq) -> None:
+        """A synthesised prefill (decode benchmarks): random codec state of the right shapes
+        and sizes for the history a real prefill would have compressed."""
+        cfg, n = self.config, seq.num_prompt_tokens
+        if n <= self.total or not self.sparse:
+            return
+        st = self._state(seq)
+        hist = n - cfg.sink_tokens - cfg.recent_tokens
+        gen = torch.Generator(device=self.device).manual_seed(cfg.seed + seq.seq_id)
+        for layer in self.sparse:
+            st.enc[layer] = self._random_encoding(hist, gen)
+        st.hist_end, st.compressed = n - cfg.recent_tokens, True
+
+    def _random_encoding(self, n: int, gen: torch.Generator) -> codec.DeltaKVEncoded:
+        dev, r = self.device, self.latent_dim
+        dim = 2 * self.model.num_kv_heads * self.model.head_dim
+        c = codec.num_centers(n, self.stride)
+        pos = torch.arange(n, device=dev)
+        pos = pos[pos % self.stride != 0]
+        near = pos[:, None] // self.stride - torch.arange(self.neighbors, device=dev)[None, :]  # by position
+        idx = near.clamp(min=-1).to(torch.int16 if c <= torch.iinfo(torch.int16).max else torch.int32)
+        m = pos.numel()
+        centers = torch.randn(c, dim, generator=gen, device=dev).to(self.cache.kv.k.dtype)
+        if self.bits == 4:
+            lat = torch.randint(0, 256, (m, r // 2), generator=gen, device=dev, dtype=torch.uint8)
+            groups = r // codec.QUANT_GROUP
+            scales = (torch.rand(m, groups, generator=gen, device=dev) * 0.02).half()
+            zeros = (-7.5 * scales.float()).half()
+        else:
+            lat = (0.1 * torch.randn(m, r, generator=gen, device=dev)).half()
+            scales = zeros = torch.zeros(m, 0, dtype=torch.float16, device=dev)
+        return codec.DeltaKVEncoded(n, self.stride, self.bits, centers, idx, lat, scales, zeros)
+
+    def tokens_read(self, seq) -> list[int]:
+        return [n if layer not in self.sparse_set else min(n, self.total) for layer, n in enumerate(seq.layer_lens)]
+
+    def metadata_bytes_read(self, seq, kv_bytes_per_token_layer: int) -> int:
+        """Per decode step, per sparse layer: the latents, neighbour indices and neighbour
+        centers of up to ``budget`` rebuilt tokens, plus writing them into the scratch slots
+        (``Up`` is shared by the batch and not counted here)."""
+        st = self.cache.state(seq).get(STATE_KEY)
+        if st is None or not st.compressed:
+            return 0
+        total = 0
+        for enc in st.enc.values():
+            rows = max(1, enc.latents.shape[0])
+            m = min(self.config.budget, enc.n)
+            latent = (enc.latents.numel() * enc.latents.element_size() + enc.scales.numel() * 2
+                      + enc.zeros.numel() * 2) / rows
+            index = enc.neighbors.shape[1] * enc.neighbors.element_size()
+            center = enc.neighbors.shape[1] * enc.centers.shape[1] * enc.centers.element_size()
+            total += int(m * (latent + index + center + kv_bytes_per_token_layer))
+        return total
 
     def begin_step(self, ctx) -> None:
         super().begin_step(ctx)
@@ -319,9 +381,9 @@ class DeltaKV(SparseMethodRuntime):
         count = end - st.hist_end
         positions = torch.arange(st.hist_end, end, device=self.device)
         for layer in self.sparse:
-            held = seq.layer_lens[layer]
-            if held != base + length - st.hist_end:
-                raise RuntimeError(f"deltakv: layer {layer} holds {held} tokens, expected {base + length - st.hist_end}")
+            held, want = seq.layer_lens[layer], base + length - st.hist_end
+            if held != want:
+                raise RuntimeError(f"deltakv: layer {layer} holds {held} tokens, expected {want}")
             k, v = self.cache.gather(seq, layer, base + count, start=base)
             kv = codec.concat_kv(unrotate_keys(k, positions, self.inv_freq).to(k.dtype), v)
             enc = st.enc.get(layer)

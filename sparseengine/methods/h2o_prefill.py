@@ -59,6 +59,16 @@ class H2OPrefill(SparseMethodRuntime):
         chunk = min(self.config.prefill_chunk_size, self.config.max_num_batched_tokens)
         return min(prompt_tokens, self.budget_tokens + chunk)
 
+    def cache_lens_after_prefill(self, prompt_tokens: int) -> list[int]:
+        return [min(prompt_tokens, self.budget_tokens)] * self.model.num_layers
+
+    def wants_forward_hooks(self, seqs) -> bool:
+        return False  # nothing to do inside a pure-decode step
+
+    def begin_step_graph(self, seqs) -> None:
+        super().begin_step_graph(seqs)
+        self._rows, self._prefilling = None, []
+
     # ---- which rows report column sums ------------------------------------------------
     def begin_step(self, ctx) -> None:
         super().begin_step(ctx)

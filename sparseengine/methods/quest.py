@@ -24,22 +24,23 @@ class Quest(SparseMethodRuntime):
     def select(self, layer, q, ctx):
         if layer < self.skip or not any(s.is_decoding for s in ctx.seqs):
             return None
-        cfg, chosen, start = self.config, [], 0
+        cfg, chosen, counts, start = self.config, [], [], 0
         for seq, n in zip(ctx.seqs, ctx.q_lens):
             length = seq.layer_lens[layer] + n
             if not seq.is_decoding or length <= self.total:
                 chosen.append(None)
+                counts.append(None)
             else:
                 kmax, kmin = self._metadata(seq, layer, length)
                 bounds = quest_page_bounds(q[start + n - 1], kmax, kmin)
                 pages = quest_select_pages(bounds, length, self.page, cfg.sink_tokens, cfg.recent_tokens, cfg.budget)
                 tokens, valid = pages_to_tokens(pages, self.page, length)
-                # tokens are sorted per head and only the shared last page can be partial
-                chosen.append(tokens[:, : tokens.shape[1] - int((~valid[0]).sum())])
+                chosen.append(tokens)  # sorted per head: a partial last page's tail comes last
+                counts.append(valid.sum(-1))
             start += n
         if all(c is None for c in chosen):
             return None
-        return Selection.from_lists(chosen, self.model.num_kv_heads, q.device)
+        return Selection.from_lists(chosen, self.model.num_kv_heads, q.device, counts)
 
     def tokens_read(self, seq) -> list[int]:
         cap = self.config.sink_tokens + self.config.recent_tokens + max(3 * self.page, self.config.budget) + 2 * self.page

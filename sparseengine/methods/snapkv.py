@@ -35,7 +35,9 @@ class SnapKV(SparseMethodRuntime):
         return self.config.budget
 
     def compresses(self, n: int) -> bool:
-        return n > self.total
+        """Anything to evict? Not when the prompt fits the total, nor when sink plus the
+        last max(recent, window) tokens already cover it."""
+        return n > self.total and self.config.sink_tokens + max(self.config.recent_tokens, self.window) < n
 
     def cache_lens_after_prefill(self, n: int) -> list[int]:
         cfg, tail = self.config, max(self.config.recent_tokens, self.window)
