@@ -122,6 +122,8 @@ def run_lane(lane, method, knobs, cap, args, bw, tflops, writer, budget_s):
     largest = min(llm.allocator.num_pages // per_req, args.max_num_seqs)
     top = min(largest, cap) if cap else largest
     ladder = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < top] + [top]
+    if args.batches:  # an explicit list (e.g. vanilla's largest batch, for the same-concurrency panel)
+        ladder = [b for b in map(int, args.batches.split(",")) if b <= largest]
     eager = llm.method.wants_forward_hooks([])
     weight_bytes = sum(p.numel() * p.element_size() for n, p in llm.model.named_parameters()
                        if "embed_tokens" not in n)
@@ -174,7 +176,7 @@ def run_lane(lane, method, knobs, cap, args, bw, tflops, writer, budget_s):
                "provider": llm.provider.name, "cuda_graphs": llm.runner.graph_steps > 0,
                "graph_steps": llm.runner.graph_steps, "wall_s": round(wall, 2),
                "model": args.model, "dtype": str(llm.dtype).removeprefix("torch."), "load_format": "dummy",
-               "device": torch.cuda.get_device_name() if cuda else "cpu", "commit": git("rev-parse", "--short", "HEAD"),
+               "device": torch.cuda.get_device_name() if cuda else "cpu", "commit": args.commit or git("rev-parse", "--short", "HEAD"),
                "dirty": bool(git("status", "--porcelain")), "torch": torch.__version__}
         writer(row)
         print(f"{lane:>13} b={batch:4d} step {row['step_ms']:8.2f} ms  {row['output_tok_s']:9.1f} tok/s  "
@@ -186,25 +188,37 @@ def run_lane(lane, method, knobs, cap, args, bw, tflops, writer, budget_s):
 
 
 def hf_lane(args, writer) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM, GenerationConfig
+    """Hugging Face ``generate`` (SDPA, dynamic cache), batch 1. A logits processor stamps
+    the time of every generation step; decode tok/s comes from the stamps after the first
+    (which follows the prefill), so prefill time does not leak into it."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
     from sparseengine.models.loader import SHAPES_DIR
+
+    class Stamp(LogitsProcessor):
+        def __init__(self):
+            self.times = []
+
+        def __call__(self, input_ids, scores):
+            torch.cuda.synchronize()
+            self.times.append(time.perf_counter())
+            return scores
 
     cfg = LlamaConfig(**json.loads((SHAPES_DIR / "llama-3.1-8b.json").read_text()))
     with torch.device("cuda"):
         model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     model.generation_config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0)
     ids = torch.randint(3, 1000, (1, args.prompt_len), device="cuda")
-    times = {}
+    stamp = Stamp()
     with torch.no_grad():
-        for n in (1, args.hf_tokens + 1):
-            torch.cuda.synchronize(); t = time.perf_counter()
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n)
-            torch.cuda.synchronize(); times[n] = time.perf_counter() - t
-    decode = times[args.hf_tokens + 1] - times[1]
+        torch.cuda.synchronize(); t0 = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.hf_tokens + 1,
+                       logits_processor=LogitsProcessorList([stamp]))
+    steps = len(stamp.times) - 1
+    decode = stamp.times[-1] - stamp.times[0]
     row = {"lane": "hf_generate", "sparse_method": "hf_transformers_sdpa_dynamic_cache", "batch": 1,
-           "largest_batch": 1, "prompt_len": args.prompt_len, "timed_steps": args.hf_tokens,
-           "step_ms": round(decode / args.hf_tokens * 1e3, 3), "output_tok_s": round(args.hf_tokens / decode, 2),
-           "prefill_s": round(times[1], 2), "model": "llama-3.1-8b", "dtype": "bfloat16",
+           "largest_batch": 1, "prompt_len": args.prompt_len, "timed_steps": steps,
+           "step_ms": round(decode / steps * 1e3, 3), "output_tok_s": round(steps / decode, 2),
+           "prefill_s": round(stamp.times[0] - t0, 2), "model": "llama-3.1-8b", "dtype": "bfloat16",
            "device": torch.cuda.get_device_name(), "commit": git("rev-parse", "--short", "HEAD")}
     writer(row)
     print(f"  hf_generate b=1 {row['output_tok_s']} tok/s (prefill {row['prefill_s']} s)", flush=True)
@@ -226,6 +240,8 @@ def main() -> None:
     ap.add_argument("--lane-budget-s", type=float, default=60)
     ap.add_argument("--hf-tokens", type=int, default=16)
     ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--batches", default="", help="explicit batch list instead of the ladder")
+    ap.add_argument("--commit", default="", help="commit to record where the tree has no .git")
     ap.add_argument("--cpu-kv-gib", type=float, default=1.0, help="KV pool on a CPU smoke run")
     ap.add_argument("--total", type=int, default=2048, help="total attended tokens of the sparse lanes")
     ap.add_argument("--sink", type=int, default=64)

@@ -75,3 +75,19 @@ def tiny_llama(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory):
     return make_tiny_hf_folder(tmp_path_factory, "tiny-qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_method_knobs(tiny_llama, tmp_path_factory):
+    """Method hyperparameters the tiny Llama needs (it has no per-model table entries):
+    OmniKV / DeltaKV full layers, a DeltaKV checkpoint calibrated on it, a FlashPrefill
+    threshold."""
+    from sparseengine.methods.deltakv_calibrate import calibrate
+
+    folder, hf = tiny_llama
+    ckpt = tmp_path_factory.mktemp("deltakv") / "tiny.safetensors"
+    ids = torch.randint(3, hf.config.vocab_size, (600,), generator=torch.Generator().manual_seed(0)).tolist()
+    calibrate(str(folder), token_ids=ids, out=ckpt, latent_dim=32, sink_tokens=2, segment_tokens=300,
+              progress=False, dtype="float32", page_size=8)
+    return {"omnikv_filter_layers": "1", "deltakv_full_layers": "1", "deltakv_checkpoint_path": str(ckpt),
+            "deltakv_latent_dim": 32, "flashprefill_threshold": 0.01}
