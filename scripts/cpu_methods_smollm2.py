@@ -47,7 +47,7 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     rows = []
     base = LLM(dtype="float32")
-    tok, folder = base.tokenizer, str(base.source.folder)
+    tok, folder = base.tokenizer, "smollm2-135m-instruct"
     kv_per_token = 2 * base.model_config.num_layers * base.model_config.num_kv_heads * base.model_config.head_dim * 4
     base.close()
     methods = [m for m in decode_methods() if m != "deltakv" or args.deltakv_checkpoint]
