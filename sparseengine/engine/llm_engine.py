@@ -92,10 +92,10 @@ class LLM:
             return cfg.num_kv_pages
         per_page = page_bytes(self.model_config, cfg.page_size, self.dtype)
         if self.device.type == "cuda":
-            torch.cuda.synchronize()
+            peak = self._warmup_peak_bytes()
             free, total = torch.cuda.mem_get_info(self.device)
-            reserve = self._activation_bytes()
-            budget = total * cfg.gpu_memory_utilization - (total - free) - reserve
+            logits = cfg.max_num_seqs * self.model_config.vocab_size * 4 * 2  # graph pools hold them
+            budget = total * cfg.gpu_memory_utilization - (total - free) - peak - logits
         else:
             budget = cfg.kv_cache_memory * (1 << 30)
         pages = int(budget // per_page)
@@ -104,14 +104,39 @@ class LLM:
                               "raise kv_cache_memory or gpu_memory_utilization")
         return pages
 
-    def _activation_bytes(self) -> int:
-        """Peak activation memory of the largest step (a bound, kept simple)."""
-        mc, cfg = self.model_config, self.config
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        per_token = (4 * mc.hidden_size + 3 * mc.intermediate_size
-                     + (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim) * elem
-        logits = cfg.max_num_seqs * mc.vocab_size * 4 * 2
-        return cfg.max_num_batched_tokens * per_token + logits + (1 << 30)
+    @torch.inference_mode()
+    def _warmup_peak_bytes(self) -> int:
+        """Run the largest prefill step once over a throwaway KV cache and measure the
+        activation memory it needs on top of the weights."""
+        from sparseengine.engine.step_context import LayerView, StepContext, set_step_context
+        from sparseengine.methods.base import SparseMethodRuntime
+
+        cfg, mc = self.config, self.model_config
+        tokens = min(cfg.max_num_batched_tokens, self.max_model_len)
+        pages = -(-tokens // cfg.page_size)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        kv = KVCache(mc, pages, cfg.page_size, self.dtype, self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
+        pos = torch.arange(tokens, device=self.device)
+        table = torch.arange(pages, dtype=torch.int32, device=self.device)[None]
+        lens = torch.tensor([tokens], dtype=torch.int32, device=self.device)
+        view = LayerView(pos.clone(), lens, (tokens,), table)
+        ctx = StepContext(seqs=[None], q_lens=(tokens,), cu_q_lens=torch.tensor([0, tokens], dtype=torch.int32,
+                          device=self.device), is_decode=False, views=[view] * mc.num_layers, kv_cache=kv,
+                          provider=make_provider(cfg.attention_provider, self.device),
+                          method=SparseMethodRuntime(cfg, mc, None), positions=pos)
+        set_step_context(ctx)
+        try:
+            self.model.compute_logits(self.model(ids, pos)[-1:])
+        finally:
+            set_step_context(None)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del kv, ctx, view
+        torch.cuda.empty_cache()
+        return int(peak * 1.1) + (256 << 20)
 
     # ---- requests -------------------------------------------------------------------
     def _tokenize(self, prompt: str | list[int], chat: bool) -> list[int]:
