@@ -47,8 +47,13 @@ from sparseengine.method_registry import MethodSpec
 from sparseengine.methods.base import SparseMethodRuntime
 
 # flashprefill_threshold per model (estimated block mass, see the module docstring).
-# SmolLM2-135M-Instruct: measured on CPU, see results/README.md ("flashprefill_v2").
-# Models missing here (Llama-3.1-8B, Qwen3-8B: no weights to measure with) must set it.
+# SmolLM2-135M-Instruct, one-pass prefill of stdlib-docstring text, default blocks
+# (threshold: fraction of causal blocks computed / relative L2 error of the attention output
+# over all 30 layers): 4K tokens: 0 -> 1.0/0; 0.0005 -> .78/1.5%; 0.001 -> .72/2.0%;
+# 0.002 -> .66/2.8%; 0.005 -> .57/4.0%; 0.01 -> .52/5.2%; 0.05 -> .41/7.6%; sink+window
+# only -> .38/9.2%. 8K: 0.0005 -> .44/5.2%; 0.001 -> .38/6.3%; 0.002 -> .32/7.3%. At 0.002
+# on 4K the next-token top-1 agrees with dense prefill at 98% of the last 2K positions.
+# Models missing here (Llama-3.1-8B, Qwen3-8B: no weights here to measure with) must set it.
 THRESHOLDS: dict[str, float] = {
     "smollm2-135m-instruct": 0.002,
 }

@@ -1,0 +1,438 @@
+"""The prefill-side methods h2o_prefill and flashprefill_v2 against plain references
+written from METHODS.md (and the choices their runtime files fix), plus the engine:
+exactness when nothing is dropped, a prompt longer than the KV pool, and the
+combination rules.
+
+References loop over heads, rows and tokens in float64 and import nothing they check.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sparseengine import LLM, SamplingParams
+from sparseengine import method_registry as registry
+from sparseengine.attention.torch_ref import TorchAttentionProvider
+from sparseengine.config import Config, ConfigError
+from sparseengine.engine.cache_manager import CacheManager
+from sparseengine.engine.step_context import BlockMask, LayerView, ScoreRows
+from sparseengine.layers.attention import Attention
+from sparseengine.methods import flashprefill_v2 as fp
+from sparseengine.methods.flashprefill_v2 import FlashPrefillV2
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+ENGINE = dict(dtype="float32", page_size=8, kv_cache_memory=0.01, device="cpu")
+FP_KNOBS = dict(flashprefill_block=16, flashprefill_min_len=0, flashprefill_sink_blocks=1,
+                flashprefill_window_blocks=1, flashprefill_probe_blocks=2)
+FP_TINY = dict(prefill_sparse_method="flashprefill_v2", **FP_KNOBS)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matrices: one thread is faster than two, and far faster on a loaded machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def rand(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def prompt_ids(n, seed=1):
+    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# ------------------------------------------------------------------------- references
+
+
+def ref_softmax_row(q_row, keys, d):
+    """Probabilities of one query row [d] over keys [m, d], float64."""
+    return torch.softmax((keys.double() @ q_row.double()) / math.sqrt(d), dim=0)
+
+
+def ref_block_mask(q, k, block, sink, window, probe, threshold):
+    """flashprefill_v2 for one call: q [q_len, Hq, d] rows at positions L - q_len .. L - 1."""
+    q_len, hq, d = q.shape
+    length, hkv, _ = k.shape
+    g = hq // hkv
+    first, last, nkb = (length - q_len) // block, (length - 1) // block, -(-length // block)
+    probe_rows = [p for p in range(length - q_len, length) if p // block > last - probe]
+    mass = [[0.0] * nkb for _ in range(hq)]
+    for h in range(hq):
+        for p in probe_rows:
+            probs = ref_softmax_row(q[p - (length - q_len), h], k[: p + 1, h // g], d)
+            for t in range(p + 1):
+                mass[h][t // block] += float(probs[t]) / len(probe_rows)
+    keep = [[[j <= i and (j < sink or j >= i - window or mass[h][j] >= threshold) for j in range(nkb)]
+             for i in range(first, last + 1)] for h in range(hq)]
+    return torch.tensor(keep), torch.tensor(mass, dtype=torch.float64)
+
+
+def ref_masked_attention(q, k, v, mask, block):
+    """Rows at positions L - q_len .. L - 1; key t is read iff t <= p and (same block or
+    mask[h, p // block - first, t // block]). -> [q_len, Hq, d] float64, probs [Hq, q_len, L]."""
+    q_len, hq, d = q.shape
+    length, hkv, _ = k.shape
+    g = hq // hkv
+    first = (length - q_len) // block
+    out = torch.zeros(q_len, hq, d, dtype=torch.float64)
+    probs = torch.zeros(hq, q_len, length, dtype=torch.float64)
+    for h in range(hq):
+        for i in range(q_len):
+            p = length - q_len + i
+            keys = [t for t in range(p + 1) if mask is None or t // block == p // block
+                    or bool(mask[h, p // block - first, t // block])]
+            pr = ref_softmax_row(q[i, h], k[keys, h // g], d)
+            out[i, h] = pr @ v[keys, h // g].double()
+            probs[h, i, keys] = pr
+    return out, probs
+
+
+def thresholds_between(mass):
+    """Thresholds that fall between reference masses (no entry sits at the threshold)."""
+    vals = sorted(set(round(float(x), 9) for x in mass.flatten()))
+    mids = [(a + b) / 2 for a, b in zip(vals, vals[1:]) if b - a > 1e-6]
+    return [mids[len(mids) // 4], mids[len(mids) // 2], mids[3 * len(mids) // 4]]
+
+
+# ------------------------------------------------------- flashprefill_v2: definitions
+
+# (L, q_len, Hq, Hkv, d, block, sink, window, probe)
+SELECT_CASES = [
+    (160, 160, 4, 2, 16, 16, 1, 1, 2),  # whole prompt in one pass
+    (200, 72, 6, 2, 8, 16, 2, 1, 1),  # a chunk starting mid-block
+    (130, 50, 4, 4, 16, 16, 0, 0, 3),  # no sink/window: diagonal + estimate only
+    (257, 257, 9, 3, 8, 32, 1, 2, 2),  # SmolLM2's grouping, partial last block
+]
+
+
+@pytest.mark.parametrize("case", SELECT_CASES, ids=lambda c: f"L{c[0]}q{c[1]}h{c[2]}/{c[3]}b{c[5]}")
+def test_block_selection_matches_reference(case):
+    length, q_len, hq, hkv, d, block, sink, window, probe = case
+    q, k = rand(q_len, hq, d, seed=length) * 2, rand(length, hkv, d, seed=length + 1) * 2
+    _, ref_mass = ref_block_mask(q, k, block, sink, window, probe, 0.0)
+    r = length - fp.probe_start(q_len, length, block, probe)
+    torch.testing.assert_close(fp.block_mass(q[q_len - r:], k, block).double(), ref_mass, atol=1e-5, rtol=1e-4)
+    for thr in [0.0, 2.0] + thresholds_between(ref_mass):
+        want, _ = ref_block_mask(q, k, block, sink, window, probe, thr)
+        got = fp.flashprefill_mask(q, k, block, sink, window, probe, thr)
+        assert torch.equal(got, want), f"threshold {thr}"
+    all_causal, _ = ref_block_mask(q, k, block, sink, window, probe, 0.0)
+    assert torch.equal(fp.flashprefill_mask(q, k, block, sink, window, probe, 0.0), all_causal)
+    assert all_causal.sum() == sum(i + 1 for i in range((length - q_len) // block, (length - 1) // block + 1)) * hq
+
+
+def _attend(provider, q, k_full, v_full, q_lens, lens, block_mask, score_rows=None, page_size=8, seed=0):
+    """Run the provider on a paged cache built from per-request dense K/V (page tables shuffled)."""
+    hkv, d = k_full[0].shape[1:]
+    pages_per = [-(-n // page_size) for n in lens]
+    perm = torch.randperm(sum(pages_per), generator=torch.Generator().manual_seed(seed))
+    k_cache = torch.zeros(sum(pages_per), page_size, hkv, d)
+    v_cache = torch.zeros_like(k_cache)
+    table = torch.zeros(len(lens), max(pages_per), dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(lens):
+        table[b, : pages_per[b]] = perm[used: used + pages_per[b]]
+        used += pages_per[b]
+        for t in range(n):
+            k_cache[table[b, t // page_size], t % page_size] = k_full[b][t]
+            v_cache[table[b, t // page_size], t % page_size] = v_full[b][t]
+    view = LayerView(slot_mapping=torch.zeros(0, dtype=torch.long), kv_lens=torch.tensor(lens, dtype=torch.int32),
+                     kv_lens_list=tuple(lens), page_table=table)
+    ctx = SimpleNamespace(q_lens=tuple(q_lens), is_decode=all(n == 1 for n in q_lens))
+    extra = {} if block_mask is None else {"block_mask": block_mask}
+    return provider.attend(q, k_cache, v_cache, ctx, view, None, score_rows, **extra)
+
+
+@pytest.mark.parametrize("hq,hkv,block", [(4, 2, 16), (6, 3, 8)])
+def test_provider_block_sparse_attention_matches_reference(hq, hkv, block):
+    """The torch provider under a BlockMask (a chunk mid-prompt, a whole prompt, a dense
+    request, a decode row) against the plain reference; with score rows too."""
+    d, provider = 16, TorchAttentionProvider()
+    lens, q_lens = [150, 70, 90, 40], [45, 70, 30, 1]
+    ks = [rand(n, hkv, d, seed=10 + b) for b, n in enumerate(lens)]
+    vs = [rand(n, hkv, d, seed=20 + b) for b, n in enumerate(lens)]
+    q = rand(sum(q_lens), hq, d, seed=30) * 2
+    masks = []
+    for b, (n, ql) in enumerate(zip(lens, q_lens)):
+        nq, nk = (n - 1) // block - (n - ql) // block + 1, -(-n // block)
+        masks.append(torch.rand(hq, nq, nk, generator=torch.Generator().manual_seed(b)) < 0.4 if b < 2 else None)
+    bm = BlockMask(block, tuple(masks))
+    out, cs = _attend(provider, q, ks, vs, q_lens, lens, bm)
+    out_scored, cs = _attend(provider, q, ks, vs, q_lens, lens, bm, ScoreRows((5, 70, 30, 0)))
+    start = 0
+    for b, (n, ql) in enumerate(zip(lens, q_lens)):
+        want, probs = ref_masked_attention(q[start:start + ql], ks[b], vs[b], masks[b], block)
+        torch.testing.assert_close(out[start:start + ql].double(), want, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(out_scored[start:start + ql].double(), want, atol=1e-5, rtol=1e-4)
+        rows = (5, 70, 30, 0)[b]
+        ref_cs = probs[:, ql - rows:].sum(1).view(hkv, hq // hkv, n).mean(1)
+        torch.testing.assert_close(cs[b].double(), ref_cs, atol=1e-5, rtol=1e-4)
+        start += ql
+
+
+def test_all_blocks_kept_is_exactly_dense():
+    hq, hkv, d, block = 4, 2, 16, 16
+    lens, q_lens = [150, 64], [45, 64]
+    ks = [rand(n, hkv, d, seed=40 + b) for b, n in enumerate(lens)]
+    vs = [rand(n, hkv, d, seed=50 + b) for b, n in enumerate(lens)]
+    q = rand(sum(q_lens), hq, d, seed=60)
+    full = tuple(torch.ones(hq, (n - 1) // block - (n - ql) // block + 1, -(-n // block), dtype=torch.bool)
+                 for n, ql in zip(lens, q_lens))
+    provider = TorchAttentionProvider()
+    for rows in (None, ScoreRows((45, 3))):
+        dense, cs_dense = _attend(provider, q, ks, vs, q_lens, lens, None, rows)
+        sparse, cs_sparse = _attend(provider, q, ks, vs, q_lens, lens, BlockMask(block, full), rows)
+        assert torch.equal(dense, sparse)
+        if rows is not None:
+            assert all(torch.equal(a, b) for a, b in zip(cs_dense, cs_sparse))
+
+
+def test_method_reference_agrees_with_kernel_reference():
+    """For a whole prompt the mask layout is the block-sparse kernel's [Hq, nb, nb]."""
+    kernels = pytest.importorskip("sparseengine.kernels")
+    q, k, v = rand(100, 4, 16, seed=1) * 2, rand(100, 2, 16, seed=2) * 2, rand(100, 2, 16, seed=3)
+    mask = fp.flashprefill_mask(q, k, 16, 1, 1, 2, 0.08)
+    assert 0 < mask.float().mean() < 1
+    want, _ = ref_masked_attention(q, k, v, mask, 16)
+    torch.testing.assert_close(fp.masked_attention(q, k, v, mask, 16).double(), want, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(kernels.block_sparse_prefill_ref(q, k, v, mask, 16).double(), want,
+                               atol=1e-5, rtol=1e-4)
+
+
+# --------------------------------------------------------------- flashprefill_v2: engine
+
+
+def test_flashprefill_engine_masks_match_reference(tiny_llama, monkeypatch):
+    """Every block mask the engine uses, chunk by chunk and layer by layer, is the
+    reference's on the q/k the model computed; the stats report them."""
+    folder, _ = tiny_llama
+    calls, masks = [], []
+    forward, block_mask = Attention.forward, FlashPrefillV2.block_mask
+
+    def spy_forward(self, q, k, v):
+        calls.append((self.layer_id, q.clone(), k.clone()))
+        return forward(self, q, k, v)
+
+    def spy_mask(self, layer, q, ctx):
+        bm = block_mask(self, layer, q, ctx)
+        masks.append(None if bm is None else bm.masks[0])
+        return bm
+
+    monkeypatch.setattr(Attention, "forward", spy_forward)
+    monkeypatch.setattr(FlashPrefillV2, "block_mask", spy_mask)
+    thr = 0.1
+    llm = LLM(str(folder), **ENGINE, prefill_chunk_size=48, **FP_TINY, flashprefill_threshold=thr,
+              flashprefill_measure_error=True)
+    prompt = prompt_ids(170)
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))[0]
+    keys: dict[int, list] = {}
+    computed = total = 0
+    for (layer, q, k), got in zip(calls, masks):
+        keys.setdefault(layer, []).append(k)
+        kk = torch.cat(keys[layer])
+        if kk.shape[0] > len(prompt):  # decode rows stay dense
+            assert got is None
+            continue
+        want, _ = ref_block_mask(q, kk, 16, 1, 1, 2, thr)
+        assert torch.equal(got, want), f"layer {layer}, {kk.shape[0]} tokens"
+        computed += int(want.sum())
+        total += sum(i + 1 for i in range((kk.shape[0] - q.shape[0]) // 16, (kk.shape[0] - 1) // 16 + 1)) * q.shape[1]
+    stats = llm.method.parts[0].request_stats(out.request_id)
+    assert stats["sparse"] and stats["blocks_computed"] == computed and stats["blocks_total"] == total
+    assert 0 < stats["block_fraction"] < 1
+    assert 0 < stats["attn_rel_error"] <= stats["attn_max_rel_error"]
+    assert llm.method.parts[0].summary()["requests"] == 1
+    llm.close()
+
+
+def test_flashprefill_short_prompt_runs_dense(tiny_llama):
+    folder, _ = tiny_llama
+    kw = {**FP_TINY, "flashprefill_min_len": 100}
+    llm = LLM(str(folder), **ENGINE, **kw, flashprefill_threshold=1.0)
+    out = llm.generate(prompt_ids(80), GREEDY)[0]
+    stats = llm.method.parts[0].request_stats(out.request_id)
+    assert stats["sparse"] is False and stats["block_fraction"] == 1.0 and stats["attn_rel_error"] == 0.0
+    llm.close()
+
+
+# ----------------------------------------------------------------- h2o_prefill: engine
+
+
+def ref_h2o_prefill(events, prompt_len, hkv, g, d, sink, recent, budget, window, decode_total=None):
+    """Replays the engine's q/k (by position) and its compactions; after every chunk the
+    engine's cache (as original positions, per layer and KV head) must equal this
+    reference's kept list. ``decode_total``: paired with h2o (scores from every row), which
+    evicts to that total at prefill end and after every decode step. Returns the number
+    of comparisons."""
+    keys: dict[int, dict[int, torch.Tensor]] = {}
+    kept: dict[int, list[list[int]]] = {}
+    score: dict[int, list[dict[int, float]]] = {}
+    engine: dict[int, list[list[int]]] = {}
+    nxt: dict[int, int] = {}
+    checks = 0
+    for ev in events:
+        if ev[0] == "compact":
+            _, layer, keep = ev
+            engine[layer] = [[engine[layer][h][i] for i in keep[h].tolist()] for h in range(hkv)]
+            continue
+        _, layer, q, k = ev
+        kept.setdefault(layer, [[] for _ in range(hkv)])
+        engine.setdefault(layer, [[] for _ in range(hkv)])
+        score.setdefault(layer, [{} for _ in range(hkv)])
+        keys.setdefault(layer, {})
+        assert engine[layer] == kept[layer], f"layer {layer} before position {nxt.get(layer, 0)}"
+        checks += 1
+        start = nxt.get(layer, 0)
+        n = q.shape[0]
+        nxt[layer] = start + n
+        for i in range(n):
+            keys[layer][start + i] = k[i]
+            for h in range(hkv):
+                kept[layer][h].append(start + i)
+                engine[layer][h].append(start + i)
+        if start >= prompt_len and decode_total is None:  # decode: vanilla keeps what prefill left
+            continue
+        rows = n if window == 0 or decode_total is not None else min(window, n)
+        totals = [budget] if start + n < prompt_len else [budget, decode_total]
+        if start >= prompt_len:
+            totals = [decode_total]
+        for h in range(hkv):
+            for i in range(n - rows, n):
+                p = start + i
+                cand = [t for t in kept[layer][h] if t <= p]
+                kmat = torch.stack([keys[layer][t][h] for t in cand])
+                for qh in range(h * g, (h + 1) * g):
+                    probs = ref_softmax_row(q[i, qh], kmat, d)
+                    for t, pr in zip(cand, probs.tolist()):
+                        score[layer][h][t] = score[layer][h].get(t, 0.0) + pr / g
+            for total in totals:
+                ks = kept[layer][h]
+                if total is not None and len(ks) > total:
+                    middle = ks[sink: len(ks) - recent]
+                    top = sorted(range(len(middle)), key=lambda j: (-score[layer][h][middle[j]], j))
+                    kept[layer][h] = ks[:sink] + [middle[j] for j in sorted(top[: total - sink - recent])] + \
+                        ks[len(ks) - recent:]
+    return checks
+
+
+@pytest.mark.parametrize("window,decode", [(8, "vanilla"), (0, "vanilla"), (8, "h2o")])
+def test_h2o_prefill_kept_sets_match_reference(tiny_llama, monkeypatch, window, decode):
+    folder, _ = tiny_llama
+    events = []
+    forward, compact = Attention.forward, CacheManager.compact
+
+    def spy_forward(self, q, k, v):
+        events.append(("attn", self.layer_id, q.clone(), k.clone()))
+        return forward(self, q, k, v)
+
+    def spy_compact(self, seq, layer, keep):
+        events.append(("compact", layer, keep.clone()))
+        return compact(self, seq, layer, keep)
+
+    monkeypatch.setattr(Attention, "forward", spy_forward)
+    monkeypatch.setattr(CacheManager, "compact", spy_compact)
+    sink, recent, budget = 4, 8, 40
+    h2o_budget = 20  # h2o pairing: its total 32 < 40
+    extra = {"budget": h2o_budget} if decode == "h2o" else {}
+    llm = LLM(str(folder), **ENGINE, prefill_chunk_size=32, sink_tokens=sink, recent_tokens=recent,
+              sparse_method=decode, prefill_sparse_method="h2o_prefill", h2o_prefill_budget=budget,
+              h2o_prefill_window=window, **extra)
+    mc = llm.model_config
+    prompt = prompt_ids(150, seed=3)
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
+    assert out.finish_reason == "length"
+    assert any(e[0] == "compact" for e in events)
+    checks = ref_h2o_prefill(events, len(prompt), mc.num_kv_heads, mc.num_heads // mc.num_kv_heads, mc.head_dim,
+                             sink, recent, budget, window, sink + h2o_budget + recent if decode == "h2o" else None)
+    assert checks == mc.num_layers * (5 + 2)  # 5 chunks and 2 decode steps, every layer
+    assert out.metrics["kv_tokens"] == (sink + h2o_budget + recent if decode == "h2o" else budget + 2)
+    llm.close()
+
+
+@pytest.mark.parametrize("decode", ["vanilla", "h2o"])
+def test_h2o_prefill_prompt_longer_than_pool(tiny_llama, decode):
+    folder, _ = tiny_llama
+    pool = dict(ENGINE, num_kv_pages=12, prefill_chunk_size=32, sink_tokens=4, recent_tokens=8)  # 96 slots
+    prompt = prompt_ids(400, seed=5)
+    with LLM(str(folder), **pool) as dense:
+        out = dense.generate(prompt, GREEDY)[0]
+        assert out.finish_reason == "error" and "KV pages" in out.error
+    extra = {"budget": 20} if decode == "h2o" else {}
+    with LLM(str(folder), **pool, sparse_method=decode, prefill_sparse_method="h2o_prefill",
+             h2o_prefill_budget=48, h2o_prefill_window=16, **extra) as llm:
+        assert llm.method.cache_tokens_needed(len(prompt)) == 48 + 32
+        outs = llm.generate([prompt, prompt_ids(300, seed=6)], GREEDY)
+        for o in outs:
+            assert o.finish_reason == "length" and len(o.token_ids) == GREEDY.max_tokens, o.error
+            assert o.metrics["kv_tokens"] <= (32 if decode == "h2o" else 48 + GREEDY.max_tokens)
+        assert llm.peak_pages_used <= 12
+
+
+# ------------------------------------------------------------ exact when nothing drops
+
+EXACT = [
+    ("h2o_prefill", "vanilla", dict(h2o_prefill_budget=4096)),
+    ("h2o_prefill", "h2o", dict(h2o_prefill_budget=4096, budget=4096)),
+    ("h2o_prefill", "vanilla", dict(h2o_prefill_budget=150, sink_tokens=4, recent_tokens=8)),  # budget = prompt
+    ("flashprefill_v2", "vanilla", dict(FP_KNOBS, flashprefill_threshold=0.0)),
+    ("flashprefill_v2", "vanilla", dict(FP_KNOBS, flashprefill_threshold=0.0, prefill_chunk_size=512)),
+    ("flashprefill_v2", "snapkv", dict(FP_KNOBS, flashprefill_threshold=0.0)),
+    ("flashprefill_v2", "h2o", dict(FP_KNOBS, flashprefill_threshold=0.0)),
+    ("flashprefill_v2", "omnikv", dict(FP_KNOBS, flashprefill_threshold=0.0, omnikv_filter_layers="1")),
+    ("flashprefill_v2", "quest", dict(FP_KNOBS, flashprefill_threshold=0.0)),
+]
+
+
+@pytest.fixture(scope="module")
+def vanilla_tokens(tiny_llama):
+    folder, _ = tiny_llama
+    with LLM(str(folder), **ENGINE, prefill_chunk_size=40) as llm:
+        return [o.token_ids for o in llm.generate([prompt_ids(150), prompt_ids(90, seed=2)], GREEDY)]
+
+
+@pytest.mark.parametrize("pre,decode,kw", EXACT, ids=[f"{p}+{d}-{i}" for i, (p, d, _) in enumerate(EXACT)])
+def test_keeping_everything_is_vanilla(tiny_llama, vanilla_tokens, pre, decode, kw):
+    folder, _ = tiny_llama
+    kw = {"prefill_chunk_size": 40, **kw}
+    with LLM(str(folder), **ENGINE, sparse_method=decode, prefill_sparse_method=pre, **kw) as llm:
+        outs = llm.generate([prompt_ids(150), prompt_ids(90, seed=2)], GREEDY)
+        assert [o.token_ids for o in outs] == vanilla_tokens
+        if pre == "flashprefill_v2":
+            stats = llm.method.parts[0].summary()
+            assert stats["sparse"] and stats["block_fraction"] == 1.0
+
+
+# ------------------------------------------------------------------------ configuration
+
+
+@pytest.mark.parametrize("pre", ["h2o_prefill", "flashprefill_v2"])
+def test_incompatible_pairs_name_both(pre):
+    allowed = registry.get_spec(pre, "prefill").combines_with
+    bad = [m for m in registry.decode_methods() if m not in allowed]
+    assert bad
+    for decode in bad:
+        with pytest.raises(ConfigError) as err:
+            Config.from_kwargs(sparse_method=decode, prefill_sparse_method=pre)
+        assert f"'{pre}'" in str(err.value) and f"'{decode}'" in str(err.value)
+    for decode in allowed:
+        Config.from_kwargs(sparse_method=decode, prefill_sparse_method=pre)
+
+
+def test_config_errors(tiny_llama):
+    folder, _ = tiny_llama
+    with pytest.raises(ConfigError, match="flashprefill_threshold"):  # no table entry for this model
+        LLM(str(folder), **ENGINE, prefill_sparse_method="flashprefill_v2")
+    with pytest.raises(ConfigError, match="flashprefill_block"):
+        LLM(str(folder), **ENGINE, prefill_sparse_method="flashprefill_v2", flashprefill_threshold=0.01,
+            flashprefill_block=24)
+    with pytest.raises(ConfigError, match="h2o_prefill_budget"):
+        LLM(str(folder), **ENGINE, prefill_sparse_method="h2o_prefill", h2o_prefill_budget=100,
+            sink_tokens=64, recent_tokens=64)
+    assert "smollm2-135m-instruct" in fp.THRESHOLDS
