@@ -18,7 +18,11 @@ class TritonAttentionProvider(AttentionProvider):
         kernels.paged_kv_write_triton(k, v, k_cache, v_cache, slot_mapping)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext,
-               view: LayerView, selection: Selection | None, score_rows: ScoreRows | None):
+               view: LayerView, selection: Selection | None, score_rows: ScoreRows | None, block_mask=None):
+        if block_mask is not None:
+            from sparseengine.config import ConfigError
+            raise ConfigError("block-sparse prefill (prefill_sparse_method='flashprefill_v2') is not wired into "
+                              "the Triton provider yet; use attention_provider='torch'")
         table, lens = view.page_table, view.kv_lens
         max_len = max(view.kv_lens_list)
         if ctx.is_decode:

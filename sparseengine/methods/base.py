@@ -177,7 +177,8 @@ class MethodStack(SparseMethodRuntime):
         return self.parts[1].kv_tokens(seq)
 
     def cache_lens_after_prefill(self, prompt_tokens):
-        return self.parts[1].cache_lens_after_prefill(prompt_tokens)
+        a, b = (p.cache_lens_after_prefill(prompt_tokens) for p in self.parts)
+        return [min(x, y) for x, y in zip(a, b)]
 
     def tokens_read(self, seq):
         return self.parts[1].tokens_read(seq)
@@ -186,7 +187,7 @@ class MethodStack(SparseMethodRuntime):
         return self.parts[1].metadata_bytes_read(seq, kv_bytes_per_token_layer)
 
     def max_cache_tokens(self, prompt_tokens, output_tokens):
-        return self.parts[1].max_cache_tokens(prompt_tokens, output_tokens)
+        return min(p.max_cache_tokens(prompt_tokens, output_tokens) for p in self.parts)
 
     def init_synthetic(self, seq):
         self.parts[1].init_synthetic(seq)
