@@ -1,0 +1,141 @@
+"""Records to pandas, and the summaries the figures draw.
+
+    python -m experiments.aggregate runs/records.jsonl --out results   # CSVs + figures
+
+Columns keep the record's names: engine fields as they are (``sparse_method``, ``budget``
+...), task parameters as they are unless they clash (then ``task.<name>``), metrics with
+their ``/`` namespaces, provenance as ``provenance.<name>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+from typing import Any, Iterable
+
+import pandas as pd
+
+from experiments.records import read_records
+
+
+def flatten(rec: dict[str, Any]) -> dict[str, Any]:
+    row: dict[str, Any] = {k: rec.get(k) for k in ("task", "status", "error", "start_time", "end_time", "job_dir")}
+    row.update(rec.get("engine") or {})
+    for k, v in (rec.get("task_config") or {}).items():
+        if k != "name":
+            row[k if k not in row else f"task.{k}"] = v
+    run = rec.get("run") or {}
+    row["budget_fraction"] = run.get("budget_fraction")
+    row["experiment"] = (run.get("choices") or {}).get("experiment")
+    row.update(rec.get("metrics") or {})
+    for k, v in (rec.get("provenance") or {}).items():
+        if isinstance(v, dict):
+            row.update({f"provenance.{k}.{kk}": vv for kk, vv in v.items()})
+        else:
+            row[f"provenance.{k}"] = v
+    return row
+
+
+def load_records(paths: str | Path | Iterable[str | Path], status: str | None = "ok") -> pd.DataFrame:
+    """Every record of the given JSONL files, one row each (``status=None`` keeps all)."""
+    paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    rows = [flatten(r) for p in paths for r in read_records(p)]
+    df = pd.DataFrame(rows)
+    if status is not None and not df.empty:
+        df = df[df["status"] == status].reset_index(drop=True)
+    return df
+
+
+def lane(row: pd.Series) -> str:
+    """A throughput/accuracy lane: the method, its total budget unless dense, any prefill method."""
+    from sparseengine.method_registry import get_spec
+
+    name = str(row["sparse_method"])
+    try:
+        dense = get_spec(name).family == "dense"
+    except Exception:  # a method no longer registered still gets a label
+        dense = name == "vanilla"
+    if not dense:
+        name += f" (total {int(row['sink_tokens'] + row['budget'] + row['recent_tokens'])})"
+    if row.get("prefill_sparse_method") not in (None, "none"):
+        name += f" + {row['prefill_sparse_method']}"
+    return name
+
+
+def accuracy_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Long form: one row per (record, scored task), ``score`` in percent."""
+    out = []
+    for _, row in df.iterrows():
+        for col in df.columns:
+            m = re.fullmatch(r"(passkey|ruler|longbench)(?:/(.+))?/score", col)
+            if m is None or pd.isna(row[col]):
+                continue
+            total = row["sink_tokens"] + row["budget"] + row["recent_tokens"]
+            out.append({"task": m.group(1) + (f"/{m.group(2)}" if m.group(2) else ""),
+                        "sparse_method": row["sparse_method"], "prefill_sparse_method": row["prefill_sparse_method"],
+                        "model": row["model"], "context_length": row["context_length"],
+                        "budget_fraction": row.get("budget_fraction"), "total_budget": total,
+                        "score": row[col], "num_samples": row.get(col.replace("/score", "/num_samples")),
+                        "seed": row["seed"]})
+    return pd.DataFrame(out)
+
+
+def throughput_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Long form: one row per (throughput record, measured batch size)."""
+    out = []
+    for _, row in df[df["task"] == "throughput"].iterrows():
+        batches = sorted({int(m.group(1)) for c in df.columns
+                          if (m := re.fullmatch(r"decode/bs(\d+)/output_tok_s", c)) and pd.notna(row[c])})
+        for b in batches:
+            entry = {"lane": lane(row), "sparse_method": row["sparse_method"], "model": row["model"],
+                     "context_length": row["context_length"], "batch": b,
+                     "max_batch": row.get("decode/max_batch"), "device": row.get("provenance.device_name")}
+            for key in ("output_tok_s", "pct_of_limit", "ttft_s_mean", "tpot_s_mean", "bytes_per_step",
+                        "limit_tok_s", "preemptions"):
+                entry[key] = row.get(f"decode/bs{b}/{key}")
+            out.append(entry)
+    return pd.DataFrame(out)
+
+
+def improvement_over_vanilla(tp: pd.DataFrame, reference: str = "vanilla") -> pd.DataFrame:
+    """Each lane at the reference's largest batch, as a ratio of the reference's tok/s."""
+    rows = []
+    for (model, ctx), group in tp.groupby(["model", "context_length"]):
+        ref = group[group["sparse_method"] == reference]
+        if ref.empty:
+            continue
+        at = int(ref["batch"].max())
+        ref_tok = float(ref[ref["batch"] == at]["output_tok_s"].iloc[0])
+        for name, lane_rows in group.groupby("lane"):
+            same = lane_rows[lane_rows["batch"] == at]
+            largest = lane_rows[lane_rows["batch"] == lane_rows["batch"].max()].iloc[0]
+            rows.append({"model": model, "context_length": ctx, "lane": name, "concurrency": at,
+                         "output_tok_s_at_concurrency": float(same["output_tok_s"].iloc[0]) if len(same) else None,
+                         "improvement_pct": (100.0 * (float(same["output_tok_s"].iloc[0]) / ref_tok - 1))
+                         if len(same) else None,
+                         "largest_batch": int(largest["batch"]), "output_tok_s_at_largest": largest["output_tok_s"]})
+    return pd.DataFrame(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from experiments.figures import render_all
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("records", nargs="+", help="records JSONL file(s)")
+    ap.add_argument("--out", default="results", help="folder for CSVs; figures go to <out>/figures")
+    args = ap.parse_args(argv)
+    df = load_records(args.records)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    acc, tp = accuracy_table(df), throughput_table(df)
+    if not acc.empty:
+        acc.to_csv(out / "accuracy.csv", index=False)
+    if not tp.empty:
+        tp.to_csv(out / "throughput.csv", index=False)
+    for path in render_all(df, out / "figures"):
+        print(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Hydra callbacks: at the end of a sweep, print its records as a table and, when asked,
+write the aggregated CSV and figures (a figure = one experiment + this one call)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+KEY_COLUMNS = ["task", "status", "model", "sparse_method", "prefill_sparse_method", "budget", "context_length",
+               "budget_fraction"]
+
+
+class SweepSummary(Callback):
+    def __init__(self, records_path: str, results_dir: str | None = None, csv_name: str | None = None,
+                 figures: list[str] | None = None) -> None:
+        self.records_path, self.results_dir, self.csv_name = records_path, results_dir, csv_name
+        self.figures = list(figures or [])
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        from experiments import aggregate
+        from experiments.figures import accuracy_vs_budget, decode_throughput, ttft_vs_context
+
+        if not Path(self.records_path).exists():
+            print(f"no records at {self.records_path}")
+            return
+        sweep_dir = str(Path(config.hydra.sweep.dir).resolve())
+        df = aggregate.load_records(self.records_path, status=None)
+        df = df[df["job_dir"].fillna("").str.startswith(sweep_dir)]
+        if df.empty:
+            return
+        scores = [c for c in df.columns if c.endswith("/score") and c.count("/") == 1]
+        cols = [c for c in KEY_COLUMNS + scores + ["decode/max_batch_output_tok_s"] if c in df.columns]
+        print(df[cols].to_string(index=False))
+        if self.results_dir is None:
+            return
+        ok = df[df["status"] == "ok"]
+        out = Path(self.results_dir)
+        acc, tp = aggregate.accuracy_table(ok), aggregate.throughput_table(ok)
+        if self.csv_name:
+            table = acc if not acc.empty else tp
+            out.mkdir(parents=True, exist_ok=True)
+            table.to_csv(out / self.csv_name, index=False)
+            print(f"wrote {out / self.csv_name}")
+        renderers = {"accuracy_vs_budget": (accuracy_vs_budget, acc), "decode_throughput": (decode_throughput, tp),
+                     "ttft_vs_context": (ttft_vs_context, tp)}
+        for name in self.figures:
+            if name not in renderers:
+                raise ValueError(f"Unknown figure {name!r}. Valid: {', '.join(renderers)}")
+            module, table = renderers[name]
+            if not table.empty:
+                print("wrote", *module.render(table, out / "figures")[1])

@@ -1,0 +1,45 @@
+"""What every task gets (``TaskEnv``) and is (``Task``): one job runs one task once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Callable
+
+from experiments.records import append_sample
+
+
+@dataclass
+class TaskEnv:
+    """The job's handle on the engine config and the record. Tasks build engines here so
+    every engine a job creates is made from the same resolved config."""
+
+    engine_kwargs: dict[str, Any]
+    seed: int
+    job_dir: Path | None
+    log: Callable[[dict[str, Any]], None]  # merge metrics into the record, as soon as measured
+    table: Callable[[str, list[dict[str, Any]]], None] = lambda name, rows: None
+
+    def engine(self, **overrides: Any):
+        from sparseengine import LLM
+
+        return LLM(**{**self.engine_kwargs, **overrides})
+
+    def sample(self, row: dict[str, Any]) -> None:
+        """One per-sample line in the job folder's ``samples.jsonl`` (kept on a crash)."""
+        if self.job_dir is not None:
+            append_sample(self.job_dir / "samples.jsonl", row)
+
+
+@dataclass
+class Task:
+    name: str = "task"
+    context_length: int = 1024
+    num_samples: int = 4
+
+    def run(self, env: TaskEnv) -> dict[str, Any]:
+        """Run, calling ``env.log`` as metrics arrive; return the final metrics."""
+        raise NotImplementedError
+
+    def params(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}

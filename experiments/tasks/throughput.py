@@ -1,0 +1,94 @@
+"""Decode throughput (BENCHMARKS.md): the decode-only window at each batch size, the largest
+batch that fits, end-to-end TTFT / TPOT, and the roofline (bytes per step, percent of the
+physical limit with the bandwidth measured in the same run).
+
+``batch_sizes`` holds integers and/or ``"max"`` (the largest batch that fits, found by
+doubling then bisection against the engine's KV pool). Metrics are per batch size under
+``decode/bs<B>/``, plus ``decode/max_batch`` and ``decode/first_unfit_batch``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from experiments.tasks.base import Task, TaskEnv
+from experiments.throughput import capacity, decode_window, roofline
+
+
+@dataclass
+class ThroughputTask(Task):
+    name: str = "throughput"
+    context_length: int = 1024  # prompt tokens per request
+    num_samples: int = 1  # unused; kept so every task has the same three basics
+    output_len: int = 64
+    warmup_steps: int = 4
+    timed_steps: int = 16
+    batch_sizes: list[Any] = field(default_factory=lambda: [1, "max"])
+    prefill: str = "real"
+    max_batch_limit: int = 4096
+    bandwidth_gbps: float | None = None  # None: measured in this run by a device copy
+    matmul_tflops: float | None = None  # None: measured in this run by a matmul
+
+    def _batches(self, largest: int) -> list[int]:
+        out = []
+        for b in self.batch_sizes:
+            if b == "max":
+                out.append(largest)
+            elif isinstance(b, int) and b > 0:
+                out.append(b)
+            else:
+                raise ValueError(f"Invalid batch size {b!r} in task.batch_sizes: positive integers or 'max'")
+        return sorted(set(b for b in out if b > 0))
+
+    def run(self, env: TaskEnv) -> dict[str, Any]:
+        with env.engine() as llm:
+            device, dtype = llm.device, llm.dtype
+            if self.context_length + self.output_len > llm.max_model_len:
+                raise ValueError(f"context_length + output_len = {self.context_length + self.output_len} exceeds "
+                                 f"max_model_len={llm.max_model_len}; raise engine.max_model_len")
+            bw = self.bandwidth_gbps or roofline.measure_copy_bandwidth(device)
+            rate = self.matmul_tflops or roofline.measure_matmul_tflops(device, dtype)
+            cap = capacity.capacity_of(llm, self.context_length, self.output_len)
+            search = capacity.max_batch(cap.fits, self.max_batch_limit)
+            env.log({"roofline/bandwidth_gbps": bw, "roofline/matmul_tflops": rate,
+                     "decode/max_batch": search.largest, "decode/first_unfit_batch": search.first_unfit,
+                     "decode/first_unfit_reason": cap.reason(search.first_unfit),
+                     "decode/kv_pool_pages": cap.num_pages, "decode/pages_per_request": cap.pages_per_request,
+                     "decode/prompt_tokens": self.context_length, "decode/output_tokens": self.output_len,
+                     "decode/prefill": self.prefill})
+            gen = torch.Generator().manual_seed(env.seed)
+            vocab = llm.model_config.vocab_size
+            elem = torch.empty((), dtype=dtype).element_size()
+            metrics: dict[str, Any] = {}
+            rows: list[dict[str, Any]] = []
+            for batch in tqdm(self._batches(search.largest), desc="batch sizes"):
+                if not cap.fits(batch):
+                    env.log({f"decode/bs{batch}/status": f"does not fit: {cap.reason(batch)}"})
+                    continue
+                prompts = torch.randint(vocab, (batch, self.context_length), generator=gen).tolist()
+                w = decode_window.measure(llm, prompts, self.output_len, self.warmup_steps, self.timed_steps,
+                                          self.prefill)
+                mid_context = self.context_length + self.warmup_steps + self.timed_steps // 2  # mid-window
+                cost = roofline.decode_step_cost(llm.model_config, llm.config, elem, batch, mid_context)
+                limit_s = cost.limit_s(bw, rate)
+                m = {"output_tok_s": w.output_tok_s, "step_s": w.step_s, "window_s": w.window_s,
+                     "ttft_s_mean": w.ttft_s_mean, "ttft_s_max": w.ttft_s_max, "tpot_s_mean": w.tpot_s_mean,
+                     "e2e_output_tok_s": w.e2e_output_tok_s, "wall_s": w.wall_s, "preemptions": w.preemptions,
+                     "pure_decode_steps": w.pure_decode_steps, "kv_tokens_mean": w.kv_tokens_mean,
+                     "bytes_per_step": cost.bytes, "flops_per_step": cost.flops, "limit_step_s": limit_s,
+                     "limit_tok_s": batch / limit_s, "pct_of_limit": 100.0 * limit_s / w.step_s,
+                     "status": "ok" if w.preemptions == 0 else "preempted"}
+                step = {f"decode/bs{batch}/{k}": v for k, v in m.items()}
+                metrics.update(step)
+                env.log(step)
+                env.sample({"batch": batch, **m})
+                rows.append({"batch": batch, **m})
+            env.table("throughput/batches", rows)
+            largest = f"decode/bs{search.largest}/output_tok_s"
+            if largest in metrics:
+                metrics["decode/max_batch_output_tok_s"] = metrics[largest]
+            return metrics

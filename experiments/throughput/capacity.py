@@ -1,0 +1,96 @@
+"""Does a batch fit in the KV pool? And the largest batch that does (doubling, then bisection).
+
+Fitting is computed from the engine, not guessed: a batch fits when its KV, in whole
+pages, fits in ``llm.allocator.num_pages`` pages and the batch is within ``max_num_seqs``.
+A method that frees memory still holds a whole prompt until it compresses it, so the
+batch needs ``(B - 1) x steady + peak`` pages: one request at its prefill peak while the
+others sit at their steady size.
+
+Method hook (documented for method authors): a method runtime class may define
+
+    @classmethod
+    def kv_tokens_needed(cls, config, prompt_len: int, output_len: int) -> int
+
+returning the most tokens per layer one request holds in the pool once decoding (its
+steady size; the prefill peak, the whole prompt, is counted separately).
+Without it the registry decides: a method that does not free memory holds
+prompt + output; one that does (``frees_memory``) holds at most
+``min(prompt, sink + budget + recent) + output`` (no decode-time eviction assumed: an
+upper bound for StreamingLLM and H2O, exact for SnapKV without decode eviction).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+def kv_tokens_needed(config, prompt_len: int, output_len: int) -> int:
+    from sparseengine.method_registry import get_spec
+
+    spec = get_spec(config.sparse_method)
+    hook = getattr(spec.runtime, "kv_tokens_needed", None)
+    if hook is not None:
+        return int(hook(config, prompt_len, output_len))
+    if not spec.frees_memory:
+        return prompt_len + output_len
+    return min(prompt_len, config.total_attended) + output_len
+
+
+@dataclass(frozen=True)
+class Capacity:
+    num_pages: int
+    page_size: int
+    pages_per_request: int  # steady state, during decode
+    max_num_seqs: int
+    peak_pages_per_request: int | None = None  # while its whole prompt is held; None: the steady size
+
+    def pages(self, batch: int) -> int:
+        peak = self.peak_pages_per_request or self.pages_per_request
+        return (batch - 1) * self.pages_per_request + peak if batch > 0 else 0
+
+    def fits(self, batch: int) -> bool:
+        return batch <= self.max_num_seqs and self.pages(batch) <= self.num_pages
+
+    def reason(self, batch: int) -> str:
+        if batch > self.max_num_seqs:
+            return f"batch {batch} > max_num_seqs={self.max_num_seqs}"
+        need = self.pages(batch)
+        return f"needs {need} KV pages, the pool holds {self.num_pages}" + ("" if need > self.num_pages else " (fits)")
+
+
+def capacity_of(llm, prompt_len: int, output_len: int) -> Capacity:
+    cfg = llm.config
+    steady = kv_tokens_needed(cfg, prompt_len, output_len)
+    return Capacity(num_pages=llm.allocator.num_pages, page_size=cfg.page_size,
+                    pages_per_request=-(-steady // cfg.page_size), max_num_seqs=cfg.max_num_seqs,
+                    peak_pages_per_request=-(-(prompt_len + output_len) // cfg.page_size))
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    largest: int  # 0 when not even one request fits
+    first_unfit: int  # the next size up, which must not fit
+    probes: tuple[tuple[int, bool], ...]
+
+
+def max_batch(fits: Callable[[int], bool], limit: int = 1 << 20) -> SearchResult:
+    """Double from 1 until a batch does not fit, then bisect between the last two sizes."""
+    probes: list[tuple[int, bool]] = []
+
+    def probe(b: int) -> bool:
+        ok = fits(b)
+        probes.append((b, ok))
+        return ok
+
+    if not probe(1):
+        return SearchResult(0, 1, tuple(probes))
+    lo, hi = 1, 2
+    while hi <= limit and probe(hi):
+        lo, hi = hi, hi * 2
+    if hi > limit:
+        return SearchResult(lo, hi, tuple(probes))
+    while hi - lo > 1:  # lo fits, hi does not
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if probe(mid) else (lo, mid)
+    return SearchResult(lo, hi, tuple(probes))

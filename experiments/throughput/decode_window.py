@@ -1,0 +1,108 @@
+"""The decode-only window, through the engine's public API only.
+
+``LLM.generate`` runs ``LLM.step`` in a loop; we time each step from outside (a wrapper on
+this one instance, removed afterwards). From the outputs' TTFTs we find the step in which
+the last request got its first token: every later step, until the first request ends, is
+a pure decode step over the whole batch. Of those, ``warmup_steps`` are skipped and the
+next ``timed_steps`` are timed from the end of one step to the end of another. Each step
+ends with the sampled tokens copied to the host, so its end is a point where the device
+is done; nothing else synchronises inside the window.
+
+Prefill is ``real`` (the engine prefills the prompts) or ``synthesized`` (the engine fills
+the KV directly; needs ``LLM.generate(..., prefill="synthesized")``, which the engine does
+not have yet). An engine fast path for the window can replace ``measure`` without
+touching the task.
+"""
+
+from __future__ import annotations
+
+import bisect
+import inspect
+import statistics
+import time
+from dataclasses import dataclass
+
+PREFILL_MODES = ("real", "synthesized")
+
+
+@dataclass(frozen=True)
+class WindowResult:
+    batch: int
+    prefill: str
+    window_s: float
+    timed_steps: int
+    step_s: float
+    output_tok_s: float
+    ttft_s_mean: float
+    ttft_s_max: float
+    tpot_s_mean: float  # end to end: decode time / (output tokens - 1), per request
+    e2e_output_tok_s: float  # all output tokens / wall time of the whole generate call
+    wall_s: float
+    preemptions: int
+    pure_decode_steps: int  # how many all-batch decode steps the run had (>= warmup + timed)
+    kv_tokens_mean: float | None
+
+
+class _StepClock:
+    def __init__(self, llm) -> None:
+        self.llm, self.starts, self.ends = llm, [], []
+        self._step = llm.step
+
+    def __enter__(self) -> "_StepClock":
+        def timed_step() -> int:
+            self.starts.append(time.perf_counter())
+            done = self._step()
+            self.ends.append(time.perf_counter())
+            return done
+
+        self.llm.step = timed_step
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.llm.step  # back to the class method
+
+
+def measure(llm, prompts: list[list[int]], output_len: int, warmup_steps: int, timed_steps: int,
+            prefill: str = "real") -> WindowResult:
+    from sparseengine import ConfigError, SamplingParams
+
+    if prefill not in PREFILL_MODES:
+        raise ConfigError(f"Invalid prefill={prefill!r}. Valid values: {', '.join(PREFILL_MODES)}")
+    kwargs = {}
+    if prefill == "synthesized":
+        if "prefill" not in inspect.signature(llm.generate).parameters:
+            raise ConfigError("prefill='synthesized' needs LLM.generate(..., prefill='synthesized'), which this "
+                              "engine does not have; use task.prefill=real")
+        kwargs["prefill"] = "synthesized"
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    with _StepClock(llm) as clock:
+        t_call = time.perf_counter()
+        outputs = llm.generate(prompts, params, **kwargs)
+        wall = time.perf_counter() - t_call
+    errors = [o.error for o in outputs if o.finish_reason == "error"]
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {len(outputs)} requests failed: {errors[0]}")
+    ttfts = [o.metrics["ttft_s"] for o in outputs]
+    ends = clock.ends
+    ready = t_call + max(ttfts)  # the last first token was sampled inside this step
+    first_done = t_call + min(t + o.metrics["decode_s"] for t, o in zip(ttfts, outputs))
+    k_ready = bisect.bisect_left(ends, ready)
+    k_done = bisect.bisect_left(ends, first_done)  # the step in which the first request ended
+    pure = max(0, k_done - k_ready)  # steps k_ready+1 .. k_done decode the whole batch
+    need = warmup_steps + timed_steps
+    if pure < need:
+        raise RuntimeError(f"only {pure} decode steps over the whole batch of {len(prompts)}, the window needs "
+                           f"{need} (warm-up {warmup_steps} + timed {timed_steps}): the first request ended before "
+                           f"the last was prefilled; raise task.output_len (now {output_len})")
+    t0, t1 = ends[k_ready + warmup_steps], ends[k_ready + warmup_steps + timed_steps]
+    seconds = t1 - t0
+    out_tokens = sum(len(o.token_ids) for o in outputs)
+    tpots = [o.metrics["decode_s"] / (len(o.token_ids) - 1) for o in outputs if len(o.token_ids) > 1]
+    kv = [o.metrics["kv_tokens"] for o in outputs if o.metrics.get("kv_tokens") is not None]
+    return WindowResult(
+        batch=len(prompts), prefill=prefill, window_s=seconds, timed_steps=timed_steps,
+        step_s=seconds / timed_steps, output_tok_s=len(prompts) * timed_steps / seconds,
+        ttft_s_mean=statistics.fmean(ttfts), ttft_s_max=max(ttfts),
+        tpot_s_mean=statistics.fmean(tpots) if tpots else float("nan"), e2e_output_tok_s=out_tokens / wall,
+        wall_s=wall, preemptions=sum(o.metrics["preemptions"] for o in outputs), pure_decode_steps=pure,
+        kv_tokens_mean=statistics.fmean(kv) if kv else None)

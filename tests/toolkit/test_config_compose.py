@@ -1,0 +1,64 @@
+"""Every option of every config group composes into a valid engine Config and task;
+every experiment composes; every option file names what it is for."""
+
+from __future__ import annotations
+
+import pytest
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from sparseengine import Config
+from sparseengine import method_registry as registry
+from tests.toolkit.conftest import CONF, GROUPS, compose, options
+
+CASES = [(g, o) for g in GROUPS for o in options(g)]
+
+
+def _method_for_policy(policy: str) -> str | None:
+    if policy == "auto":
+        return "vanilla"
+    fits = [m for m in registry.decode_methods() if registry.get_spec(m).prefill_policy == policy]
+    with_yaml = [m for m in fits if (CONF / "sparse_method" / f"{m}.yaml").exists()]
+    return (with_yaml or fits or [None])[0]
+
+
+@pytest.mark.parametrize("group,option", CASES, ids=[f"{g}={o}" for g, o in CASES])
+def test_option_composes(group: str, option: str) -> None:
+    overrides = [f"{group}={option}"]
+    if group == "prefill_policy":
+        method = _method_for_policy(option)
+        if method is None:
+            pytest.skip(f"no registered method defaults to prefill_policy={option}")
+        if (CONF / "sparse_method" / f"{method}.yaml").exists():
+            overrides.append(f"sparse_method={method}")
+        else:
+            pytest.skip(f"conf/sparse_method/{method}.yaml is missing (see test_method_yaml)")
+    cfg = compose(overrides)
+    engine = OmegaConf.to_container(cfg.engine, resolve=True)
+    Config.from_kwargs(**engine)  # every key is a Config field or registry knob, every value valid
+    task = instantiate(cfg.task, _convert_="all")
+    assert task.name == cfg.task.name
+    assert (CONF / group / f"{option}.yaml").read_text().lstrip().startswith("#"), "start with a one-line comment"
+
+
+@pytest.mark.parametrize("option", options("hydra/launcher"))
+def test_launcher_composes(option: str) -> None:
+    cfg = compose([f"hydra/launcher={option}"], return_hydra_config=True)
+    assert "_target_" in cfg.hydra.launcher
+
+
+@pytest.mark.parametrize("experiment", options("experiment"))
+def test_experiment_composes(experiment: str) -> None:
+    text = (CONF / "experiment" / f"{experiment}.yaml").read_text()
+    assert "python run.py" in text.splitlines()[1], "line 2 is the one-line usage comment"
+    cfg = compose([f"experiment={experiment}"], return_hydra_config=True)
+    Config.from_kwargs(**OmegaConf.to_container(cfg.engine, resolve=True))
+    instantiate(cfg.task, _convert_="all")
+    for key, value in (cfg.hydra.sweeper.params or {}).items():
+        assert str(value), f"sweep axis {key} resolves to something"
+
+
+def test_default_config_is_the_embedded_model_on_cpu_friendly_settings() -> None:
+    cfg = compose([])
+    assert cfg.engine.model == "smollm2-135m-instruct"
+    assert cfg.task.name == "passkey"

@@ -1,0 +1,62 @@
+"""Figures are drawn from records: files exist, panels and lanes are the expected ones."""
+
+from __future__ import annotations
+
+import json
+
+from experiments import aggregate
+from experiments.figures import accuracy_vs_budget, decode_throughput, ttft_vs_context
+
+ENGINE = {"model": "llama-3.1-8b", "prefill_sparse_method": "none", "sink_tokens": 64, "recent_tokens": 512,
+          "budget": 1472, "seed": 0}
+
+
+def _record(task, engine, task_config, metrics, budget_fraction=None):
+    return {"task": task, "status": "ok", "engine": {**ENGINE, **engine}, "task_config": task_config,
+            "run": {"budget_fraction": budget_fraction, "choices": {}}, "metrics": metrics,
+            "provenance": {"device_name": "test"}, "job_dir": None}
+
+
+def _throughput(method, batches):
+    metrics = {"decode/max_batch": max(batches)}
+    for b, tok in batches.items():
+        metrics.update({f"decode/bs{b}/output_tok_s": tok, f"decode/bs{b}/ttft_s_mean": 0.5,
+                        f"decode/bs{b}/pct_of_limit": 50.0})
+    return _record("throughput", {"sparse_method": method}, {"context_length": 131072}, metrics)
+
+
+def test_two_panel_decode_figure_from_records(tmp_path) -> None:
+    recs = [_throughput("vanilla", {1: 13.0, 6: 60.0}), _throughput("lane_x", {1: 20.0, 6: 150.0, 200: 2000.0})]
+    path = tmp_path / "records.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in recs))
+    tp = aggregate.throughput_table(aggregate.load_records(path))
+    fig, files = decode_throughput.render(tp, tmp_path / "figures")
+    assert all(f.exists() and f.stat().st_size > 0 for f in files)
+    assert {f.suffix for f in files} == {".png", ".pdf"}
+    top, bottom = fig.axes
+    lanes = [t.get_text() for t in bottom.get_xticklabels()]
+    assert lanes == ["vanilla", "lane_x (total 2048)"]
+    assert [round(p.get_height()) for p in top.patches] == [60, 2000]  # each lane's largest batch
+    assert [round(p.get_height()) for p in bottom.patches] == [0, 150]  # +150 % at batch 6
+    assert "batch 6" in bottom.get_ylabel()
+    _, files = ttft_vs_context.render(tp, tmp_path / "figures")
+    assert files[0].exists()
+
+
+def test_accuracy_figure_from_records(tmp_path) -> None:
+    recs = [_record("ruler", {"sparse_method": "vanilla", "budget": 0}, {"context_length": 2048},
+                    {"ruler/score": 80.0, "ruler/vt/score": 70.0, "ruler/cwe/score": 90.0}, 0.5)]
+    for frac, s in ((0.125, 20.0), (0.25, 40.0), (0.5, 60.0)):
+        recs.append(_record("ruler", {"sparse_method": "lane_x", "sink_tokens": 0, "recent_tokens": 0,
+                                      "budget": int(2048 * frac)}, {"context_length": 2048},
+                            {"ruler/score": s, "ruler/vt/score": s, "ruler/cwe/score": s}, frac))
+    path = tmp_path / "records.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in recs))
+    acc = aggregate.accuracy_table(aggregate.load_records(path))
+    assert set(acc["task"]) == {"ruler", "ruler/vt", "ruler/cwe"}
+    fig, files = accuracy_vs_budget.render(acc, tmp_path / "figures")
+    assert files[0].exists()
+    titles = [a.get_title() for a in fig.axes if a.get_title()]
+    assert sorted(titles) == ["ruler", "ruler/cwe", "ruler/vt"]
+    labels = fig.axes[0].get_legend_handles_labels()[1]
+    assert labels == ["vanilla 2048", "lane_x 2048"]
