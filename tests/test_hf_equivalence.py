@@ -71,3 +71,31 @@ def test_tiny_random_models_match_hf(fixture, request):
             assert out.token_ids == hf_greedy(hf, prompt_ids, NEW_TOKENS)
         for got, prompt_ids in zip(llm.prompt_logits(ids), ids):
             assert rel_err(got, hf_logits(hf, prompt_ids)) < 1e-4
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_qwen2_bias_and_mistral_match_hf(arch, tmp_path):
+    """Qwen2.5 (q/k/v bias) and Mistral (full attention) through the same model code."""
+    import transformers
+
+    common = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)
+    if arch == "qwen2":
+        cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=False)
+        hf = transformers.Qwen2ForCausalLM(cfg)
+    else:
+        cfg = transformers.MistralConfig(**common, sliding_window=None)
+        hf = transformers.MistralForCausalLM(cfg)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(0, 0.1) if "norm" not in name else p.uniform_(0.8, 1.2)
+    hf.eval().save_pretrained(tmp_path)
+    ids = [torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (7, 30)]
+    with LLM(str(tmp_path), dtype="float32", page_size=8, kv_cache_memory=0.01) as llm:
+        assert llm.model_config.qkv_bias == (arch == "qwen2")
+        outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        for prompt_ids, out in zip(ids, outs):
+            assert out.token_ids == hf_greedy(hf, prompt_ids, 12)
+        for got, prompt_ids in zip(llm.prompt_logits(ids), ids):
+            assert rel_err(got, hf_logits(hf, prompt_ids)) < 1e-4
