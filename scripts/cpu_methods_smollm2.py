@@ -42,16 +42,18 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=12)
     ap.add_argument("--deltakv-checkpoint", default="")
+    ap.add_argument("--fractions", default="8,4,2", help="total = context / f for each f")
+    ap.add_argument("--append", action="store_true", help="keep the rows already in --out")
     args = ap.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
-    rows = []
+    rows = list(csv.DictReader(open(args.out))) if args.append and Path(args.out).exists() else []
     base = LLM(dtype="float32")
     tok, folder = base.tokenizer, "smollm2-135m-instruct"
     kv_per_token = 2 * base.model_config.num_layers * base.model_config.num_kv_heads * base.model_config.head_dim * 4
     base.close()
     methods = [m for m in decode_methods() if m != "deltakv" or args.deltakv_checkpoint]
-    jobs = [(ctx, frac, m) for ctx in map(int, args.contexts.split(",")) for frac in (8, 4, 2) for m in methods]
+    jobs = [(ctx, frac, m) for ctx in map(int, args.contexts.split(",")) for frac in map(int, args.fractions.split(",")) for m in methods]
     refs: dict[int, list[list[int]]] = {}
     for ctx, frac, method in tqdm(jobs, desc="methods x budgets"):
         prompts = [passkey_prompt(tok, ctx, k) for k in KEYS[: args.prompts]]
