@@ -88,8 +88,9 @@ def main() -> None:
             w.writeheader()
             w.writerows(rows)
     for r in rows:
-        print(f"{r['context']:5d} {r['budget_fraction']:>4} {r['method']:>13} passkey {r['passkey_rate']:.2f} "
-              f"agree {r['top1_agreement_vs_vanilla']:.2f} kv {r['kv_fraction_of_dense_end']:.2f}")
+        print(f"{int(r['context']):5d} {r['budget_fraction']:>4} {r['method']:>13} "
+              f"passkey {float(r['passkey_rate']):.2f} agree {float(r['top1_agreement_vs_vanilla']):.2f} "
+              f"kv {float(r['kv_fraction_of_dense_end']):.2f}")
 
 
 if __name__ == "__main__":
