@@ -60,8 +60,7 @@ from sparseengine.layers.rotary import apply_rotary, rope_inv_freq
 from sparseengine.method_registry import MethodSpec
 from sparseengine.methods import deltakv_codec as codec
 from sparseengine.methods.base import SparseMethodRuntime
-from sparseengine.methods.omnikv import FILTER_LAYERS, filter_layers_for
-from sparseengine.methods.selection import omnikv_select, omnikv_token_scores
+from sparseengine.methods.omnikv import FILTER_LAYERS, choose_tokens, filter_layers_for
 
 # The full layers choose tokens exactly as OmniKV's filter layers do: same per-model table.
 FULL_LAYERS = FILTER_LAYERS
@@ -312,17 +311,7 @@ class DeltaKV(SparseMethodRuntime):
 
     def _choose(self, layer, q, ctx) -> list[torch.Tensor | None]:
         """OmniKV's choice at a full layer: token positions (== its cache indices)."""
-        cfg, out, start = self.config, [], 0
-        for seq, n in zip(ctx.seqs, ctx.q_lens):
-            length = seq.layer_lens[layer] + n
-            if not seq.is_decoding or length <= self.total:
-                out.append(None)
-            else:
-                k, _ = self.cache.gather(seq, layer, length)
-                scores = omnikv_token_scores(q[start + n - 1], k, "logits")
-                out.append(omnikv_select(scores, cfg.sink_tokens, cfg.budget, cfg.recent_tokens))
-            start += n
-        return out
+        return choose_tokens(self, layer, q, ctx, "logits")
 
     def _state(self, seq) -> _SeqState:
         st = self.cache.state(seq)

@@ -32,7 +32,6 @@ encode and decode take the mean of the same stored centers.
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass
 
 import torch
@@ -46,16 +45,7 @@ _META_TYPES = {"model_name": str, "latent_dim": int, "center_ratio": float, "nei
 # ----------------------------------------------------------------------------- checks
 
 
-def _int_arg(name: str, value, minimum: int = 0) -> int:
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    try:
-        v = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be an integer, got {value!r}") from None
-    if v < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {v}")
-    return v
+from sparseengine.methods.selection import _int_arg  # noqa: E402  (one validator for both)
 
 
 def _matrix_arg(name: str, t, layout: str) -> torch.Tensor:

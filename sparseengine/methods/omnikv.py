@@ -46,6 +46,21 @@ def filter_layers_for(model, given: str, option: str, table: dict[str, str]) -> 
     return parse_layers(spec, model.num_layers, option)
 
 
+def choose_tokens(rt: SparseMethodRuntime, layer: int, q: torch.Tensor, ctx, mode: str) -> list[torch.Tensor | None]:
+    """A filter layer's choice per request (None: prefill row or prompt within the total)."""
+    cfg, out, start = rt.config, [], 0
+    for seq, n in zip(ctx.seqs, ctx.q_lens):
+        length = seq.layer_lens[layer] + n
+        if not seq.is_decoding or length <= rt.total:
+            out.append(None)
+        else:
+            k, _ = rt.cache.gather(seq, layer, length)
+            scores = omnikv_token_scores(q[start + n - 1], k, mode)
+            out.append(omnikv_select(scores, cfg.sink_tokens, cfg.budget, cfg.recent_tokens))
+        start += n
+    return out
+
+
 class OmniKV(SparseMethodRuntime):
     def __init__(self, config, model, cache) -> None:
         super().__init__(config, model, cache)
@@ -75,17 +90,7 @@ class OmniKV(SparseMethodRuntime):
         return [n if l in dense else min(n, self.total) for l, n in enumerate(seq.layer_lens)]
 
     def _choose(self, layer, q, ctx) -> list[torch.Tensor | None]:
-        cfg, out, start = self.config, [], 0
-        for seq, n in zip(ctx.seqs, ctx.q_lens):
-            length = seq.layer_lens[layer] + n
-            if not seq.is_decoding or length <= self.total:
-                out.append(None)
-            else:
-                k, _ = self.cache.gather(seq, layer, length)
-                scores = omnikv_token_scores(q[start + n - 1], k, self.mode)
-                out.append(omnikv_select(scores, cfg.sink_tokens, cfg.budget, cfg.recent_tokens))
-            start += n
-        return out
+        return choose_tokens(self, layer, q, ctx, self.mode)
 
 
 SPEC = MethodSpec(
