@@ -6,35 +6,14 @@ A method that frees memory still holds a whole prompt until it compresses it, so
 batch needs ``(B - 1) x steady + peak`` pages: one request at its prefill peak while the
 others sit at their steady size.
 
-Method hook (documented for method authors): a method runtime class may define
-
-    @classmethod
-    def kv_tokens_needed(cls, config, prompt_len: int, output_len: int) -> int
-
-returning the most tokens per layer one request holds in the pool once decoding (its
-steady size; the prefill peak, the whole prompt, is counted separately).
-Without it the registry decides: a method that does not free memory holds
-prompt + output; one that does (``frees_memory``) holds at most
-``min(prompt, sink + budget + recent) + output`` (no decode-time eviction assumed: an
-upper bound for StreamingLLM and H2O, exact for SnapKV without decode eviction).
+The steady size comes from ``LLM.kv_tokens_needed`` (each method runtime's
+``max_cache_tokens``), so this file restates nothing about any method.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
-
-
-def kv_tokens_needed(config, prompt_len: int, output_len: int) -> int:
-    from sparseengine.method_registry import get_spec
-
-    spec = get_spec(config.sparse_method)
-    hook = getattr(spec.runtime, "kv_tokens_needed", None)
-    if hook is not None:
-        return int(hook(config, prompt_len, output_len))
-    if not spec.frees_memory:
-        return prompt_len + output_len
-    return min(prompt_len, config.total_attended) + output_len
 
 
 @dataclass(frozen=True)
@@ -61,7 +40,7 @@ class Capacity:
 
 def capacity_of(llm, prompt_len: int, output_len: int) -> Capacity:
     cfg = llm.config
-    steady = kv_tokens_needed(cfg, prompt_len, output_len)
+    steady = llm.kv_tokens_needed(prompt_len, output_len)  # the method runtime's own account
     return Capacity(num_pages=llm.allocator.num_pages, page_size=cfg.page_size,
                     pages_per_request=-(-steady // cfg.page_size), max_num_seqs=cfg.max_num_seqs,
                     peak_pages_per_request=-(-(prompt_len + output_len) // cfg.page_size))
