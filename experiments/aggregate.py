@@ -82,20 +82,33 @@ def accuracy_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def throughput_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Long form: one row per (throughput record, measured batch size)."""
+    """Long form: one row per (throughput record, measured batch size), plus the Hugging Face
+    ``generate`` lane (``hf/bs<B>/``) where a record has one. A lane measured again (a later
+    record with the same lane, model, context and batch) replaces the earlier row."""
     out = []
-    for _, row in df[df["task"] == "throughput"].iterrows():
-        batches = sorted({int(m.group(1)) for c in df.columns
-                          if (m := re.fullmatch(r"decode/bs(\d+)/output_tok_s", c)) and pd.notna(row[c])})
-        for b in batches:
-            entry = {"lane": lane(row), "sparse_method": row["sparse_method"], "model": row["model"],
-                     "context_length": row["context_length"], "batch": b,
-                     "max_batch": row.get("decode/max_batch"), "device": row.get("provenance.device_name")}
-            for key in ("output_tok_s", "pct_of_limit", "ttft_s_mean", "tpot_s_mean", "bytes_per_step",
-                        "limit_tok_s", "preemptions"):
-                entry[key] = row.get(f"decode/bs{b}/{key}")
-            out.append(entry)
-    return pd.DataFrame(out)
+    tp = df[df["task"] == "throughput"]
+    if "end_time" in tp.columns:
+        tp = tp.sort_values("end_time", kind="stable")
+    for _, row in tp.iterrows():
+        common = {"model": row["model"], "context_length": row["context_length"],
+                  "device": row.get("provenance.device_name"), "commit": row.get("provenance.commit")}
+        for prefix, name, method in (("decode", lane(row), row["sparse_method"]), ("hf", "hf_generate", "hf")):
+            batches = sorted({int(m.group(1)) for c in tp.columns
+                              if (m := re.fullmatch(prefix + r"/bs(\d+)/output_tok_s", c)) and pd.notna(row[c])})
+            for b in batches:
+                entry = {"lane": name, "sparse_method": method, **common, "batch": b,
+                         "max_batch": row.get("decode/max_batch") if prefix == "decode" else b,
+                         "first_unfit_batch": row.get("decode/first_unfit_batch") if prefix == "decode" else None}
+                for key in ("output_tok_s", "step_s", "pct_of_limit", "limit_tok_s", "bytes_per_step",
+                            "ttft_s_mean", "tpot_s_mean", "kv_tokens_mean", "preemptions"):
+                    entry[key] = row.get(f"{prefix}/bs{b}/{key}")
+                entry["bandwidth_gbps"] = row.get("roofline/bandwidth_gbps")
+                out.append(entry)
+    table = pd.DataFrame(out)
+    if table.empty:
+        return table
+    keys = ["lane", "model", "context_length", "batch"]
+    return table.drop_duplicates(keys, keep="last").sort_values(keys).reset_index(drop=True)
 
 
 def improvement_over_vanilla(tp: pd.DataFrame, reference: str = "vanilla") -> pd.DataFrame:

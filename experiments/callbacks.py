@@ -15,8 +15,13 @@ KEY_COLUMNS = ["task", "status", "model", "sparse_method", "prefill_sparse_metho
 
 class SweepSummary(Callback):
     def __init__(self, records_path: str, results_dir: str | None = None, csv_name: str | None = None,
-                 figures: list[str] | None = None) -> None:
+                 figures: list[str] | None = None, scope: str = "sweep") -> None:
+        """``scope``: ``sweep`` summarises this sweep's records; ``records`` every record in
+        ``records_path`` (an experiment whose lanes come from several commands)."""
+        if scope not in ("sweep", "records"):
+            raise ValueError(f"Invalid scope={scope!r}: 'sweep' or 'records'")
         self.records_path, self.results_dir, self.csv_name = records_path, results_dir, csv_name
+        self.scope = scope
         self.figures = list(figures or [])
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
@@ -28,7 +33,8 @@ class SweepSummary(Callback):
             return
         sweep_dir = str(Path(config.hydra.sweep.dir).resolve())
         df = aggregate.load_records(self.records_path, status=None)
-        df = df[df["job_dir"].fillna("").str.startswith(sweep_dir)]
+        if self.scope == "sweep":
+            df = df[df["job_dir"].fillna("").str.startswith(sweep_dir)]
         if df.empty:
             return
         scores = [c for c in df.columns if c.endswith("/score") and c.count("/") == 1]
@@ -46,9 +52,10 @@ class SweepSummary(Callback):
             print(f"wrote {out / self.csv_name}")
         renderers = {"accuracy_vs_budget": (accuracy_vs_budget, acc), "decode_throughput": (decode_throughput, tp),
                      "ttft_vs_context": (ttft_vs_context, tp)}
-        for name in self.figures:
+        for entry in self.figures:  # "figure" or "figure:file stem"
+            name, _, stem = entry.partition(":")
             if name not in renderers:
                 raise ValueError(f"Unknown figure {name!r}. Valid: {', '.join(renderers)}")
             module, table = renderers[name]
             if not table.empty:
-                print("wrote", *module.render(table, out / "figures")[1])
+                print("wrote", *module.render(table, out / "figures", stem or name)[1])

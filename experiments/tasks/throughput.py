@@ -3,12 +3,20 @@ batch that fits, end-to-end TTFT / TPOT, and the roofline (bytes per step, perce
 physical limit with the bandwidth measured in the same run).
 
 ``batch_sizes`` holds integers and/or ``"max"`` (the largest batch that fits, found by
-doubling then bisection against the engine's KV pool). Metrics are per batch size under
-``decode/bs<B>/``, plus ``decode/max_batch`` and ``decode/first_unfit_batch``.
+doubling then bisection against the engine's KV pool), ``"ladder"`` (1, 2, 4, ... below
+the largest) and ``"dense_max"`` (the largest batch whose whole prompts fit the same pool:
+vanilla's concurrency, for improvement-at-the-same-concurrency comparisons). Metrics are
+per batch size under ``decode/bs<B>/``, plus ``decode/max_batch`` and
+``decode/first_unfit_batch``.
+
+``hf_batches``: for a dense method (registry family ``dense``), also time Hugging Face
+``generate`` on the same model shape at these batch sizes (``hf/bs<B>/``), after the
+engine has released the device.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +24,8 @@ import torch
 from tqdm.auto import tqdm
 
 from experiments.tasks.base import Task, TaskEnv
-from experiments.throughput import capacity, decode_window, roofline
+from experiments.throughput import capacity, decode_window, hf_generate, roofline
+from sparseengine.method_registry import get_spec
 
 
 @dataclass
@@ -29,20 +38,34 @@ class ThroughputTask(Task):
     timed_steps: int = 16
     batch_sizes: list[Any] = field(default_factory=lambda: [1, "max"])
     prefill: str = "real"
+    hf_batches: list[int] = field(default_factory=list)
+    time_budget_s: float | None = None  # per job: skip batches predicted to overrun it
+    hf_new_tokens: int = 17
     max_batch_limit: int = 4096
     bandwidth_gbps: float | None = None  # None: measured in this run by a device copy
     matmul_tflops: float | None = None  # None: measured in this run by a matmul
 
-    def _batches(self, largest: int) -> list[int]:
+    def _batches(self, largest: int, dense_largest: int) -> list[int]:
         out = []
         for b in self.batch_sizes:
             if b == "max":
                 out.append(largest)
+            elif b == "dense_max":
+                out.append(min(dense_largest, largest))
+            elif b == "ladder":
+                out.extend(1 << i for i in range(max(largest, 1).bit_length()) if 1 << i < largest)
             elif isinstance(b, int) and b > 0:
                 out.append(b)
             else:
-                raise ValueError(f"Invalid batch size {b!r} in task.batch_sizes: positive integers or 'max'")
+                raise ValueError(f"Invalid batch size {b!r} in task.batch_sizes: positive integers, 'max', "
+                                 "'ladder' or 'dense_max'")
         return sorted(set(b for b in out if b > 0))
+
+    def _generate_len(self) -> int:
+        """Tokens generated per request: the window and a margin. Capacity (which batches
+        fit) is still reckoned for ``output_len`` tokens, so a batch that is measured could
+        also have generated all of them."""
+        return min(self.output_len, self.warmup_steps + self.timed_steps + 16)
 
     def run(self, env: TaskEnv) -> dict[str, Any]:
         with env.engine() as llm:
@@ -54,8 +77,10 @@ class ThroughputTask(Task):
             rate = self.matmul_tflops or roofline.measure_matmul_tflops(device, dtype)
             cap = capacity.capacity_of(llm, self.context_length, self.output_len)
             search = capacity.max_batch(cap.fits, self.max_batch_limit)
+            dense_largest = capacity.max_batch(cap.dense().fits, self.max_batch_limit).largest
             env.log({"roofline/bandwidth_gbps": bw, "roofline/matmul_tflops": rate,
                      "decode/max_batch": search.largest, "decode/first_unfit_batch": search.first_unfit,
+                     "decode/dense_max_batch": dense_largest,
                      "decode/first_unfit_reason": cap.reason(search.first_unfit),
                      "decode/kv_pool_pages": cap.num_pages, "decode/pages_per_request": cap.pages_per_request,
                      "decode/prompt_tokens": self.context_length, "decode/output_tokens": self.output_len,
@@ -65,20 +90,29 @@ class ThroughputTask(Task):
             elem = torch.empty((), dtype=dtype).element_size()
             metrics: dict[str, Any] = {}
             rows: list[dict[str, Any]] = []
-            for batch in tqdm(self._batches(search.largest), desc="batch sizes"):
+            started, last = time.perf_counter(), None
+            for batch in tqdm(self._batches(search.largest, dense_largest), desc="batch sizes"):
                 if not cap.fits(batch):
                     env.log({f"decode/bs{batch}/status": f"does not fit: {cap.reason(batch)}"})
                     continue
+                if self.time_budget_s is not None and last is not None:
+                    predicted = last[1] * batch / last[0]  # a window's wall time grows ~ with the batch
+                    if time.perf_counter() - started + predicted > self.time_budget_s:
+                        env.log({f"decode/bs{batch}/status": f"skipped: predicted {predicted:.0f} s would overrun "
+                                                             f"task.time_budget_s={self.time_budget_s}"})
+                        continue
                 prompts = torch.randint(vocab, (batch, self.context_length), generator=gen).tolist()
-                w = decode_window.measure(llm, prompts, self.output_len, self.warmup_steps, self.timed_steps,
-                                          self.prefill)
+                w = decode_window.measure(llm, prompts, self._generate_len(), self.warmup_steps,
+                                          self.timed_steps, self.prefill)
                 mid_context = self.context_length + self.warmup_steps + self.timed_steps // 2  # mid-window
-                cost = roofline.decode_step_cost(llm.model_config, llm.config, elem, batch, mid_context)
+                reads = None if w.read_tokens_per_layer is None else (w.read_tokens_per_layer, w.metadata_bytes_read)
+                cost = roofline.decode_step_cost(llm.model_config, llm.config, elem, batch, mid_context, reads)
                 limit_s = cost.limit_s(bw, rate)
                 m = {"output_tok_s": w.output_tok_s, "step_s": w.step_s, "window_s": w.window_s,
                      "ttft_s_mean": w.ttft_s_mean, "ttft_s_max": w.ttft_s_max, "tpot_s_mean": w.tpot_s_mean,
                      "e2e_output_tok_s": w.e2e_output_tok_s, "wall_s": w.wall_s, "preemptions": w.preemptions,
                      "pure_decode_steps": w.pure_decode_steps, "kv_tokens_mean": w.kv_tokens_mean,
+                     "read_tokens_per_layer": w.read_tokens_per_layer, "metadata_bytes_read": w.metadata_bytes_read,
                      "bytes_per_step": cost.bytes, "flops_per_step": cost.flops, "limit_step_s": limit_s,
                      "limit_tok_s": batch / limit_s, "pct_of_limit": 100.0 * limit_s / w.step_s,
                      "status": "ok" if w.preemptions == 0 else "preempted"}
@@ -86,9 +120,23 @@ class ThroughputTask(Task):
                 metrics.update(step)
                 env.log(step)
                 env.sample({"batch": batch, **m})
+                last = (batch, w.wall_s)
                 rows.append({"batch": batch, **m})
             env.table("throughput/batches", rows)
             largest = f"decode/bs{search.largest}/output_tok_s"
             if largest in metrics:
                 metrics["decode/max_batch_output_tok_s"] = metrics[largest]
-            return metrics
+            dense = get_spec(llm.config.sparse_method).family == "dense"
+        if self.hf_batches and dense:
+            metrics.update(self._hf_lane(env, device, dtype))
+        return metrics
+
+    def _hf_lane(self, env: TaskEnv, device, dtype) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for batch in self.hf_batches:
+            r = hf_generate.measure(env.engine_kwargs, batch, self.context_length, self.hf_new_tokens, device,
+                                    dtype, env.seed)
+            m = {f"hf/bs{batch}/{k}": v for k, v in vars(r).items()}
+            out.update(m)
+            env.log(m)
+        return out

@@ -31,6 +31,11 @@ class Capacity:
     def fits(self, batch: int) -> bool:
         return batch <= self.max_num_seqs and self.pages(batch) <= self.num_pages
 
+    def dense(self) -> "Capacity":
+        """The same pool for a method that holds every prompt token (vanilla)."""
+        peak = self.peak_pages_per_request or self.pages_per_request
+        return Capacity(self.num_pages, self.page_size, peak, self.max_num_seqs, peak)
+
     def reason(self, batch: int) -> str:
         if batch > self.max_num_seqs:
             return f"batch {batch} > max_num_seqs={self.max_num_seqs}"

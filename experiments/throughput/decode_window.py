@@ -22,6 +22,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
+import torch
+
 PREFILL_MODES = ("real", "synthesized")
 
 
@@ -41,15 +43,35 @@ class WindowResult:
     preemptions: int
     pure_decode_steps: int  # how many all-batch decode steps the run had (>= warmup + timed)
     kv_tokens_mean: float | None
+    read_tokens_per_layer: float | None = None  # per request, what the method's decode step reads
+    metadata_bytes_read: float | None = None  # per request and step (page bounds, scores...)
 
 
 class _StepClock:
-    def __init__(self, llm) -> None:
-        self.llm, self.starts, self.ends = llm, [], []
+    """Times every step from outside. Before the first step in which the whole batch
+    decodes, it asks the method runtime what one decode step reads per request
+    (``tokens_read``, ``metadata_bytes_read``): the roofline's measured KV term."""
+
+    def __init__(self, llm, batch: int) -> None:
+        self.llm, self.batch, self.starts, self.ends = llm, batch, [], []
         self._step = llm.step
+        self.read: tuple[float, float] | None = None
+
+    def _sample_reads(self) -> None:
+        running = list(getattr(self.llm.scheduler, "running", ()))
+        method = getattr(self.llm, "method", None)
+        if len(running) != self.batch or not all(s.is_decoding for s in running) or method is None:
+            return
+        mc = self.llm.model_config
+        token_layer = 2 * mc.num_kv_heads * mc.head_dim * torch.empty((), dtype=self.llm.dtype).element_size()
+        tokens = sum(sum(method.tokens_read(s)) for s in running) / (len(running) * mc.num_layers)
+        meta = sum(method.metadata_bytes_read(s, token_layer) for s in running) / len(running)
+        self.read = (tokens, meta)
 
     def __enter__(self) -> "_StepClock":
         def timed_step() -> int:
+            if self.read is None:
+                self._sample_reads()
             self.starts.append(time.perf_counter())
             done = self._step()
             self.ends.append(time.perf_counter())
@@ -75,7 +97,7 @@ def measure(llm, prompts: list[list[int]], output_len: int, warmup_steps: int, t
                               "engine does not have; use task.prefill=real")
         kwargs["prefill"] = "synthesized"
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    with _StepClock(llm) as clock:
+    with _StepClock(llm, len(prompts)) as clock:
         t_call = time.perf_counter()
         outputs = llm.generate(prompts, params, **kwargs)
         wall = time.perf_counter() - t_call
@@ -105,4 +127,6 @@ def measure(llm, prompts: list[list[int]], output_len: int, warmup_steps: int, t
         ttft_s_mean=statistics.fmean(ttfts), ttft_s_max=max(ttfts),
         tpot_s_mean=statistics.fmean(tpots) if tpots else float("nan"), e2e_output_tok_s=out_tokens / wall,
         wall_s=wall, preemptions=sum(o.metrics["preemptions"] for o in outputs), pure_decode_steps=pure,
-        kv_tokens_mean=statistics.fmean(kv) if kv else None)
+        kv_tokens_mean=statistics.fmean(kv) if kv else None,
+        read_tokens_per_layer=clock.read[0] if clock.read else None,
+        metadata_bytes_read=clock.read[1] if clock.read else None)

@@ -5,7 +5,9 @@ flops = 2 x parameters x B + attention flops; limit = max(bytes / bandwidth, flo
 ``pct_of_limit = limit_time / measured_time``. Bandwidth and matmul rate are measured in
 the same run (a device copy, a large matmul) unless given.
 
-Method hook: a runtime class may define
+The KV term is best measured: the decode window asks each request's method runtime what
+its step reads (``tokens_read``, ``metadata_bytes_read``) and passes it as ``measured``.
+Otherwise, a runtime class may define
 ``decode_read_tokens(cls, config, context_len) -> (kv_tokens, metadata_bytes)``, what one
 request's decode step reads per layer. Without it: dense methods read the whole context,
 others ``min(context, sink + budget + recent)`` tokens and no metadata (an estimate).
@@ -74,14 +76,21 @@ class StepCost:
         return max(self.bytes / (bandwidth_gbps * 1e9), self.flops / (matmul_tflops * 1e12))
 
 
-def decode_step_cost(model, config, elem_bytes: int, batch: int, context_len: int) -> StepCost:
-    """Bytes moved and flops of one decode step at ``batch`` requests of ``context_len`` tokens."""
+def decode_step_cost(model, config, elem_bytes: int, batch: int, context_len: int,
+                     measured: tuple[float, float] | None = None) -> StepCost:
+    """Bytes moved and flops of one decode step at ``batch`` requests of ``context_len`` tokens.
+    ``measured``: (KV tokens read per layer, metadata bytes read) per request, as the
+    method runtime reported them during the run; otherwise the estimate above."""
     emb = model.vocab_size * model.hidden_size
     # Tied embeddings are read once, as the LM head; untied: the lookup reads B rows only.
     weights = model.num_parameters() - (0 if model.tie_word_embeddings else emb)
     kv_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * elem_bytes
-    tokens, meta = read_tokens(config, context_len)
-    per_request = tokens * kv_token + meta * model.num_layers
+    if measured is not None:
+        tokens, meta_total = measured
+    else:
+        tokens, meta = read_tokens(config, context_len)
+        meta_total = meta * model.num_layers
+    per_request = tokens * kv_token + meta_total
     nbytes = weights * elem_bytes + batch * (per_request + kv_token)
     attn_flops = 4 * model.num_heads * model.head_dim * model.num_layers * tokens
     return StepCost(bytes=nbytes, flops=2 * weights * batch + batch * attn_flops)

@@ -43,3 +43,56 @@ def test_roofline_matches_benchmarks_md_for_llama_8b() -> None:
     six = decode_step_cost(model, cfg, 2, batch=6, context_len=131072)
     assert six.bytes / 1e9 == pytest.approx(118, rel=0.01)
     assert 6 / six.limit_s(4200, 790) == pytest.approx(213, rel=0.02)
+
+
+@pytest.mark.parametrize("largest, dense, want", [
+    (215, 6, [1, 2, 4, 6, 8, 16, 32, 64, 128, 215]),
+    (6, 6, [1, 2, 4, 6]),
+    (1, 1, [1]),
+    (8, 20, [1, 2, 4, 8]),  # dense_max never exceeds the lane's own largest batch
+])
+def test_batch_keywords_ladder_dense_max_and_max(largest, dense, want) -> None:
+    from experiments.tasks.throughput import ThroughputTask
+
+    task = ThroughputTask(batch_sizes=["ladder", "dense_max", "max"])
+    assert task._batches(largest, dense) == want
+    with pytest.raises(ValueError, match="ladder"):
+        ThroughputTask(batch_sizes=["biggest"])._batches(largest, dense)
+
+
+def test_dense_capacity_holds_whole_prompts() -> None:
+    evicting = Capacity(num_pages=80, page_size=16, pages_per_request=10, max_num_seqs=64, peak_pages_per_request=34)
+    assert max_batch(evicting.dense().fits).largest == 2  # 80 // 34
+    assert max_batch(evicting.fits).largest == 5
+
+
+def test_throughput_table_keeps_the_latest_measurement_and_the_hf_lane() -> None:
+    import pandas as pd
+
+    from experiments.aggregate import throughput_table
+
+    base = {"task": "throughput", "model": "m", "context_length": 1024, "sink_tokens": 4, "budget": 8,
+            "recent_tokens": 4, "prefill_sparse_method": "none", "decode/max_batch": 2}
+    rows = [dict(base, sparse_method="vanilla", end_time="1", **{"decode/bs1/output_tok_s": 10.0,
+                                                               "hf/bs1/output_tok_s": 1.0}),
+            dict(base, sparse_method="vanilla", end_time="2", **{"decode/bs1/output_tok_s": 12.0}),
+            dict(base, sparse_method="snapkv", end_time="1", **{"decode/bs2/output_tok_s": 30.0})]
+    tp = throughput_table(pd.DataFrame(rows)).set_index(["lane", "batch"])["output_tok_s"]
+    assert tp[("vanilla", 1)] == 12.0  # the re-run replaced the first measurement
+    assert tp[("hf_generate", 1)] == 1.0
+    assert tp[("snapkv (total 16)", 2)] == 30.0
+    assert len(tp) == 3
+
+
+def test_hf_lane_times_generate_on_the_same_shape(tiny_llama) -> None:
+    import torch
+
+    from experiments.throughput import hf_generate
+
+    folder, _ = tiny_llama
+    r = hf_generate.measure({"model": str(folder)}, batch=2, prompt_tokens=16, new_tokens=5,
+                            device=torch.device("cpu"), dtype=torch.float32)
+    assert (r.batch, r.prompt_tokens, r.timed_steps) == (2, 16, 4)
+    assert r.output_tok_s == pytest.approx(2 / r.step_s)
+    with pytest.raises(ValueError, match="new_tokens"):
+        hf_generate.measure({"model": str(folder)}, 1, 8, 1, torch.device("cpu"), torch.float32)

@@ -1,0 +1,77 @@
+"""The external lane: Hugging Face transformers ``generate`` on the same model shape.
+
+SDPA attention, dynamic cache, greedy. A logits processor stamps the time of every
+generation step after synchronising the device, so decode tok/s comes from the stamps
+after the first (which follows the prefill): prefill time does not leak into it. Weights
+come from the engine's model source: the folder when there is one, random (dummy) weights
+of the same shape otherwise (decode speed does not depend on the values).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class HFDecode:
+    batch: int
+    prompt_tokens: int
+    timed_steps: int
+    step_s: float
+    output_tok_s: float
+    prefill_s: float
+    implementation: str = "transformers generate, sdpa, dynamic cache"
+
+
+def _model(engine_kwargs: dict, device: torch.device, dtype: torch.dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from sparseengine.models import loader
+
+    source = loader.resolve(str(engine_kwargs["model"]), str(engine_kwargs.get("load_format", "auto")))
+    if source.folder is not None:
+        return AutoModelForCausalLM.from_pretrained(str(source.folder), dtype=dtype).to(device).eval()
+    hf = dict(source.hf_config)
+    cfg = AutoConfig.for_model(hf.pop("model_type", "llama"), **hf)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+
+
+def measure(engine_kwargs: dict, batch: int, prompt_tokens: int, new_tokens: int, device: torch.device,
+            dtype: torch.dtype, seed: int = 0) -> HFDecode:
+    from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+    if new_tokens < 2:
+        raise ValueError(f"new_tokens={new_tokens}: need at least 2 to time a decode step")
+
+    class Stamp(LogitsProcessor):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            self.times.append(time.perf_counter())
+            return scores
+
+    model = _model(engine_kwargs, device, dtype)
+    try:
+        model.generation_config = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0)
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.randint(3, model.config.vocab_size, (batch, prompt_tokens), generator=gen).to(device)
+        stamp = Stamp()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, logits_processor=LogitsProcessorList([stamp]))
+        steps = len(stamp.times) - 1
+        decode = stamp.times[-1] - stamp.times[0]
+        return HFDecode(batch=batch, prompt_tokens=prompt_tokens, timed_steps=steps, step_s=decode / steps,
+                        output_tok_s=batch * steps / decode, prefill_s=stamp.times[0] - t0)
+    finally:
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()

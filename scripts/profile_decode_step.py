@@ -1,0 +1,119 @@
+"""Where does a decode step's time go? A per-kernel breakdown on the GPU.
+
+Builds the engine on a model shape with dummy weights, fills the KV of ``--batch``
+requests of ``--prompt-len`` tokens with the synthesised prefill, then records
+``--steps`` pure-decode steps under ``torch.profiler`` (eager, so every kernel is seen:
+the kernels are the ones the CUDA graph replays, without the launch gaps). Writes one JSON
+with the device time per step of each kernel (grouped by name), their sum, the eager and
+the graph step times measured in the same process, and the roofline of the step.
+
+    python scripts/profile_decode_step.py --method vanilla --batch 1 --out profile_vanilla_b1.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from sparseengine import LLM, SamplingParams
+
+
+def step_time(llm, prompts, steps: int, warmup: int = 8) -> float:
+    """Median seconds per pure-decode step over ``steps`` steps after ``warmup``."""
+    ends, orig = [], llm.step
+
+    def timed():
+        r = orig()
+        torch.cuda.synchronize()
+        ends.append(time.perf_counter())
+        return r
+
+    llm.step = timed
+    try:
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=warmup + steps + 3, ignore_eos=True),
+                     prefill="synthesized")
+    finally:
+        del llm.step
+    gaps = sorted(b - a for a, b in zip(ends[warmup:warmup + steps], ends[warmup + 1:warmup + steps + 1]))
+    return gaps[len(gaps) // 2]
+
+
+def kernel_table(llm, prompts, steps: int) -> dict[str, float]:
+    """Device microseconds per decode step, per kernel name, over ``steps`` profiled steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    seen, orig = [0], llm.step
+    prof = profile(activities=[ProfilerActivity.CUDA])
+
+    def stepped():
+        seen[0] += 1
+        if seen[0] == 4:  # prefill done, a few decode steps warmed up
+            torch.cuda.synchronize()
+            prof.__enter__()
+        r = orig()
+        if seen[0] == 3 + steps:
+            torch.cuda.synchronize()
+            prof.__exit__(None, None, None)
+        return r
+
+    llm.step = stepped
+    try:
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=steps + 6, ignore_eos=True),
+                     prefill="synthesized")
+    finally:
+        del llm.step
+    per_kernel: dict[str, float] = defaultdict(float)
+    for e in prof.key_averages():
+        if e.device_type.name == "CUDA" and e.device_time_total > 0:
+            per_kernel[e.key[:120]] += e.device_time_total / steps
+    return dict(sorted(per_kernel.items(), key=lambda kv: -kv[1]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-3.1-8b")
+    ap.add_argument("--method", default="vanilla")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=131072)
+    ap.add_argument("--total", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--provider", default="triton")
+    ap.add_argument("--bandwidth-gbps", type=float, default=None, help="default: measured here")
+    ap.add_argument("--commit", default="")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    from experiments.throughput import roofline
+
+    kw = dict(model=args.model, load_format="dummy", dtype="bfloat16", sparse_method=args.method,
+              attention_provider=args.provider, max_num_seqs=max(8, args.batch), sink_tokens=64, recent_tokens=512,
+              budget=args.total - 576, max_model_len=args.prompt_len + 512)
+    prompts = [[(7 * i + j) % 30000 + 3 for j in range(args.prompt_len)] for i in range(args.batch)]
+    bw = args.bandwidth_gbps or roofline.measure_copy_bandwidth(torch.device("cuda"))
+    out = {"model": args.model, "method": args.method, "batch": args.batch, "prompt_len": args.prompt_len,
+           "provider": args.provider, "device": torch.cuda.get_device_name(), "commit": args.commit,
+           "torch": torch.__version__, "bandwidth_gbps": bw}
+    with LLM(**kw) as llm:
+        out["graph_step_ms"] = 1e3 * step_time(llm, prompts, 64)
+        out["graph_steps_used"] = llm.runner.graph_steps > 0
+        cost = roofline.decode_step_cost(llm.model_config, llm.config, 2, args.batch, args.prompt_len)
+        out["roofline_bytes"] = cost.bytes
+        out["limit_step_ms"] = 1e3 * cost.bytes / (bw * 1e9)
+    with LLM(**kw, enforce_eager=True) as llm:
+        out["eager_step_ms"] = 1e3 * step_time(llm, prompts, 32)
+        table = kernel_table(llm, prompts, args.steps)
+    out["kernel_us_per_step"] = {k: round(v, 1) for k, v in table.items()}
+    out["kernel_sum_ms"] = sum(table.values()) / 1e3
+    out["pct_of_limit_graph"] = 100 * out["limit_step_ms"] / out["graph_step_ms"]
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(json.dumps({k: v for k, v in out.items() if k != "kernel_us_per_step"}, indent=1))
+    for name, us in list(table.items())[:15]:
+        print(f"{us:9.1f} us  {name}")
+
+
+if __name__ == "__main__":
+    main()
