@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import platform
 import socket
+import os
 import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
@@ -27,8 +28,15 @@ def _git(*args: str) -> str | None:
 
 
 def git_state() -> dict[str, Any]:
+    """The checkout's commit and dirty flag. A copy without ``.git`` (a GPU machine that got
+    the working tree) reads ``SPARSEENGINE_GIT_COMMIT`` / ``SPARSEENGINE_GIT_DIRTY``, set by
+    whoever copied it, and says so in ``git_source``."""
     commit = _git("rev-parse", "HEAD")
     status = _git("status", "--porcelain")
+    if commit is None and os.environ.get("SPARSEENGINE_GIT_COMMIT"):
+        dirty = os.environ.get("SPARSEENGINE_GIT_DIRTY")
+        return {"git_commit": os.environ["SPARSEENGINE_GIT_COMMIT"],
+                "git_dirty": None if dirty is None else dirty == "1", "git_source": "environment"}
     return {"git_commit": commit, "git_dirty": None if status is None else bool(status)}
 
 

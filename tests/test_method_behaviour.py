@@ -102,7 +102,7 @@ def test_combination_matrix(tiny_llama, tiny_method_knobs, decode, prefill, poli
     folder, hf = tiny_llama
     knobs = dict(sparse_method=decode, prefill_sparse_method=prefill, prefill_policy=policy,
                  dtype="float32", page_size=8, kv_cache_memory=0.01, sink_tokens=2, budget=8, recent_tokens=4,
-                 **tiny_method_knobs)
+                 quest_page_size=8, **tiny_method_knobs)
     expected = _expect(decode, prefill, policy)
     if expected is not None:
         with pytest.raises(ConfigError, match=expected.replace("(", r"\(").replace(")", r"\)")):

@@ -12,8 +12,20 @@ if TYPE_CHECKING:
     from sparseengine.engine.step_context import BlockMask, LayerView, ScoreRows, Selection, StepContext
 
 
+# The attention ops a provider runs; ``ops()`` says which implementation runs each.
+OPS = ("write_kv", "decode", "prefill", "sparse_decode", "decode_colsum", "prefill_colsum",
+       "block_sparse_prefill")
+
+
 class AttentionProvider:
     name = "base"
+    # Decode steps may be captured in CUDA graphs: the provider reads lengths from device
+    # tensors only (a graph's views carry placeholder host lengths).
+    supports_cuda_graphs = True
+
+    def ops(self) -> dict[str, str]:
+        """Which implementation runs each op (benchmarks write it into their records)."""
+        return {op: self.name for op in OPS}
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -29,8 +41,9 @@ class AttentionProvider:
 
 
 def make_provider(name: str, device: torch.device) -> AttentionProvider:
-    """``auto``: Triton on CUDA, the torch reference on CPU. An explicit choice that the
-    device cannot run is an error, never a silent fallback."""
+    """``auto``: Triton on CUDA, the torch reference on CPU (never FlashInfer: it is an
+    optional package and only an explicit choice). An explicit choice that the device or
+    the installed packages cannot run is an error, never a silent fallback."""
     import os
 
     from sparseengine.attention.torch_ref import TorchAttentionProvider
@@ -39,6 +52,9 @@ def make_provider(name: str, device: torch.device) -> AttentionProvider:
         return TorchAttentionProvider()
     if name == "auto":
         name = "triton"
+    if name == "flashinfer":  # checks the device and the package itself, naming the fix
+        from sparseengine.attention.flashinfer_provider import FlashInferAttentionProvider
+        return FlashInferAttentionProvider(device)
     interpreted = name == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
     if device.type != "cuda" and not interpreted:
         raise ConfigError(f"attention_provider={name!r} needs a CUDA device (Triton also runs on CPU under "
@@ -46,7 +62,4 @@ def make_provider(name: str, device: torch.device) -> AttentionProvider:
     if name == "triton":
         from sparseengine.attention.triton_provider import TritonAttentionProvider
         return TritonAttentionProvider()
-    if name == "flashinfer":
-        from sparseengine.attention.flashinfer_provider import FlashInferAttentionProvider
-        return FlashInferAttentionProvider()
     raise ConfigError(f"Unknown attention_provider={name!r}; valid: auto, torch, triton, flashinfer")

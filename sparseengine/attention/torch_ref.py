@@ -22,6 +22,7 @@ def token_slots(page_table_row: torch.Tensor, length: int, page_size: int) -> to
 
 class TorchAttentionProvider(AttentionProvider):
     name = "torch"
+    supports_cuda_graphs = False  # reads host lengths each step
 
     def write_kv(self, k_cache, v_cache, k, v, slot_mapping):
         keep = slot_mapping >= 0
@@ -48,7 +49,7 @@ class TorchAttentionProvider(AttentionProvider):
             blocked = block_mask is not None and block_mask.masks[b] is not None
             if selected and q_len == 1 and rows == 0 and not blocked:  # read only the selected tokens
                 out[start] = self._selected_decode(qb[0], kc, vc, view.page_table[b], page_size,
-                                                   selection.token_indices[b], selection.num_selected[b])
+                                                   *selection.request_tokens(b, length))
                 if colsums is not None:
                     colsums.append(q.new_zeros(kc.shape[1], length, dtype=torch.float32))
                 start += q_len
@@ -58,8 +59,7 @@ class TorchAttentionProvider(AttentionProvider):
             allowed = None
             if selected:
                 allowed = torch.zeros(k.shape[1], length, dtype=torch.bool, device=q.device)
-                idx, n_sel = selection.token_indices[b], selection.num_selected[b]
-                valid = torch.arange(idx.shape[-1], device=q.device)[None, :] < n_sel[:, None]
+                idx, valid = selection.request_tokens(b, length)
                 heads = torch.arange(idx.shape[0], device=q.device)[:, None].expand_as(idx)
                 allowed[heads[valid], idx[valid]] = True
             row_allowed = block_mask.token_mask(b, q_len, length) if blocked else None
@@ -78,12 +78,11 @@ class TorchAttentionProvider(AttentionProvider):
         return out, colsums
 
     @staticmethod
-    def _selected_decode(q, kc, vc, table_row, page_size, idx, n_sel):
-        """One decode query [Hq, d] over its selected tokens idx [Hkv, K] (first n_sel valid)."""
-        hkv, width = idx.shape
+    def _selected_decode(q, kc, vc, table_row, page_size, idx, valid):
+        """One decode query [Hq, d] over its selected tokens idx [Hkv, K] (where valid; the
+        others hold 0, a readable slot)."""
+        hkv = idx.shape[0]
         hq, d = q.shape
-        valid = torch.arange(width, device=q.device)[None, :] < n_sel[:, None]
-        idx = torch.where(valid, idx, 0)  # entries past n_sel may point past the cache
         slots = table_row[idx // page_size].long() * page_size + idx % page_size  # [Hkv, K]
         heads = torch.arange(hkv, device=q.device)[:, None]
         k, v = kc[slots, heads].float(), vc[slots, heads].float()  # [Hkv, K, d]

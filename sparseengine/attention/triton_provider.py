@@ -19,10 +19,9 @@ class TritonAttentionProvider(AttentionProvider):
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext,
                view: LayerView, selection: Selection | None, score_rows: ScoreRows | None, block_mask=None):
-        if block_mask is not None:
-            from sparseengine.config import ConfigError
-            raise ConfigError("block-sparse prefill (prefill_sparse_method='flashprefill_v2') is not wired into "
-                              "the Triton provider yet; use attention_provider='torch'")
+        if block_mask is not None:  # flashprefill_v2's prefill rows; decode rows' selections come back here
+            return kernels.block_sparse_paged_prefill.block_sparse_paged_attend(
+                q, k_cache, v_cache, ctx, view, selection, score_rows, block_mask, self.attend)
         table, lens = view.page_table, view.kv_lens
         max_len = max(view.kv_lens_list)
         if ctx.is_decode:
@@ -32,12 +31,14 @@ class TritonAttentionProvider(AttentionProvider):
             else:
                 out, colsums = None, None
             if selection is not None:
-                sparse = kernels.sparse_decode_triton(q, k_cache, v_cache, table, lens,
-                                                      selection.token_indices, selection.num_selected)
-                if out is None and any(selection.dense):
-                    out = kernels.paged_decode_triton(q, k_cache, v_cache, table, lens)
-                dense_rows = torch.tensor(selection.dense, device=q.device)[:, None, None]
-                out = sparse if out is None else torch.where(dense_rows, out, sparse)
+                sparse = self._sparse_decode(q, k_cache, v_cache, table, lens, selection)
+                if not any(selection.dense):  # no host tensor: CUDA-graph capturable
+                    out = sparse
+                else:
+                    if out is None:
+                        out = kernels.paged_decode_triton(q, k_cache, v_cache, table, lens)
+                    dense_rows = torch.tensor(selection.dense, device=q.device)[:, None, None]
+                    out = torch.where(dense_rows, out, sparse)
             elif out is None:
                 out = kernels.paged_decode_triton(q, k_cache, v_cache, table, lens)
             return out, colsums
@@ -46,8 +47,7 @@ class TritonAttentionProvider(AttentionProvider):
         if selection is not None:  # decode rows of a mixed batch read only their selection
             rows = [int(c) for c in ctx.cu_q_lens[1:].tolist()]
             last = torch.tensor([r - 1 for r in rows], device=q.device)
-            sparse = kernels.sparse_decode_triton(q[last], k_cache, v_cache, table, lens,
-                                                  selection.token_indices, selection.num_selected)
+            sparse = self._sparse_decode(q[last], k_cache, v_cache, table, lens, selection)
             use = torch.tensor([not d and n == 1 for d, n in zip(selection.dense, ctx.q_lens)], device=q.device)
             out[last] = torch.where(use[:, None, None], sparse, out[last])
         colsums = None
@@ -62,6 +62,18 @@ class TritonAttentionProvider(AttentionProvider):
             colsums = [self._pick(colsums, w, b, n, k_cache.shape[2])
                        for b, (w, n) in enumerate(zip(score_rows.rows, view.kv_lens_list))]
         return out, colsums
+
+    @staticmethod
+    def _sparse_decode(q, k_cache, v_cache, table, lens, selection: Selection) -> torch.Tensor:
+        """Decode rows ``q [B, Hq, d]`` over their selected tokens or pages."""
+        if not selection.page_size:
+            return kernels.sparse_decode_triton(q, k_cache, v_cache, table, lens, selection.token_indices,
+                                                selection.num_selected)
+        if selection.page_size != k_cache.shape[1]:
+            raise ValueError(f"a page selection of page_size={selection.page_size} needs a KV cache of that "
+                             f"page size, got {k_cache.shape[1]}")
+        return kernels.sparse_page_decode_triton(q, k_cache, v_cache, table, lens, selection.token_indices,
+                                                 selection.num_selected)
 
     @staticmethod
     def _pick(by_window, window, b, length, hkv):

@@ -1,7 +1,9 @@
 """Decode CUDA graphs over batch-size buckets (1, 2, 4, 8, then every 16).
 
 A graph is captured lazily per bucket for pure-decode steps whose method asks for no
-per-layer hooks in the forward (dense layers read the whole cache). Inputs live in static
+per-layer hooks in the forward, or whose hooks are graph-capturable (tensor-only; the
+capture context has ``is_decode`` True and ``seqs = [None] * B``; the runner calls the
+method's ``begin_step_graph`` before every replay and capture). Inputs live in static
 buffers: token ids, positions, per-layer slot mappings and lengths, and a page table as
 wide as ``max_model_len`` needs, so a replay never depends on the batch's lengths.
 Padding rows write nowhere (slot -1) and read one token of page 0.

@@ -61,7 +61,7 @@ class LLM:
             prefill = get_spec(cfg.prefill_sparse_method, "prefill").runtime(cfg, mc, self.cache)
             self.method = MethodStack(prefill, self.method)
         graphs = None
-        if self.device.type == "cuda" and not cfg.enforce_eager and self.provider.name != "torch":
+        if self.device.type == "cuda" and not cfg.enforce_eager and self.provider.supports_cuda_graphs:
             graphs = DecodeGraphs(self.model, self.kv_cache, self.provider, self.method, self.device,
                                   max_batch=cfg.max_num_seqs,
                                   max_pages=-(-(self.max_model_len + 1) // cfg.page_size))
@@ -91,6 +91,8 @@ class LLM:
         if cfg.num_kv_pages is not None:
             return cfg.num_kv_pages
         per_page = page_bytes(self.model_config, cfg.page_size, self.dtype)
+        per_page += get_spec(cfg.sparse_method).runtime.bytes_per_pool_page(
+            cfg, self.model_config, torch.empty((), dtype=self.dtype).element_size())
         if self.device.type == "cuda":
             peak = self._warmup_peak_bytes()
             free, total = torch.cuda.mem_get_info(self.device)

@@ -77,7 +77,8 @@ class ModelRunner:
             if start + n == seq.num_tokens:
                 sample_rows.append(offset - 1)
                 sample_seqs.append(seq)
-        if (self.graphs is not None and batch.is_pure_decode and not self.method.wants_forward_hooks(seqs)
+        capturable = not self.method.wants_forward_hooks(seqs) or self.method.graph_capturable()
+        if (self.graphs is not None and batch.is_pure_decode and capturable
                 and self.graphs.bucket(len(seqs)) is not None):
             self.method.begin_step_graph(seqs)
             return seqs, self._graph_decode(seqs, ids, pos)

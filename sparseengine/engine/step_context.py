@@ -34,11 +34,29 @@ class Selection:
     """Per request and KV head, the logical cache indices a decode query may read.
     ``token_indices [B, Hkv, K]`` int64; entries at or past ``num_selected [B, Hkv]`` are
     ignored. Requests with ``dense[b]`` True (prefill rows in a mixed batch, or layers the
-    method leaves dense) read their whole cache."""
+    method leaves dense) read their whole cache.
+
+    ``page_size`` 0: the entries are logical token indices. ``page_size`` > 0 (it equals
+    the KV cache's page size): they are logical page indices and ``num_selected`` counts
+    pages; page p stands for tokens ``[p * page_size, (p + 1) * page_size)`` below the
+    request's cache length."""
 
     token_indices: torch.Tensor
     num_selected: torch.Tensor
     dense: tuple[bool, ...]
+    page_size: int = 0
+
+    def request_tokens(self, b: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Request b's selected logical tokens ``[Hkv, W]`` and which entries count (within
+        ``num_selected`` and below ``kv_len``); entries that do not count hold 0."""
+        idx, count = self.token_indices[b], self.num_selected[b]
+        valid = torch.arange(idx.shape[-1], device=idx.device)[None, :] < count[:, None]
+        if self.page_size:
+            offsets = torch.arange(self.page_size, device=idx.device)
+            idx = (idx[..., None] * self.page_size + offsets).flatten(-2)
+            valid = valid.repeat_interleave(self.page_size, dim=-1)
+        valid = valid & (idx >= 0) & (idx < kv_len)
+        return torch.where(valid, idx, 0), valid
 
     @staticmethod
     def from_lists(per_request: list[torch.Tensor | None], num_kv_heads: int, device,

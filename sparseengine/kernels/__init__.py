@@ -5,6 +5,8 @@ they need TRITON_INTERPRET=1 (tests only). Importing this package needs no Trito
 """
 from .attention_colsum import (decode_colsum_ref, decode_colsum_triton, prefill_window_colsum_ref,
                                prefill_window_colsum_triton)
+from . import block_sparse_paged_prefill
+from .block_sparse_paged_prefill import block_sparse_paged_prefill_ref, block_sparse_paged_prefill_triton
 from .block_sparse_prefill import block_sparse_prefill_ref, block_sparse_prefill_triton
 from .deltakv_rebuild import deltakv_rebuild_ref, deltakv_rebuild_triton
 from .omnikv_scores import omnikv_scores_ref, omnikv_scores_triton
@@ -17,6 +19,9 @@ from .sparse_decode import (sparse_decode_ref, sparse_decode_triton, sparse_page
                             sparse_page_decode_triton)
 
 __all__ = [
+    "block_sparse_paged_prefill",
+    "block_sparse_paged_prefill_ref",
+    "block_sparse_paged_prefill_triton",
     "block_sparse_prefill_ref",
     "block_sparse_prefill_triton",
     "decode_colsum_ref",

@@ -3,9 +3,12 @@
 1. Checks every Triton kernel against its torch reference at a medium bf16 shape.
 2. Times dense paged decode (Llama-3.1-8B attention shape: Hq=32, Hkv=8, d=128, bf16,
    page 16) at batch 32 x 32K and batch 1 x 128K with `triton.testing.do_bench`
-   (median), reporting GB/s of K+V read, for several split sizes; and FlashInfer's
-   `BatchDecodeWithPagedKVCacheWrapper` on the same cache when `flashinfer` imports.
-3. Times the sparse decode paths at the headline budget (2048 tokens), the paged prefill
+   (median), reporting GB/s of K+V read, for several split sizes.
+3. Side by side on the same cache (when `flashinfer` imports): our Triton decode and
+   FlashInfer's `BatchDecodeWithPagedKVCacheWrapper` (CUDA-core and tensor-core kernels),
+   timed with CUDA events, with the max abs error between them and against the fp32
+   torch reference. `--flashinfer` runs only this part.
+4. Times the sparse decode paths at the headline budget (2048 tokens), the paged prefill
    and the block-sparse prefill, for reference.
 Every result is one JSON line appended to `--out` (and printed).
 """
@@ -151,7 +154,6 @@ def bench_decode(out_path, B, L, chunks=(None, 512, 1024, 2048, 4096, 8192), tun
     q, k_cache, v_cache, page_table, kv_lens = _decode_cache(B, L)
     kv_bytes = 2 * B * L * HKV * D * k_cache.element_size()
     shape = {"batch": B, "kv_len": L, "hq": HQ, "hkv": HKV, "head_dim": D, "page_size": PS, "dtype": "bfloat16"}
-    ours = paged_decode_triton(q, k_cache, v_cache, page_table, kv_lens)
     for chunk in chunks:
         ms = do_bench(lambda: paged_decode_triton(q, k_cache, v_cache, page_table, kv_lens, kv_chunk=chunk),
                       return_mode="median")
@@ -167,28 +169,75 @@ def bench_decode(out_path, B, L, chunks=(None, 512, 1024, 2048, 4096, 8192), tun
                 _emit(out_path, {"kind": "tune", "kernel": "paged_decode_triton", "kv_chunk": chunk or "auto",
                                  "block_n": block_n, "num_warps": warps, "num_stages": stages, **shape, "ms": ms,
                                  "GBps": kv_bytes / ms / 1e6})
+
+
+def _time_cuda(fn, iters=50, warmup=5):
+    """(median, mean) ms of `fn` on the GPU, one CUDA event pair per call."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    times = sorted(start.elapsed_time(end) for start, end in events)
+    return times[len(times) // 2], sum(times) / len(times)
+
+
+def bench_flashinfer_decode(out_path, B, L):
+    """Triton dense paged decode vs FlashInfer decode on one cache. Lengths end off the page
+    boundary (L - b % PS) so partial last pages are exercised; FlashInfer's page metadata
+    comes from the provider's own `paged_metadata`."""
+    from sparseengine.attention.flashinfer_provider import FLASHINFER_VERSION, paged_metadata
+    from sparseengine.engine.step_context import LayerView
+
+    shape = {"batch": B, "kv_len": L, "hq": HQ, "hkv": HKV, "head_dim": D, "page_size": PS, "dtype": "bfloat16"}
     try:
         import flashinfer
     except Exception as e:  # noqa: BLE001 - any import failure means "not available"
-        _emit(out_path, {"kind": "bench", "kernel": "flashinfer_decode", **shape, "skipped": repr(e)[:200]})
+        _emit(out_path, {"kind": "bench", "kernel": "flashinfer_decode", **shape, "skipped": repr(e)[:300]})
         return
-    pages = L // PS
-    indptr = torch.arange(B + 1, device="cuda", dtype=torch.int32) * pages
-    last_page_len = torch.full((B,), PS, device="cuda", dtype=torch.int32)
-    workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    q, k_cache, v_cache, page_table, kv_lens = _decode_cache(B, L)
+    lens = [L - b % PS for b in range(B)]
+    kv_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+    kv_bytes = 2 * sum(lens) * HKV * D * k_cache.element_size()
+    ref = paged_decode_ref(q, k_cache, v_cache, page_table, kv_lens).float()
+    ours = paged_decode_triton(q, k_cache, v_cache, page_table, kv_lens)
+    ms, mean = _time_cuda(lambda: paged_decode_triton(q, k_cache, v_cache, page_table, kv_lens))
+    _emit(out_path, {"kind": "bench", "kernel": "paged_decode_triton", "timer": "cuda_events", **shape, "ms": ms,
+                     "mean_ms": mean, "GBps": kv_bytes / ms / 1e6,
+                     "max_abs_err_vs_ref": (ours.float() - ref).abs().max().item()})
+    view = LayerView(torch.zeros(B, dtype=torch.long, device="cuda"), kv_lens, tuple(lens), page_table)
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
     for tensor_cores in (False, True):
+        meta = {"tensor_cores": tensor_cores, "backend": "fa2", "flashinfer": flashinfer.__version__,
+                "flashinfer_written_for": FLASHINFER_VERSION}
         try:
-            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tensor_cores)
-            wrapper.plan(indptr, page_table.flatten(), last_page_len, HQ, HKV, D, PS,
-                         pos_encoding_mode="NONE", q_data_type=BF16, kv_data_type=BF16)
-            ref = wrapper.run(q, (k_cache, v_cache))
-            ms = do_bench(lambda: wrapper.run(q, (k_cache, v_cache)), return_mode="median")
-            _emit(out_path, {"kind": "bench", "kernel": "flashinfer_decode", "tensor_cores": tensor_cores, **shape,
-                             "ms": ms, "GBps": kv_bytes / ms / 1e6, "rel_err_vs_triton": rel_err(ours, ref),
-                             "flashinfer": getattr(flashinfer, "__version__", None)})
-        except Exception as e:  # noqa: BLE001
-            _emit(out_path, {"kind": "bench", "kernel": "flashinfer_decode", "tensor_cores": tensor_cores,
-                             **shape, "error": repr(e)[:500]})
+            t0 = time.perf_counter()
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tensor_cores,
+                                                                    backend="fa2")
+            indptr, indices, last_page_len = paged_metadata(view, PS)
+            wrapper.plan(indptr, indices, last_page_len, HQ, HKV, D, PS, pos_encoding_mode="NONE",
+                         q_data_type=BF16, kv_data_type=BF16)
+            first = wrapper.run(q, (k_cache, v_cache))  # the first plan + run also builds the JIT module
+            torch.cuda.synchronize()
+            first_call_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for _ in range(10):
+                wrapper.plan(*paged_metadata(view, PS), HQ, HKV, D, PS, pos_encoding_mode="NONE",
+                             q_data_type=BF16, kv_data_type=BF16)
+            torch.cuda.synchronize()
+            plan_ms = (time.perf_counter() - t0) / 10 * 1e3
+            ms, mean = _time_cuda(lambda: wrapper.run(q, (k_cache, v_cache)))
+            _emit(out_path, {"kind": "bench", "kernel": "flashinfer_decode", "timer": "cuda_events", **meta, **shape,
+                             "ms": ms, "mean_ms": mean, "GBps": kv_bytes / ms / 1e6, "plan_ms": plan_ms,
+                             "first_call_s": first_call_s,
+                             "max_abs_err_vs_triton": (first.float() - ours.float()).abs().max().item(),
+                             "max_abs_err_vs_ref": (first.float() - ref).abs().max().item()})
+        except Exception as e:  # noqa: BLE001 - record and go on to the next variant
+            _emit(out_path, {"kind": "bench", "kernel": "flashinfer_decode", **meta, **shape, "error": repr(e)[:1000]})
 
 
 def bench_sparse(out_path, B=32, L=32768, budget=2048):
@@ -246,14 +295,22 @@ def main(argv=None):
     parser.add_argument("--out", required=True, help="JSON-lines file to append results to")
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--tune", action="store_true", help="also sweep the decode kernel's launch parameters")
+    parser.add_argument("--flashinfer", action="store_true",
+                        help="run only the Triton vs FlashInfer decode side by side")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu needs a CUDA GPU")
     _emit(args.out, {"kind": "meta", **_meta()})
+    if args.flashinfer:
+        bench_flashinfer_decode(args.out, 32, 32768)
+        bench_flashinfer_decode(args.out, 1, 131072)
+        return
     if not args.skip_check:
         check_kernels(args.out)
     bench_decode(args.out, 32, 32768, tune=args.tune)
     bench_decode(args.out, 1, 131072, tune=args.tune)
+    bench_flashinfer_decode(args.out, 32, 32768)
+    bench_flashinfer_decode(args.out, 1, 131072)
     bench_sparse(args.out)
     bench_prefill(args.out)
 

@@ -1,13 +1,14 @@
 """Block-sparse causal prefill attention for one sequence (flashprefill_v2 compute).
 
-`q [n, Hq, d]`, `k/v [n, Hkv, d]` (dense, contiguous tokens, GQA), `block_mask [Hq,
-n_qblocks, n_kblocks]` bool: query block i attends key block j < i iff the mask says so;
-the diagonal block j = i is always computed with the causal rule inside it; blocks
-j > i never. `n_qblocks = n_kblocks = ceil(n / block_size)`. Estimating the mask from
-probe blocks is the method's job (torch), not this kernel's.
+`q [n, Hq, d]`, `k/v [n, Hkv, d]` (contiguous tokens, GQA), `block_mask [Hq, n_qblocks,
+n_kblocks]` bool: query block i attends key block j < i iff the mask says so; the diagonal
+block j = i is always computed with the causal rule inside it; blocks j > i never.
+`n_qblocks = n_kblocks = ceil(n / block_size)`. Estimating the mask from probe blocks is
+the method's job (torch), not this kernel's. The engine's paged version is
+`block_sparse_paged_prefill.py`.
 
 Triton: one program per (query block, query head) runs an online softmax over the kept
-key blocks; skipped blocks cost one mask byte. Tiles are block_size x block_size, so
+key blocks; a skipped block costs one mask byte. Tiles are block_size x block_size, so
 block_size must be a power of two >= 16.
 """
 from __future__ import annotations

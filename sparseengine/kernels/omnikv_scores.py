@@ -9,6 +9,9 @@ lse)` -> `[B, max_kv_len]` fp32, -inf past `kv_lens[b]`:
 (`paged_decode_triton(..., return_lse=True)`); without it the kernel first runs a pass
 that writes per-tile (max, sum) partials, merged by a torch logsumexp.
 
+`omnikv_scores_torch`: the reference's numbers, vectorised over requests (one batched
+gather, no per-request loop, no host sync given `max_kv_len`).
+
 Triton: one program per (request, tile of tokens) loops over the KV heads, so every K
 element is read once per pass and the max over heads stays in registers.
 """
@@ -45,6 +48,29 @@ def omnikv_scores_ref(q, k_cache, page_table, kv_lens, mode="logits", max_kv_len
             s = torch.softmax(s, dim=-1)
         scores[b, :n] = s.max(0).values[:L]
     return scores
+
+
+def omnikv_scores_torch(q, k_cache, page_table, kv_lens, mode="logits", max_kv_len=None, scale=None, lse=None):
+    """The same scores as `omnikv_scores_ref`, vectorised: one gather of every request's
+    first `max_kv_len` tokens `[B, max_kv_len, Hkv, d]`, no loop over requests and, with
+    `max_kv_len` given, no host sync (the CPU path of OmniKV's batched decode choice).
+    Tokens past `kv_lens[b]` are masked before the softmax, so what their slots hold never
+    matters. `lse` is accepted for signature parity."""
+    B, Hq, d = q.shape
+    page_size, Hkv = check_cache(k_cache, Hq, d)
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    g, scale = Hq // Hkv, _common.default_scale(d, scale)
+    L = int(kv_lens.max()) if max_kv_len is None else max_kv_len
+    pos = torch.arange(L, device=q.device)
+    pages = page_table.long()[:, (pos // page_size).clamp(max=page_table.shape[1] - 1)]  # [B, L]
+    k = k_cache[pages, pos % page_size].float()  # [B, L, Hkv, d]
+    s = torch.einsum("bkgd,blkd->bkgl", q.float().reshape(B, Hkv, g, d), k) * scale
+    valid = pos[None, :] < kv_lens.to(pos.device).long()[:, None]  # [B, L]
+    s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+    if mode == "probs":
+        s = torch.softmax(s, dim=-1)
+    return s.amax(dim=(1, 2)).masked_fill(~valid, float("-inf"))
 
 
 def omnikv_scores_triton(q, k_cache, page_table, kv_lens, mode="logits", max_kv_len=None, scale=None,

@@ -3,6 +3,10 @@
 `update_page_minmax_*(k_cache, slot_mapping, kmax, kmin)`: after K was written at
 `slot_mapping`, refresh `kmax/kmin [num_pages, Hkv, d]`, the per-page per-channel max/min
 of the keys. Writing offset 0 of a page resets it. Call it after `paged_kv_write`.
+`update_page_minmax_torch` is the vectorised CPU twin of the Triton update (the same
+rule, below; boolean indexing, so it syncs on CUDA): no loop over slots.
+`quest_page_scores_torch`: the reference's scores, vectorised (one gather of every
+request's page bounds, no loop, no host sync).
 `quest_page_scores_*(q, kmax, kmin, page_table, kv_lens, page_size)` -> `[B, Hkv,
 max_pages]` fp32: `max over the group's query heads of sum_c max(q_c M_c, q_c m_c)`
 (unscaled), -inf for logical pages at or past `ceil(kv_lens / page_size)`. Top-k is left
@@ -43,6 +47,24 @@ def update_page_minmax_ref(k_cache, slot_mapping, kmax, kmin) -> None:
             kmin[page] = torch.minimum(kmin[page], k)
 
 
+def update_page_minmax_torch(k_cache, slot_mapping, kmax, kmin) -> None:
+    """Vectorised update: each page written this step gets the max/min over its cached
+    offsets ``0..o``, ``o`` = the largest offset written to it now (slots -1 skipped)."""
+    num_pages, page_size = k_cache.shape[:2]
+    slots = slot_mapping[slot_mapping >= 0].long()
+    if slots.numel() == 0:
+        return
+    pages, offs = slots // page_size, slots % page_size
+    last = torch.full((num_pages,), -1, dtype=torch.long, device=slots.device)
+    last.scatter_reduce_(0, pages, offs, "amax")
+    owner = offs == last[pages]  # one slot per written page: the one at its largest offset
+    pages, upto = pages[owner], offs[owner]
+    k = k_cache[pages].to(kmax.dtype)  # [m, page_size, Hkv, d]
+    seen = (torch.arange(page_size, device=k.device)[None, :] <= upto[:, None])[:, :, None, None]
+    kmax[pages] = k.masked_fill(~seen, float("-inf")).amax(1)
+    kmin[pages] = k.masked_fill(~seen, float("inf")).amin(1)
+
+
 def update_page_minmax_triton(k_cache, slot_mapping, kmax, kmin) -> None:
     num_pages, page_size, Hkv, d = k_cache.shape
     if kmax.shape != (num_pages, Hkv, d) or kmin.shape != kmax.shape:
@@ -76,6 +98,20 @@ def quest_page_scores_ref(q, kmax, kmin, page_table, kv_lens, page_size):
             upper = torch.maximum(qg * hi, qg * lo).sum(-1)  # [g, n]
             scores[b, h, :n_pages] = upper.max(0).values
     return scores
+
+
+def quest_page_scores_torch(q, kmax, kmin, page_table, kv_lens, page_size):
+    B, Hq, d = q.shape
+    Hkv = kmax.shape[1]
+    P = page_table.shape[1]
+    pages = page_table.long()
+    hi, lo = kmax[pages].float(), kmin[pages].float()  # [B, P, Hkv, d]
+    qg = q.float().reshape(B, Hkv, Hq // Hkv, d)
+    upper = torch.einsum("bhgd,bphd->bhgp", qg.clamp(min=0), hi)
+    upper = upper + torch.einsum("bhgd,bphd->bhgp", qg.clamp(max=0), lo)  # max(qM, qm), as M >= m
+    n_pages = (kv_lens.to(q.device).long() + page_size - 1) // page_size
+    valid = torch.arange(P, device=q.device)[None, :] < n_pages[:, None]  # [B, P]
+    return upper.amax(2).masked_fill(~valid[:, None, :], float("-inf"))
 
 
 def quest_page_scores_triton(q, kmax, kmin, page_table, kv_lens, page_size):

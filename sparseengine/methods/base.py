@@ -2,6 +2,7 @@
 
 The engine calls these hooks and never asks which method it runs:
 - ``begin_step(ctx)``: once per step, before the forward.
+- ``graph_capturable()``: whether pure-decode hooks may be captured in a CUDA graph.
 - ``positions(seq, start, n)``: RoPE positions of the step's new tokens (default: logical).
 - ``select(layer, q, ctx)``: the cache tokens each (request, KV head) may read, or None.
 - ``block_mask(layer, q, ctx)``: block-sparse causal attention for prefill rows, or None.
@@ -40,6 +41,12 @@ class SparseMethodRuntime:
         self.prefill_ending: list["Sequence"] = []  # requests whose prefill ends this step
         self.decoding: list["Sequence"] = []  # requests that feed one decode token this step
 
+    @classmethod
+    def bytes_per_pool_page(cls, config: "Config", model: "ModelConfig", elem_bytes: int) -> int:
+        """Method state the runtime keeps per KV-pool page (all layers), e.g. Quest's page
+        bounds: the engine counts it when it sizes the pool."""
+        return 0
+
     def knob(self, name: str) -> Any:
         return self.config.knob(name)
 
@@ -58,6 +65,12 @@ class SparseMethodRuntime:
         overrides either hook."""
         cls = type(self)
         return cls.select is not SparseMethodRuntime.select or cls.score_rows is not SparseMethodRuntime.score_rows
+
+    def graph_capturable(self) -> bool:
+        """True: for pure-decode steps, ``select`` and ``score_rows`` use tensors only (no
+        host sync, no ``ctx.seqs``, which a capture fills with None; shapes fixed by the
+        config and the page-table width), so the decode CUDA graph may capture them."""
+        return False
 
     def begin_step_graph(self, seqs: list["Sequence"]) -> None:
         """``begin_step`` for a pure-decode step that replays a CUDA graph."""
@@ -130,6 +143,10 @@ class MethodStack(SparseMethodRuntime):
 
     def wants_forward_hooks(self, seqs):
         return any(p.wants_forward_hooks(seqs) for p in self.parts)
+
+    def graph_capturable(self):
+        """Every part is capturable or asks for no hooks in a pure-decode step."""
+        return all(p.graph_capturable() or not p.wants_forward_hooks([]) for p in self.parts)
 
     def begin_step_graph(self, seqs):
         for p in self.parts:

@@ -171,6 +171,8 @@ class FlashPrefillV2(SparseMethodRuntime):
 
     # ---- the block mask of each prefill call ----------------------------------------------
     def block_mask(self, layer, q, ctx):
+        if ctx.is_decode and all(s is None or s.is_decoding for s in ctx.seqs):
+            return None  # decode rows run dense; a CUDA-graph capture has no host requests
         masks, start = [], 0
         for seq, n in zip(ctx.seqs, ctx.q_lens):
             masks.append(None if seq.is_decoding else self._request_mask(seq, layer, q[start:start + n], n))

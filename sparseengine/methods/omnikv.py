@@ -4,14 +4,25 @@ layers score every cached token by the max over query heads of q·k (``omnikv_sc
 ``logits``) or of the softmax probabilities (``probs``), pick sink + top-``budget`` +
 recent, and that one index set is shared by every head of the following layers up to
 the next filter layer. Layers before the first filter layer are dense; prefill is dense.
+
+Two paths choose the tokens at a filter layer:
+- pure-decode steps (every request feeds its one decode token; CUDA-graph capturable):
+  one scoring call over every request's cache (:func:`score_cached_tokens`), one batched
+  sink + top-``budget`` + recent pick (:func:`pick_tokens`), a fixed-width Selection. No
+  per-request Python, no host sync, no allocation whose size depends on device values.
+- mixed prefill + decode steps: per request (:func:`choose_tokens`), prefill rows dense.
+Both choose what ``selection.omnikv_select(selection.omnikv_token_scores(...))`` defines,
+ties aside (the batched top-k does not promise ties to the earlier token).
 """
 
 from __future__ import annotations
 
 import torch
 
+from sparseengine import kernels
 from sparseengine.config import ConfigError
 from sparseengine.engine.step_context import Selection
+from sparseengine.kernels.omnikv_scores import omnikv_scores_torch
 from sparseengine.method_registry import MethodSpec
 from sparseengine.methods.base import SparseMethodRuntime
 from sparseengine.methods.selection import omnikv_select, omnikv_token_scores
@@ -61,36 +72,102 @@ def choose_tokens(rt: SparseMethodRuntime, layer: int, q: torch.Tensor, ctx, mod
     return out
 
 
+def score_cached_tokens(q: torch.Tensor, k_cache: torch.Tensor, page_table: torch.Tensor,
+                        kv_lens: torch.Tensor, mode: str, triton: bool) -> torch.Tensor:
+    """Every cached token's score ``[B, max_pages * page_size]`` (fp32, -inf past
+    ``kv_lens[b]``) for decode queries ``q [B, Hq, d]``: the Triton kernel, or its
+    vectorised torch twin. The width comes from the page table, never from the lengths
+    (no sync; in a CUDA graph the page table is as wide as ``max_model_len`` needs)."""
+    score = kernels.omnikv_scores_triton if triton else omnikv_scores_torch
+    return score(q, k_cache, page_table, kv_lens, mode, page_table.shape[1] * k_cache.shape[1])
+
+
+def pick_tokens(scores: torch.Tensor, kv_lens: torch.Tensor, sink: int, budget: int,
+                recent: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``omnikv_select`` for every row at once. Row b: ``scores [B, L]`` of its
+    ``n = kv_lens[b]`` tokens (entries past n ignored). Returns ``(indices [B, K]`` int64,
+    ``counts [B]`` int32), ``K = sink + budget + recent``: when ``n > K``, tokens
+    ``[0, sink)``, the top-``budget`` of ``[sink, n - recent)`` by score (ascending), then
+    ``[n - recent, n)``, count K; otherwise ``0 .. K-1`` with count n (all n tokens)."""
+    rows, width = scores.shape
+    total = sink + budget + recent
+    device = scores.device
+    everything = torch.arange(total, device=device).expand(rows, total)
+    counts = kv_lens.clamp(max=total).to(torch.int32)
+    if width <= total:  # no row can hold more than the total
+        return everything, counts
+    n = kv_lens.to(device=device, dtype=torch.long)[:, None]  # [B, 1]
+    pos = torch.arange(width, device=device)
+    middle = (pos >= sink) & (pos < n - recent)  # [B, L]
+    top = scores.masked_fill(~middle, float("-inf")).topk(budget, dim=-1, sorted=False).indices
+    tail = n - recent + torch.arange(recent, device=device)  # [B, recent]
+    chosen = torch.cat([everything[:, :sink], top.sort(dim=-1).values, tail], dim=-1)
+    return torch.where(n > total, chosen, everything), counts
+
+
 class OmniKV(SparseMethodRuntime):
     def __init__(self, config, model, cache) -> None:
         super().__init__(config, model, cache)
         self.filters = filter_layers_for(model, self.knob("omnikv_filter_layers"), "omnikv_filter_layers",
                                          FILTER_LAYERS)
+        self.filter_set = frozenset(self.filters)
         self.mode = str(self.knob("omnikv_score"))
         if self.mode not in ("logits", "probs"):
             raise ConfigError(f"Invalid omnikv_score={self.mode!r}; valid: logits, probs")
-        self._chosen: list[torch.Tensor | None] | None = None
+        self._selection: Selection | None = None  # the last filter layer's choice, this step
+
+    def graph_capturable(self) -> bool:
+        return True
 
     def begin_step(self, ctx) -> None:
         super().begin_step(ctx)
-        self._chosen = None
+        self._selection = None
 
     def select(self, layer, q, ctx):
         if layer < self.filters[0]:
             return None
-        if layer in self.filters:
-            self._chosen = self._choose(layer, q, ctx)
+        if layer in self.filter_set:
+            self._selection = (self._choose_batched(layer, q, ctx) if _pure_decode(ctx)
+                               else self._choose_per_request(layer, q, ctx))
             return None  # filter layers attend densely
-        if self._chosen is None or all(c is None for c in self._chosen):
-            return None
-        return Selection.from_lists(self._chosen, self.model.num_kv_heads, q.device)
+        return self._selection
 
     def tokens_read(self, seq) -> list[int]:
-        dense = set(self.filters) | set(range(self.filters[0]))
+        dense = self.filter_set | set(range(self.filters[0]))
         return [n if l in dense else min(n, self.total) for l, n in enumerate(seq.layer_lens)]
 
-    def _choose(self, layer, q, ctx) -> list[torch.Tensor | None]:
-        return choose_tokens(self, layer, q, ctx, self.mode)
+    def metadata_bytes_read(self, seq, kv_bytes_per_token_layer: int) -> int:
+        """The scoring pass is not fused with the filter layer's attention: it reads the
+        layer's K again (half of K+V per token) once for ``logits`` and twice for ``probs``
+        (a softmax-partials pass, then the scores: the attention's lse is computed after
+        the choice); and it writes, then the top-k reads, one fp32 score per token."""
+        passes = 1 if self.mode == "logits" else 2
+        per_token = passes * kv_bytes_per_token_layer // 2 + 2 * 4
+        return sum(seq.layer_lens[l] * per_token for l in self.filters)
+
+    def _choose_batched(self, layer, q, ctx) -> Selection:
+        """Pure decode: one index set per request (width fixed at the total), shared by
+        every KV head; requests within the total read all their tokens."""
+        cfg, view = self.config, ctx.views[layer]
+        k_cache, _ = ctx.kv_cache.layer(layer)
+        triton = q.is_cuda or ctx.provider.name == "triton"
+        scores = score_cached_tokens(q, k_cache, view.page_table, view.kv_lens, self.mode, triton)
+        idx, counts = pick_tokens(scores, view.kv_lens, cfg.sink_tokens, cfg.budget, cfg.recent_tokens)
+        rows, hkv = idx.shape[0], k_cache.shape[2]
+        return Selection(idx[:, None, :].expand(rows, hkv, idx.shape[1]),
+                         counts[:, None].expand(rows, hkv).contiguous(), dense=(False,) * rows)
+
+    def _choose_per_request(self, layer, q, ctx) -> Selection | None:
+        chosen = choose_tokens(self, layer, q, ctx, self.mode)
+        if all(c is None for c in chosen):
+            return None
+        return Selection.from_lists(chosen, self.model.num_kv_heads, q.device)
+
+
+def _pure_decode(ctx) -> bool:
+    """Every request feeds its one decode token (a one-token prefill chunk does not count).
+    A CUDA-graph capture has no host requests (``ctx.seqs`` is ``[None] * B``)."""
+    return ctx.is_decode and all(s is None or s.is_decoding for s in ctx.seqs)
 
 
 SPEC = MethodSpec(

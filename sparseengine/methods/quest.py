@@ -4,15 +4,71 @@ per-channel key max/min per KV head, updated as tokens are appended. A decode qu
 bounds every page's best q·k by ``sum_c max(q_c M_c, q_c m_c)``, takes the max over the
 group's query heads, and attends exactly over the top ``budget / quest_page_size`` pages
 (at least 3) plus the pages holding sink and recent tokens. The first
-``quest_skip_layers`` layers and prefill stay dense."""
+``quest_skip_layers`` layers and prefill stay dense.
+
+Quest pages are the KV cache's pages (``quest_page_size`` must equal ``page_size``), so
+the page bounds live in one pool per layer, ``kmax/kmin [num_pages, Hkv, d]`` in the KV
+dtype, indexed by physical page and refreshed after every K write (a page's offset 0
+resets it, so a freed page needs no cleanup). Every step is batched, with no per-request
+Python and no host sync on the decode path: one scoring call over every request's page
+table, one top-k (:func:`select_pages_batched`), a page-mode ``Selection`` of fixed width.
+The CUDA decode graph captures it.
+"""
 
 from __future__ import annotations
 
+import torch
+
+from sparseengine import kernels
+from sparseengine.config import ConfigError
 from sparseengine.engine.step_context import Selection
+from sparseengine.kernels.quest import quest_page_scores_torch, update_page_minmax_torch
 from sparseengine.method_registry import MethodSpec
 from sparseengine.methods.base import SparseMethodRuntime
-from sparseengine.methods.selection import (pages_to_tokens, quest_append_minmax, quest_page_bounds,
-                                            quest_select_pages)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def selection_width(page_size: int, sink_tokens: int, budget: int, recent_tokens: int) -> int:
+    """The most pages ``quest_select_pages`` ever selects for one (request, KV head): sink
+    pages + ``max(3, budget // page_size)`` + the recent window's pages (one more when it
+    straddles a page boundary), or every page of a request within the total."""
+    sink_pages = _cdiv(sink_tokens, page_size)
+    recent_pages = 0 if recent_tokens == 0 else 1 + _cdiv(recent_tokens - 1, page_size)
+    chosen = sink_pages + max(3, budget // page_size) + recent_pages
+    return max(chosen, _cdiv(sink_tokens + budget + recent_tokens, page_size))
+
+
+def select_pages_batched(scores: torch.Tensor, kv_lens: torch.Tensor, page_size: int, sink_tokens: int,
+                         recent_tokens: int, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quest_select_pages`` for every request at once (ties aside: ``torch.topk`` does not
+    promise the earlier page). ``scores [B, Hkv, P]``: page bounds (entries past request
+    b's ``ceil(kv_lens[b] / page_size)`` pages ignored). Returns ``(pages [B, Hkv, K]``
+    int64, logical pages ascending, -1 past the count; ``counts [B, Hkv]`` int32), ``K =
+    min(selection_width(...), P)``. A request within ``sink + budget + recent`` tokens (or
+    whose sink and recent pages meet) gets all its pages."""
+    B, H, P = scores.shape
+    device, ps = scores.device, page_size
+    n = kv_lens.to(device).long()[:, None]  # [B, 1]
+    n_pages = (n + ps - 1) // ps
+    sink_pages, top = _cdiv(sink_tokens, ps), max(3, budget // ps)
+    recent_first = (n - recent_tokens) // ps if recent_tokens else n_pages  # first page with a recent token
+    everything = (n <= sink_tokens + budget + recent_tokens) | (recent_first <= sink_pages)
+    page = torch.arange(P, device=device)[None, :]
+    valid = page < n_pages
+    forced = valid & (everything | (page < sink_pages) | (page >= recent_first))  # [B, P]
+    priority = scores.float().masked_fill(~valid[:, None, :], float("-inf"))
+    priority = priority.masked_fill(forced[:, None, :], float("inf"))
+    k = min(selection_width(ps, sink_tokens, budget, recent_tokens), P)
+    ranked = priority.topk(k, dim=-1, sorted=True).indices  # forced pages first, then by bound
+    middle = (recent_first - sink_pages).clamp(min=0, max=top)
+    counts = torch.where(everything, n_pages, sink_pages + middle + n_pages - recent_first)  # [B, 1]
+    keep = torch.arange(k, device=device)[None, None, :] < counts[:, :, None]
+    pages = torch.where(keep, ranked, P).sort(dim=-1).values
+    pages = torch.where(pages == P, -1, pages)
+    return pages, counts.to(torch.int32).expand(B, H).contiguous()
 
 
 class Quest(SparseMethodRuntime):
@@ -20,49 +76,77 @@ class Quest(SparseMethodRuntime):
         super().__init__(config, model, cache)
         self.page = int(self.knob("quest_page_size"))
         self.skip = int(self.knob("quest_skip_layers"))
+        if self.page != config.page_size:
+            raise ConfigError(f"quest_page_size={self.page} must equal page_size={config.page_size}: Quest keeps "
+                              "its page bounds per KV-cache page; set both to the same value (default 16)")
+        self._bounds: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (kmax, kmin)
+        for layer in range(self.skip, model.num_layers if cache is not None else 0):
+            self._page_bounds(layer, cache.kv.layer(layer)[0])  # allocated now: the pool was sized for them
+
+    def graph_capturable(self) -> bool:
+        return True
+
+    @classmethod
+    def bytes_per_pool_page(cls, config, model, elem_bytes: int) -> int:
+        layers = max(0, model.num_layers - int(config.knob("quest_skip_layers")))
+        return 2 * layers * model.num_kv_heads * model.head_dim * elem_bytes  # kmax + kmin
 
     def select(self, layer, q, ctx):
-        if layer < self.skip or not any(s.is_decoding for s in ctx.seqs):
+        if layer < self.skip:
             return None
-        cfg, chosen, counts, start = self.config, [], [], 0
-        for seq, n in zip(ctx.seqs, ctx.q_lens):
-            length = seq.layer_lens[layer] + n
-            if not seq.is_decoding or length <= self.total:
-                chosen.append(None)
-                counts.append(None)
-            else:
-                kmax, kmin = self._metadata(seq, layer, length)
-                bounds = quest_page_bounds(q[start + n - 1], kmax, kmin)
-                pages = quest_select_pages(bounds, length, self.page, cfg.sink_tokens, cfg.recent_tokens, cfg.budget)
-                tokens, valid = pages_to_tokens(pages, self.page, length)
-                chosen.append(tokens)  # sorted per head: a partial last page's tail comes last
-                counts.append(valid.sum(-1))
-            start += n
-        if all(c is None for c in chosen):
+        cfg, view = self.config, ctx.views[layer]
+        k_cache, _ = ctx.kv_cache.layer(layer)
+        kmax, kmin = self._page_bounds(layer, k_cache)
+        triton = q.is_cuda or ctx.provider.name == "triton"
+        update = kernels.update_page_minmax_triton if triton else update_page_minmax_torch
+        update(k_cache, view.slot_mapping, kmax, kmin)
+        decoding = [s is None or s.is_decoding for s in ctx.seqs]  # None: a CUDA-graph capture
+        if not any(decoding):
             return None
-        return Selection.from_lists(chosen, self.model.num_kv_heads, q.device, counts)
+        q_last = q if ctx.is_decode else q[ctx.cu_q_lens[1:].long() - 1]
+        score = kernels.quest_page_scores_triton if triton else quest_page_scores_torch
+        scores = score(q_last, kmax, kmin, view.page_table, view.kv_lens, self.page)
+        pages, counts = select_pages_batched(scores, view.kv_lens, self.page, cfg.sink_tokens,
+                                             cfg.recent_tokens, cfg.budget)
+        return Selection(pages, counts, tuple(not d for d in decoding), page_size=self.page)
+
+    def init_synthetic(self, seq) -> None:
+        """Page bounds of the request's synthesised KV (written straight into the cache)."""
+        for layer in range(self.skip, len(seq.layer_lens)):
+            k_cache, _ = self.cache.kv.layer(layer)
+            kmax, kmin = self._page_bounds(layer, k_cache)
+            n = seq.layer_lens[layer]
+            tokens = torch.arange(n, device=k_cache.device)
+            table = torch.tensor(seq.page_table, dtype=torch.long, device=k_cache.device)
+            slots = table[tokens // self.page] * self.page + tokens % self.page
+            update_page_minmax_torch(k_cache, slots, kmax, kmin)
 
     def tokens_read(self, seq) -> list[int]:
-        cap = self.config.sink_tokens + self.config.recent_tokens + max(3 * self.page, self.config.budget) + 2 * self.page
-        return [n if l < self.skip else min(n, cap) for l, n in enumerate(seq.layer_lens)]
+        return [n if l < self.skip else self._tokens_selected(n) for l, n in enumerate(seq.layer_lens)]
 
     def metadata_bytes_read(self, seq, kv_bytes_per_token_layer: int) -> int:
-        # per page and KV head: float32 channel max and min (2 x d x 4 bytes), i.e. twice a
-        # bf16 token's K+V (2 x d x 2 bytes)
-        return sum(-(-n // self.page) * 2 * kv_bytes_per_token_layer for n in seq.layer_lens[self.skip:])
+        # per page and KV head: the channel max and min in the KV dtype (2 x d elements),
+        # as many bytes as one token's K+V; the scores read every page of the request
+        return sum(_cdiv(n, self.page) * kv_bytes_per_token_layer for n in seq.layer_lens[self.skip:])
 
-    def _metadata(self, seq, layer: int, length: int):
-        """Per-page key max/min, extended with the tokens appended since the last call."""
-        meta = self.cache.state(seq).setdefault("quest", {})
-        kmax, kmin, seen = meta.get(layer, (None, None, 0))
-        if seen < length:
-            k_new, _ = self.cache.gather(seq, layer, length, start=seen)
-            if kmax is None:
-                kmax = k_new.new_empty(0, *k_new.shape[1:]).float()
-                kmin = kmax.clone()
-            kmax, kmin = quest_append_minmax(kmax, kmin, seen, k_new.float(), self.page)
-            meta[layer] = (kmax, kmin, length)
-        return kmax, kmin
+    def _tokens_selected(self, n: int) -> int:
+        """Tokens in the pages one decode query of an n-token cache selects (at most: with
+        no recent tokens, a partial last page may be among the top pages)."""
+        cfg, ps = self.config, self.page
+        sink_pages = _cdiv(cfg.sink_tokens, ps)
+        recent_first = (n - cfg.recent_tokens) // ps if cfg.recent_tokens else _cdiv(n, ps)
+        if n <= self.total or recent_first <= sink_pages:
+            return n
+        middle = min(max(3, cfg.budget // ps), recent_first - sink_pages)
+        return min(n, (sink_pages + middle) * ps + max(0, n - recent_first * ps))
+
+    def _page_bounds(self, layer: int, k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's ``(kmax, kmin) [num_pages, Hkv, d]``, allocated at first use."""
+        bounds = self._bounds.get(layer)
+        if bounds is None:
+            num_pages, _, hkv, d = k_cache.shape
+            bounds = self._bounds[layer] = (k_cache.new_zeros(num_pages, hkv, d), k_cache.new_zeros(num_pages, hkv, d))
+        return bounds
 
 
 SPEC = MethodSpec(

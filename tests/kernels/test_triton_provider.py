@@ -10,7 +10,7 @@ from sparseengine import LLM, SamplingParams
 
 METHODS = [
     ("vanilla", {}),
-    ("quest", dict(quest_page_size=4, quest_skip_layers=1)),
+    ("quest", dict(quest_page_size=8, quest_skip_layers=1)),
     ("h2o", {}),
     ("snapkv", dict(snapkv_window=4)),
     ("omnikv", dict(omnikv_filter_layers="1")),

@@ -522,10 +522,12 @@ def check_cache(llm, seq, ref: Reference, plan: dict, where: str) -> None:
                 f"{where}: layer {layer} head {head}: V rows differ")
 
 
-def engine_sets(sel, hkv: int) -> list[list[int]] | None:
+def engine_sets(sel, hkv: int, n: int) -> list[list[int]] | None:
+    """The logical tokens each KV head reads (a page selection read as its tokens below n)."""
     if sel is None or sel.dense[0]:
         return None
-    return [sel.token_indices[0, h, : int(sel.num_selected[0, h])].tolist() for h in range(hkv)]
+    tokens, valid = sel.request_tokens(0, n)
+    return [sorted(tokens[h][valid[h]].tolist()) for h in range(hkv)]
 
 
 def make_select(ref: Reference, method: RefMethod, calls: dict, where: str):
@@ -533,8 +535,8 @@ def make_select(ref: Reference, method: RefMethod, calls: dict, where: str):
 
     def select(layer, q):
         choices = method.choose(ref, layer, q)
-        got = engine_sets(calls.get(layer), ref.hkv)
         n = len(ref.cache[layer][0])
+        got = engine_sets(calls.get(layer), ref.hkv, n)
         if choices is None:
             assert got is None or all(g == list(range(n)) for g in got), (
                 f"{where}: layer {layer} must read densely, engine selected {got}")
@@ -568,7 +570,8 @@ def run_engine_vs_reference(model, name, method, ids, *, sink, budget, recent, d
     ref = Reference(hf, rerotate=rerotate)
     rule = REF[method](sink, budget, recent, **knobs)
     llm = LLM(str(folder), dtype="float32", device="cpu", sparse_method=method, sink_tokens=sink,
-              budget=budget, recent_tokens=recent, page_size=8, kv_cache_memory=0.01,
+              budget=budget, recent_tokens=recent, kv_cache_memory=0.01,
+              page_size=knobs.get("quest_page_size", 16) if method == "quest" else 8,  # quest pages = cache pages
               prefill_chunk_size=chunk, **knobs)
     calls: dict[int, object] = {}
     real_select = llm.method.select

@@ -386,7 +386,7 @@ EXACT = [
     ("flashprefill_v2", "snapkv", dict(FP_KNOBS, flashprefill_threshold=0.0)),
     ("flashprefill_v2", "h2o", dict(FP_KNOBS, flashprefill_threshold=0.0)),
     ("flashprefill_v2", "omnikv", dict(FP_KNOBS, flashprefill_threshold=0.0, omnikv_filter_layers="1")),
-    ("flashprefill_v2", "quest", dict(FP_KNOBS, flashprefill_threshold=0.0)),
+    ("flashprefill_v2", "quest", dict(FP_KNOBS, flashprefill_threshold=0.0, quest_page_size=8)),
 ]
 
 

