@@ -9,6 +9,8 @@ from . import block_sparse_paged_prefill
 from .block_sparse_paged_prefill import block_sparse_paged_prefill_ref, block_sparse_paged_prefill_triton
 from .block_sparse_prefill import block_sparse_prefill_ref, block_sparse_prefill_triton
 from .deltakv_rebuild import deltakv_rebuild_ref, deltakv_rebuild_triton
+from .fused_ops import (add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton, rotary_qk_ref,
+                        rotary_qk_triton, silu_mul_ref, silu_mul_triton)
 from .omnikv_scores import omnikv_scores_ref, omnikv_scores_triton
 from .paged_decode import paged_decode_ref, paged_decode_triton
 from .paged_kv_write import paged_kv_write_ref, paged_kv_write_triton
@@ -19,6 +21,8 @@ from .sparse_decode import (sparse_decode_ref, sparse_decode_triton, sparse_page
                             sparse_page_decode_triton)
 
 __all__ = [
+    "add_rms_norm_ref",
+    "add_rms_norm_triton",
     "block_sparse_paged_prefill",
     "block_sparse_paged_prefill_ref",
     "block_sparse_paged_prefill_triton",
@@ -40,6 +44,12 @@ __all__ = [
     "prefill_window_colsum_triton",
     "quest_page_scores_ref",
     "quest_page_scores_triton",
+    "rms_norm_ref",
+    "rms_norm_triton",
+    "rotary_qk_ref",
+    "rotary_qk_triton",
+    "silu_mul_ref",
+    "silu_mul_triton",
     "sparse_decode_ref",
     "sparse_decode_triton",
     "sparse_page_decode_ref",

@@ -7,6 +7,7 @@ import math
 import torch
 from torch import nn
 
+from sparseengine.kernels.fused_ops import rotary_ref
 from sparseengine.models.model_config import ModelConfig
 
 
@@ -29,14 +30,10 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     return torch.where(medium, smoothed, scaled)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, d]; cos/sin [T, d]."""
-    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+    """x [T, H, d]; cos/sin [T, d]: `x * cos + rotate_half(x) * sin` in torch. The model
+    rotates q and k with `fused_ops.rotary_qk` (one kernel on CUDA, this on CPU)."""
+    return rotary_ref(x, cos, sin)
 
 
 class RotaryEmbedding(nn.Module):
