@@ -49,7 +49,9 @@ check)
 throughput)
   install_wheels .whl/hydra
   stash_gguf
-  python run.py -m experiment=decode_throughput_128k "$@" 2>&1 | grep -v -E "^\s*$|it/s\]|s/it\]" | tail -60
+  [ -n "${SKIP_TESTS:-}" ] || timeout 90 python -m pytest tests/kernels tests/methods tests/attention -q -m gpu \
+    -k "not flashinfer" -p no:cacheprovider -rs 2>&1 | tail -12 | tee -a "$OUT/gpu_tests.log"
+  python run.py -m experiment=decode_throughput_128k "$@" 2>&1 | grep -v -E "^\s*$|it/s\]|s/it\]" | tail -40
   cp runs/decode_throughput_128k/records.jsonl "$OUT/" 2>/dev/null
   cp results/decode_throughput_128k.csv results/figures/decode_throughput_128k.png "$OUT/" 2>/dev/null
   ;;
