@@ -56,6 +56,10 @@ def test_experiment_composes(experiment: str) -> None:
     instantiate(cfg.task, _convert_="all")
     for key, value in (cfg.hydra.sweeper.params or {}).items():
         assert str(value), f"sweep axis {key} resolves to something"
+    # Hydra instantiates callbacks when a multirun starts, before HydraConfig is set: they
+    # must not read ${hydra:...} (that failed on the GPU machine before this test existed)
+    for name, params in (cfg.hydra.callbacks or {}).items():
+        instantiate(params, _convert_="all")
 
 
 def test_default_config_is_the_embedded_model_on_cpu_friendly_settings() -> None:
