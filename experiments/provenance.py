@@ -28,15 +28,15 @@ def _git(*args: str) -> str | None:
 
 
 def git_state() -> dict[str, Any]:
-    """The checkout's commit and dirty flag. A copy without ``.git`` (a GPU machine that got
-    the working tree) reads ``SPARSEENGINE_GIT_COMMIT`` / ``SPARSEENGINE_GIT_DIRTY``, set by
-    whoever copied it, and says so in ``git_source``."""
-    commit = _git("rev-parse", "HEAD")
-    status = _git("status", "--porcelain")
-    if commit is None and os.environ.get("SPARSEENGINE_GIT_COMMIT"):
+    """The checkout's commit and dirty flag. ``SPARSEENGINE_GIT_COMMIT`` /
+    ``SPARSEENGINE_GIT_DIRTY``, when set by whoever copied the tree (a GPU machine's copy
+    has no ``.git``, or a stale one), take precedence, and ``git_source`` says so."""
+    if os.environ.get("SPARSEENGINE_GIT_COMMIT"):  # explicit: a copy may carry a stale .git
         dirty = os.environ.get("SPARSEENGINE_GIT_DIRTY")
         return {"git_commit": os.environ["SPARSEENGINE_GIT_COMMIT"],
                 "git_dirty": None if dirty is None else dirty == "1", "git_source": "environment"}
+    commit = _git("rev-parse", "HEAD")
+    status = _git("status", "--porcelain")
     return {"git_commit": commit, "git_dirty": None if status is None else bool(status)}
 
 

@@ -64,7 +64,7 @@ open("/tmp/calibration.txt", "w").write(stdlib_docstrings(400_000))
 PY
   python -m sparseengine.methods.deltakv_calibrate --model smollm2-135m-instruct --text /tmp/calibration.txt \
     --out /tmp/deltakv_smollm2.safetensors --device cuda --dtype float32 2>&1 | tail -3
-  python run.py -m experiment=accuracy_smollm2 engine.device=cuda engine.dtype=float32 engine.num_kv_pages=4096 \
+  python run.py -m experiment=accuracy_smollm2 engine.device=cuda engine.dtype=float32 +engine.num_kv_pages=4096 \
     deltakv_checkpoint=/tmp/deltakv_smollm2.safetensors "$@" 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -60
   cp runs/accuracy_smollm2/records.jsonl "$OUT/accuracy_records.jsonl" 2>/dev/null
   cp results/accuracy_smollm2.csv results/figures/accuracy_vs_budget.png "$OUT/" 2>/dev/null

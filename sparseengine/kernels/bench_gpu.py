@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import time
 
@@ -43,11 +44,13 @@ def _emit(out_path, record):
 
 
 def _meta():
-    try:
-        git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
-        commit = git.stdout.strip() if git.returncode == 0 else ""
-    except OSError:
-        commit = ""
+    commit = os.environ.get("SPARSEENGINE_GIT_COMMIT", "")  # set by scripts/gpu_session.sh: copies lack .git
+    if not commit:
+        try:
+            git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+            commit = git.stdout.strip() if git.returncode == 0 else ""
+        except OSError:
+            commit = ""
     import triton
 
     return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
