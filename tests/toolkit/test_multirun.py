@@ -60,6 +60,7 @@ def test_sigterm_records_the_running_job_as_interrupted(tmp_path) -> None:
 
     records = tmp_path / "records.jsonl"
     proc = subprocess.Popen([sys.executable, "run.py", "debug=tiny", "task=throughput", "task.output_len=3800",
+                             "task.timed_steps=3700",  # a window long enough to be interrupted
                              "task.batch_sizes=[1]", "+engine.num_kv_pages=400",
                              f"records_path={records}", f"hydra.run.dir={tmp_path / 'run'}"],
                             cwd=ROOT, env={**os.environ, "WANDB_MODE": "offline"},
