@@ -61,6 +61,7 @@ from sparseengine.method_registry import MethodSpec
 from sparseengine.methods import deltakv_codec as codec
 from sparseengine.methods.base import SparseMethodRuntime
 from sparseengine.methods.omnikv import FILTER_LAYERS, choose_tokens, filter_layers_for
+from sparseengine.models.names import canonical
 
 # The full layers choose tokens exactly as OmniKV's filter layers do: same per-model table.
 FULL_LAYERS = FILTER_LAYERS
@@ -195,7 +196,7 @@ class DeltaKV(SparseMethodRuntime):
             raise ConfigError(f"deltakv_checkpoint_path={path!r} is not a DeltaKV checkpoint ({e}). "
                               f"Make one with: {calibrate_hint(name)}") from None
         redo = f"recalibrate: {calibrate_hint(name)}"
-        if meta["model_name"] != name:
+        if canonical(meta["model_name"]) != canonical(name):
             raise ConfigError(f"deltakv_checkpoint_path={path!r} was fitted on model {meta['model_name']!r}, "
                               f"not {name!r}; {redo}")
         if codec.center_stride(meta["center_ratio"]) != self.stride:

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from sparseengine.config import ConfigError
 from sparseengine.engine.step_context import BlockMask
 from sparseengine.method_registry import MethodSpec
+from sparseengine.models.names import table_entry
 from sparseengine.methods.base import SparseMethodRuntime
 
 # flashprefill_threshold per model (estimated block mass, see the module docstring).
@@ -158,7 +159,7 @@ class FlashPrefillV2(SparseMethodRuntime):
         self.measure_error = bool(self.knob("flashprefill_measure_error"))
         threshold = self.knob("flashprefill_threshold")
         if threshold is None:
-            threshold = THRESHOLDS.get(model.name)
+            threshold = table_entry(THRESHOLDS, model.name)
             if threshold is None:
                 raise ConfigError(
                     f"Model {model.name!r} has no default flashprefill_threshold; set flashprefill_threshold "

@@ -24,6 +24,7 @@ from sparseengine.config import ConfigError
 from sparseengine.engine.step_context import Selection
 from sparseengine.kernels.omnikv_scores import omnikv_scores_torch
 from sparseengine.method_registry import MethodSpec
+from sparseengine.models.names import table_entry
 from sparseengine.methods.base import SparseMethodRuntime
 from sparseengine.methods.selection import omnikv_select, omnikv_token_scores
 
@@ -50,7 +51,7 @@ def parse_layers(spec: str, num_layers: int, option: str) -> list[int]:
 
 
 def filter_layers_for(model, given: str, option: str, table: dict[str, str]) -> list[int]:
-    spec = given or table.get(model.name)
+    spec = given or table_entry(table, model.name)
     if not spec:
         raise ConfigError(f"Model {model.name!r} has no default {option}; set {option} "
                           f"(e.g. {option}='2,8,18'). Known models: {', '.join(sorted(table))}")
