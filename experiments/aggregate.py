@@ -91,7 +91,8 @@ def throughput_table(df: pd.DataFrame) -> pd.DataFrame:
         tp = tp.sort_values("end_time", kind="stable")
     for _, row in tp.iterrows():
         common = {"model": row["model"], "context_length": row["context_length"],
-                  "device": row.get("provenance.device_name"), "commit": row.get("provenance.git_commit"), "dirty": row.get("provenance.git_dirty")}
+                  "device": row.get("provenance.device_name"), "provider": row.get("attention/provider"),
+                  "commit": row.get("provenance.git_commit"), "dirty": row.get("provenance.git_dirty")}
         for prefix, name, method in (("decode", lane(row), row["sparse_method"]), ("hf", "hf_generate", "hf")):
             batches = sorted({int(m.group(1)) for c in tp.columns
                               if (m := re.fullmatch(prefix + r"/bs(\d+)/output_tok_s", c)) and pd.notna(row[c])})

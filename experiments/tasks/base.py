@@ -21,9 +21,14 @@ class TaskEnv:
     table: Callable[[str, list[dict[str, Any]]], None] = lambda name, rows: None
 
     def engine(self, **overrides: Any):
+        """An engine from the job's config; which implementation runs each attention op
+        (``provider.ops()``) goes into the record at once."""
         from sparseengine import LLM
 
-        return LLM(**{**self.engine_kwargs, **overrides})
+        llm = LLM(**{**self.engine_kwargs, **overrides})
+        self.log({"attention/provider": llm.provider.name,
+                  **{f"attention/ops/{op}": impl for op, impl in llm.provider.ops().items()}})
+        return llm
 
     def sample(self, row: dict[str, Any]) -> None:
         """One per-sample line in the job folder's ``samples.jsonl`` (kept on a crash)."""

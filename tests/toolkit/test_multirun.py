@@ -31,6 +31,8 @@ def test_multirun_writes_one_record_per_job(tmp_path) -> None:
         assert 0 <= r["metrics"]["passkey/score"] <= 100
         assert r["metrics"]["passkey/num_samples"] == 2
         assert all("/" in k for k in r["metrics"])
+        assert r["metrics"]["attention/provider"] == "torch"  # which implementation ran each op
+        assert r["metrics"]["attention/ops/decode"] == r["metrics"]["attention/ops/prefill"] == "torch"
         for key in ("git_commit", "git_dirty", "device", "packages"):
             assert key in r["provenance"]
         assert r["start_time"] <= r["end_time"]
