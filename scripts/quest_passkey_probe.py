@@ -5,7 +5,8 @@ For each key and variant it records the generated text and, per decode step, lay
 head, whether the selection covered every token of the needle's digits. Variants:
 - ``quest``: the method as defined (page upper bound U, METHODS.md "quest").
 - ``oracle``: the same page count, pages ranked by the exact ``max_k q.k`` over the page
-  (what U bounds from above): is the bound's ranking the cause?
+  (what U bounds from above): is the bound's ranking the cause? (CPU, torch provider: the
+  runtime scores pages with ``quest_page_scores_torch``, which this variant replaces.)
 - ``quest_2x``: Quest at twice the budget.
 
     python scripts/quest_passkey_probe.py --out results/quest_passkey_probe.csv
@@ -61,19 +62,21 @@ class Recorder:
         return sel
 
 
-def exact_page_max(stash, page_size: int):
-    """Replacement for quest_page_bounds: exact max q.k per page, max over the group."""
+def exact_page_scores(stash):
+    """Replacement for Quest's page scores (same signature as ``quest_page_scores_torch``):
+    the exact ``max_k q.k`` over each page's cached tokens, max over the group's heads."""
 
-    def bounds(q, kmax, kmin):
-        k = stash["k"].float()  # [n, Hkv, d]
-        hq, d = q.shape
-        n, hkv, _ = k.shape
-        pages = kmax.shape[0]
-        s = torch.einsum("kgd,nkd->kgn", q.float().reshape(hkv, hq // hkv, d), k).amax(1)  # [Hkv, n]
-        s = torch.cat([s, s.new_full((hkv, pages * page_size - n), float("-inf"))], 1)
-        return s.reshape(hkv, pages, page_size).amax(-1)
+    def scores(q, kmax, kmin, page_table, kv_lens, page_size):
+        k_cache = stash["k_cache"]  # [pages, page_size, Hkv, d] of the layer being scored
+        B, hq, d = q.shape
+        P, hkv = page_table.shape[1], k_cache.shape[2]
+        k = k_cache[page_table.long()].flatten(1, 2).float()  # [B, P * page_size, Hkv, d]
+        s = torch.einsum("bhgd,bnhd->bhgn", q.float().reshape(B, hkv, hq // hkv, d), k).amax(2)
+        valid = torch.arange(P * page_size)[None, :] < kv_lens.long()[:, None]
+        s = s.masked_fill(~valid[:, None, :], float("-inf"))
+        return s.reshape(B, hkv, P, page_size).amax(-1)
 
-    return bounds
+    return scores
 
 
 def run(folder, prompts, needles, variant: str, tok) -> list[dict]:
@@ -82,16 +85,16 @@ def run(folder, prompts, needles, variant: str, tok) -> list[dict]:
     with LLM(folder, dtype="float32", sparse_method="quest", sink_tokens=16, recent_tokens=64,
              budget=budget) as llm:
         rt = llm.method
-        saved = (quest_mod.quest_page_bounds, quest_mod.Quest._metadata)
+        saved = (quest_mod.quest_page_scores_torch, quest_mod.Quest.select)
         if variant == "oracle":
             stash: dict = {}
 
-            def metadata(self, seq, layer, length):
-                stash["k"] = self.cache.gather(seq, layer, length)[0]
-                return saved[1](self, seq, layer, length)
+            def select(self, layer, q, ctx):
+                stash["k_cache"] = ctx.kv_cache.layer(layer)[0]
+                return saved[1](self, layer, q, ctx)
 
-            quest_mod.Quest._metadata = metadata
-            quest_mod.quest_page_bounds = exact_page_max(stash, rt.page)
+            quest_mod.Quest.select = select
+            quest_mod.quest_page_scores_torch = exact_page_scores(stash)
         try:
             for key, prompt, needle in zip(KEYS, prompts, needles):
                 rec = Recorder(rt, needle)
@@ -106,7 +109,7 @@ def run(folder, prompts, needles, variant: str, tok) -> list[dict]:
                                     needle_tokens_covered_frac=round(sum(r[3] for r in rows)
                                                                     / max(1, sum(r[4] for r in rows)), 3)))
         finally:
-            quest_mod.quest_page_bounds, quest_mod.Quest._metadata = saved
+            quest_mod.quest_page_scores_torch, quest_mod.Quest.select = saved
     return out
 
 

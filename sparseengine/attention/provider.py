@@ -22,6 +22,9 @@ class AttentionProvider:
     # Decode steps may be captured in CUDA graphs: the provider reads lengths from device
     # tensors only (a graph's views carry placeholder host lengths).
     supports_cuda_graphs = True
+    # Method-side helper kernels (Quest page bounds, OmniKV scores) run as Triton kernels
+    # beside this provider; False: their vectorised torch versions.
+    triton_kernels = True
 
     def ops(self) -> dict[str, str]:
         """Which implementation runs each op (benchmarks write it into their records)."""

@@ -23,6 +23,7 @@ def token_slots(page_table_row: torch.Tensor, length: int, page_size: int) -> to
 class TorchAttentionProvider(AttentionProvider):
     name = "torch"
     supports_cuda_graphs = False  # reads host lengths each step
+    triton_kernels = False
 
     def write_kv(self, k_cache, v_cache, k, v, slot_mapping):
         keep = slot_mapping >= 0

@@ -151,7 +151,7 @@ class OmniKV(SparseMethodRuntime):
         every KV head; requests within the total read all their tokens."""
         cfg, view = self.config, ctx.views[layer]
         k_cache, _ = ctx.kv_cache.layer(layer)
-        triton = q.is_cuda or ctx.provider.name == "triton"
+        triton = ctx.provider.triton_kernels
         scores = score_cached_tokens(q, k_cache, view.page_table, view.kv_lens, self.mode, triton)
         idx, counts = pick_tokens(scores, view.kv_lens, cfg.sink_tokens, cfg.budget, cfg.recent_tokens)
         rows, hkv = idx.shape[0], k_cache.shape[2]

@@ -80,6 +80,7 @@ class Quest(SparseMethodRuntime):
             raise ConfigError(f"quest_page_size={self.page} must equal page_size={config.page_size}: Quest keeps "
                               "its page bounds per KV-cache page; set both to the same value (default 16)")
         self._bounds: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (kmax, kmin)
+        self._rows_of, self._rows = None, ()  # the step context _prefill_rows last saw, its answer
         for layer in range(self.skip, model.num_layers if cache is not None else 0):
             self._page_bounds(layer, cache.kv.layer(layer)[0])  # allocated now: the pool was sized for them
 
@@ -97,18 +98,26 @@ class Quest(SparseMethodRuntime):
         cfg, view = self.config, ctx.views[layer]
         k_cache, _ = ctx.kv_cache.layer(layer)
         kmax, kmin = self._page_bounds(layer, k_cache)
-        triton = q.is_cuda or ctx.provider.name == "triton"
+        triton = ctx.provider.triton_kernels
         update = kernels.update_page_minmax_triton if triton else update_page_minmax_torch
         update(k_cache, view.slot_mapping, kmax, kmin)
-        decoding = [s is None or s.is_decoding for s in ctx.seqs]  # None: a CUDA-graph capture
-        if not any(decoding):
+        dense = self._prefill_rows(ctx)
+        if all(dense):
             return None
         q_last = q if ctx.is_decode else q[ctx.cu_q_lens[1:].long() - 1]
         score = kernels.quest_page_scores_triton if triton else quest_page_scores_torch
         scores = score(q_last, kmax, kmin, view.page_table, view.kv_lens, self.page)
         pages, counts = select_pages_batched(scores, view.kv_lens, self.page, cfg.sink_tokens,
                                              cfg.recent_tokens, cfg.budget)
-        return Selection(pages, counts, tuple(not d for d in decoding), page_size=self.page)
+        return Selection(pages, counts, dense, page_size=self.page)
+
+    def _prefill_rows(self, ctx) -> tuple[bool, ...]:
+        """Which rows of the step are prefill rows (read densely): once per step, not per
+        layer. A CUDA-graph capture (requests None) has decode rows only."""
+        if self._rows_of is not ctx:
+            self._rows_of = ctx
+            self._rows = tuple(s is not None and not s.is_decoding for s in ctx.seqs)
+        return self._rows
 
     def init_synthetic(self, seq) -> None:
         """Page bounds of the request's synthesised KV (written straight into the cache)."""

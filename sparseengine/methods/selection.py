@@ -280,51 +280,19 @@ def h2o_keep(acc_scores: torch.Tensor, sink_tokens: int, budget: int, recent_tok
 # ------------------------------------------------------------------------------ quest
 
 
-def _page_reduce(k: torch.Tensor, page_size: int, offset: int):
-    """Per-page channel max/min of ``k`` whose first token sits at in-page ``offset``."""
-    m, hkv, d = k.shape
-    pages = -(-(offset + m) // page_size)
-    pad_back = pages * page_size - offset - m
-    shape = (pages, page_size, hkv, d)
-    hi = F.pad(k, (0, 0, 0, 0, offset, pad_back), value=float("-inf")).view(shape)
-    lo = F.pad(k, (0, 0, 0, 0, offset, pad_back), value=float("inf")).view(shape)
-    return hi.amax(dim=1), lo.amin(dim=1)
-
-
 def quest_page_minmax(k: torch.Tensor, page_size: int):
     """``(kmax, kmin)``, each ``[P, Hkv, d]``, ``P = ceil(n / page_size)``: per page, KV
     head and channel, the max / min key over the page's tokens (the last page may be
     partial)."""
     _tensor_arg("k", k, "[n, Hkv, d]")
     page_size = _int_arg("quest_page_size", page_size, minimum=1)
-    return _page_reduce(k, page_size, 0)
-
-
-def quest_append_minmax(
-    kmax: torch.Tensor, kmin: torch.Tensor, n_old: int, k_new: torch.Tensor, page_size: int
-):
-    """Update page bounds of ``n_old`` tokens with appended keys ``k_new`` ``[m, Hkv, d]``;
-    equals :func:`quest_page_minmax` of all ``n_old + m`` keys."""
-    _tensor_arg("kmax", kmax, "[P, Hkv, d]")
-    _tensor_arg("kmin", kmin, "[P, Hkv, d]")
-    _tensor_arg("k_new", k_new, "[m, Hkv, d]")
-    page_size = _int_arg("quest_page_size", page_size, minimum=1)
-    n_old = _int_arg("n_old", n_old)
-    pages_old = -(-n_old // page_size)
-    if kmax.shape != kmin.shape or kmax.shape[0] != pages_old:
-        raise ValueError(
-            f"kmax/kmin must be [{pages_old}, Hkv, d] for n_old={n_old}, got "
-            f"{tuple(kmax.shape)} and {tuple(kmin.shape)}"
-        )
-    if kmax.shape[1:] != k_new.shape[1:]:
-        raise ValueError(f"k_new heads/dim {tuple(k_new.shape[1:])} != {tuple(kmax.shape[1:])}")
-    offset = n_old % page_size
-    new_max, new_min = _page_reduce(k_new.to(kmax.dtype), page_size, offset)
-    full = pages_old - (1 if offset else 0)  # old pages not touched by the append
-    if offset and new_max.shape[0]:
-        new_max[0] = torch.maximum(new_max[0], kmax[full])
-        new_min[0] = torch.minimum(new_min[0], kmin[full])
-    return torch.cat([kmax[:full], new_max]), torch.cat([kmin[:full], new_min])
+    n, hkv, d = k.shape
+    pages = -(-n // page_size)
+    shape = (pages, page_size, hkv, d)
+    pad = (0, 0, 0, 0, 0, pages * page_size - n)
+    hi = F.pad(k, pad, value=float("-inf")).view(shape)
+    lo = F.pad(k, pad, value=float("inf")).view(shape)
+    return hi.amax(dim=1), lo.amin(dim=1)
 
 
 def quest_page_bounds(q: torch.Tensor, kmax: torch.Tensor, kmin: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from sparseengine import LLM, SamplingParams
+from sparseengine.attention.provider import make_provider
 from sparseengine.config import Config
 from sparseengine.engine.step_context import LayerView, StepContext
 from sparseengine.kernels import omnikv_scores_ref
@@ -45,7 +46,7 @@ def graph_context(rt, kv, provider: str = "torch") -> StepContext:
     cache = types.SimpleNamespace(layer=lambda layer: (kv.k_cache, kv.v_cache))
     return StepContext(seqs=[None] * B, q_lens=(1,) * B, cu_q_lens=torch.arange(B + 1, dtype=torch.int32),
                        is_decode=True, views=[view] * NUM_LAYERS, kv_cache=cache,
-                       provider=types.SimpleNamespace(name=provider), method=rt,
+                       provider=make_provider(provider, torch.device("cpu")), method=rt,
                        positions=torch.zeros(B, dtype=torch.long))
 
 

@@ -273,15 +273,6 @@ def test_quest_minmax_and_bounds_match_reference(hq, hkv, n, ps):
                 assert dots[t] <= bounds[kh, t // ps] + 1e-5
 
 
-@pytest.mark.parametrize("n_old,m,ps", [(0, 20, 8), (5, 1, 8), (8, 9, 8), (13, 30, 4), (16, 0, 8), (7, 0, 8)])
-def test_quest_append_equals_full_minmax(n_old, m, ps):
-    k = rand(n_old + m, 2, 4, seed=n_old * 100 + m)
-    kmax, kmin = sel.quest_page_minmax(k[:n_old], ps)
-    amax, amin = sel.quest_append_minmax(kmax, kmin, n_old, k[n_old:], ps)
-    fmax, fmin = sel.quest_page_minmax(k, ps)
-    assert torch.equal(amax, fmax) and torch.equal(amin, fmin)
-
-
 @pytest.mark.parametrize("hkv", [1, 3])
 @pytest.mark.parametrize(
     "n,ps,sink,recent,budget",
