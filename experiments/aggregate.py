@@ -78,7 +78,12 @@ def accuracy_table(df: pd.DataFrame) -> pd.DataFrame:
                         "budget_fraction": row.get("budget_fraction"), "total_budget": total,
                         "score": row[col], "num_samples": row.get(col.replace("/score", "/num_samples")),
                         "seed": row["seed"]})
-    return pd.DataFrame(out)
+    table = pd.DataFrame(out)
+    if table.empty:
+        return table
+    keys = ["task", "sparse_method", "prefill_sparse_method", "model", "context_length", "budget_fraction",
+            "total_budget", "seed"]
+    return table.drop_duplicates(keys, keep="last").reset_index(drop=True)  # a rerun cell supersedes
 
 
 def throughput_table(df: pd.DataFrame) -> pd.DataFrame:

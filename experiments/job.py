@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments import provenance
 from experiments.loggers.base import Logger
-from experiments.records import Record
+from experiments.records import Record, read_records
 from experiments.tasks.base import TaskEnv
 
 
@@ -74,9 +74,31 @@ def _sigterm_as_interrupt() -> None:
         signal.signal(signal.SIGTERM, handler)
 
 
+def _recorded_before(cfg: DictConfig, info: dict[str, Any]) -> dict[str, Any] | None:
+    """With ``resume=true``: the last ``ok`` (or ``skipped``) record in ``records_path`` of a
+    job with this task and these overrides (``resume=`` itself aside), if there is one."""
+    path = cfg.get("records_path")
+    if not cfg.get("resume") or not path or not Path(path).exists():
+        return None
+    mine = sorted(o for o in info["overrides"] if not o.startswith("resume="))
+    found = None
+    for rec in read_records(path):
+        run = rec.get("run") or {}
+        theirs = sorted(o for o in run.get("overrides") or [] if not o.startswith("resume="))
+        if rec.get("status") in ("ok", "skipped") and rec.get("task") == cfg.task.get("name") and theirs == mine:
+            found = rec
+    return found
+
+
 def run_job(cfg: DictConfig) -> float | None:
     _sigterm_as_interrupt()
     info = _job_info(cfg)
+    done = _recorded_before(cfg, info)
+    if done is not None:
+        print(f"resume: already recorded ({done['status']}, ended {done.get('end_time')}): "
+              f"{' '.join(info['overrides']) or '(no overrides)'}")
+        score = done.get("metrics", {}).get(f"{done['task']}/score")
+        return float(score) if isinstance(score, (int, float)) else None
     raw_engine = OmegaConf.to_container(cfg.engine, resolve=True)
     record = Record(task=str(cfg.task.get("name", "?")), engine=dict(raw_engine),  # type: ignore[arg-type]
                     task_config={k: v for k, v in OmegaConf.to_container(cfg.task, resolve=True).items()

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU runs, one device call per phase; every output lands in $OUT (or ./gpu_out).
 #   bash scripts/gpu_session.sh check        # GPU tests, kernels (+FlashInfer side by side), TTFT, profiles
+#   bash scripts/gpu_session.sh profiles     # GPU tests (no FlashInfer), per-kernel decode profiles (vanilla b1, quest b6, snapkv b183)
 #   bash scripts/gpu_session.sh throughput [hydra overrides]   # python run.py -m experiment=decode_throughput_128k
 #   bash scripts/gpu_session.sh accuracy [hydra overrides]     # python run.py -m experiment=accuracy_smollm2 on the GPU
 # Wheels the device lacks travel in .whl/<set>/ (see results/README.md); the embedded GGUF
@@ -46,9 +47,23 @@ check)
     --out "$OUT/profile_vanilla_b1.json" 2>&1 | tail -22
   timeout 160 python scripts/bench_ttft_128k.py --commit "$COMMIT" --out "$OUT/ttft_128k.jsonl" "$@" 2>&1 | tail -15
   ;;
+profiles)
+  stash_gguf
+  timeout 200 python -m pytest tests/kernels tests/methods tests/attention -q -m gpu -k "not flashinfer" \
+    -p no:cacheprovider -rs 2>&1 | tail -12 | tee "$OUT/gpu_tests.log"
+  timeout 90 python -m sparseengine.kernels.bench_gpu --splits --out "$OUT/decode_splits.jsonl" 2>&1 | tail -20
+  for spec in "vanilla 1" "quest 6" "snapkv 183"; do
+    set -- $spec
+    timeout 150 python scripts/profile_decode_step.py --method $1 --batch $2 --steps 8 --commit "$COMMIT" \
+      --out "$OUT/profile_$1_b$2.json" 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -8
+  done
+  ;;
 throughput)
   install_wheels .whl/hydra
   stash_gguf
+  # earlier lanes come along so the summary redraws the whole figure (a rerun lane supersedes)
+  [ -f runs/decode_throughput_128k/records.jsonl ] || { mkdir -p runs/decode_throughput_128k; \
+    cp results/decode_throughput_128k_records.jsonl runs/decode_throughput_128k/records.jsonl; }
   [ -n "${SKIP_TESTS:-}" ] || timeout 90 python -m pytest tests/kernels tests/methods tests/attention -q -m gpu \
     -k "not flashinfer" -p no:cacheprovider -rs 2>&1 | tail -12 | tee -a "$OUT/gpu_tests.log"
   python run.py -m experiment=decode_throughput_128k "$@" 2>&1 | grep -v -E "^\s*$|it/s\]|s/it\]" | tail -40
@@ -56,16 +71,40 @@ throughput)
   cp results/decode_throughput_128k.csv results/figures/decode_throughput_128k.png "$OUT/" 2>/dev/null
   ;;
 accuracy)
+  # python run.py -m experiment=accuracy_smollm2, as two concurrent sweeps (2K and 4K) in one
+  # process each, eager (short generations: graph captures would cost more than they save),
+  # every prompt of a task in flight at once. resume=true: a second call finishes what a
+  # first one's time limit cut off. ACC_TIMEOUT (s) bounds each sweep.
   install_wheels .whl/hydra
   stash_gguf
-  python - <<'PY'
+  ckpt=/tmp/deltakv_smollm2.safetensors
+  if [ ! -f $ckpt ]; then
+    python - <<'PY'
 from experiments.corpus import stdlib_docstrings
 open("/tmp/calibration.txt", "w").write(stdlib_docstrings(400_000))
 PY
-  python -m sparseengine.methods.deltakv_calibrate --model smollm2-135m-instruct --text /tmp/calibration.txt \
-    --out /tmp/deltakv_smollm2.safetensors --device cuda --dtype float32 2>&1 | tail -3
-  python run.py -m experiment=accuracy_smollm2 engine.device=cuda engine.dtype=float32 +engine.num_kv_pages=4096 \
-    deltakv_checkpoint=/tmp/deltakv_smollm2.safetensors "$@" 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -60
+    python -m sparseengine.methods.deltakv_calibrate --model smollm2-135m-instruct --text /tmp/calibration.txt \
+      --out $ckpt --device cuda --dtype float32 2>&1 | tail -3
+  fi
+  for ctx in 2k 4k; do
+    OMP_NUM_THREADS=4 timeout "${ACC_TIMEOUT:-540}" python run.py -m experiment=accuracy_smollm2 context=$ctx \
+      engine.device=cuda engine.dtype=float32 +engine.enforce_eager=true batch=accuracy_gpu task.chunk_size=64 \
+      +engine.num_kv_pages=16384 deltakv_checkpoint=$ckpt resume=true \
+      hydra.sweep.dir=runs/accuracy_smollm2/gpu_${ctx}_$(date +%s) "$@" > "/tmp/accuracy_$ctx.log" 2>&1 &
+  done
+  wait
+  for ctx in 2k 4k; do grep -v -E "it/s\]|s/it\]" "/tmp/accuracy_$ctx.log" | tail -25 > "$OUT/accuracy_$ctx.log"; done
+  python - <<'PY' 2>&1 | tail -30
+from experiments import aggregate
+from experiments.figures import accuracy_vs_budget
+df = aggregate.load_records("runs/accuracy_smollm2/records.jsonl", status=None)
+print(df.groupby(["status"]).size().to_string())
+ok = df[df["status"] == "ok"]
+print(ok.groupby(["sparse_method", "context_length", "task"]).size().to_string())
+acc = aggregate.accuracy_table(ok)
+acc.to_csv("results/accuracy_smollm2.csv", index=False)
+accuracy_vs_budget.render(acc, "results/figures", "accuracy_vs_budget")
+PY
   cp runs/accuracy_smollm2/records.jsonl "$OUT/accuracy_records.jsonl" 2>/dev/null
   cp results/accuracy_smollm2.csv results/figures/accuracy_vs_budget.png "$OUT/" 2>/dev/null
   ;;

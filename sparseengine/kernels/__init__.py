@@ -17,6 +17,7 @@ from .paged_kv_write import paged_kv_write_ref, paged_kv_write_triton
 from .paged_prefill import paged_prefill_ref, paged_prefill_triton
 from .quest import (quest_page_scores_ref, quest_page_scores_triton, update_page_minmax_ref,
                     update_page_minmax_triton)
+from .quest_select import quest_select_pages_triton
 from .sparse_decode import (sparse_decode_ref, sparse_decode_triton, sparse_page_decode_ref,
                             sparse_page_decode_triton)
 
@@ -44,6 +45,7 @@ __all__ = [
     "prefill_window_colsum_triton",
     "quest_page_scores_ref",
     "quest_page_scores_triton",
+    "quest_select_pages_triton",
     "rms_norm_ref",
     "rms_norm_triton",
     "rotary_qk_ref",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import os
 
 import torch
@@ -24,6 +25,19 @@ def cdiv(a: int, b: int) -> int:
 
 def next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def int_arg(name: str, value, minimum: int = 0) -> int:
+    """`value` as an int (bools and floats refused) of at least `minimum`, else a ValueError."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}") from None
+    if v < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {v}")
+    return v
 
 
 def interpreting() -> bool:

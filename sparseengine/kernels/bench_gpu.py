@@ -174,6 +174,30 @@ def bench_decode(out_path, B, L, chunks=(None, 512, 1024, 2048, 4096, 8192), tun
                                  "GBps": kv_bytes / ms / 1e6})
 
 
+def bench_decode_splits(out_path, B, L, capacity):
+    """Split strategies side by side: per-row chunks (auto) against fixed 2048-token chunks,
+    each merged in the kernel or by the second kernel. `capacity` > L is a page table wider
+    than the rows (a CUDA graph's table sized for max_model_len, e.g. SnapKV's compacted
+    rows at a large batch)."""
+    from triton.testing import do_bench
+
+    q, k_cache, v_cache, page_table, kv_lens = _decode_cache(B, L)
+    wide = torch.cat([page_table, page_table[:, :1].expand(-1, capacity // PS - page_table.shape[1])], 1).contiguous()
+    kv_bytes = 2 * B * L * HKV * D * k_cache.element_size()
+    shape = {"batch": B, "kv_len": L, "capacity": capacity, "hq": HQ, "hkv": HKV, "head_dim": D, "page_size": PS}
+    ref = split_k_decode(q, k_cache, v_cache, wide, kv_lens, mode=MODE_DENSE, capacity=capacity, kv_chunk=2048,
+                         fused_combine=False)
+    for chunk in (None, 2048):
+        for fused in (True, False):
+            fn = lambda: split_k_decode(q, k_cache, v_cache, wide, kv_lens, mode=MODE_DENSE,  # noqa: E731
+                                        capacity=capacity, kv_chunk=chunk, fused_combine=fused)
+            err = (fn().float() - ref.float()).abs().max().item()
+            ms = do_bench(fn, return_mode="median")
+            _emit(out_path, {"kind": "splits", "kernel": "split_k_decode", "kv_chunk": chunk or "per-row",
+                             "fused_combine": fused, **shape, "ms": ms, "GBps": kv_bytes / ms / 1e6,
+                             "max_abs_diff_vs_fixed_two_kernel": err})
+
+
 def _time_cuda(fn, iters=50, warmup=5):
     """(median, mean) ms of `fn` on the GPU, one CUDA event pair per call."""
     for _ in range(warmup):
@@ -300,10 +324,16 @@ def main(argv=None):
     parser.add_argument("--tune", action="store_true", help="also sweep the decode kernel's launch parameters")
     parser.add_argument("--flashinfer", action="store_true",
                         help="run only the Triton vs FlashInfer decode side by side")
+    parser.add_argument("--splits", action="store_true",
+                        help="run only the decode split strategies side by side (per-row vs fixed chunks)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu needs a CUDA GPU")
     _emit(args.out, {"kind": "meta", **_meta()})
+    if args.splits:
+        for B, L, capacity in ((1, 131072, 133120), (6, 131072, 133120), (32, 32768, 32768), (183, 2304, 133120)):
+            bench_decode_splits(args.out, B, L, capacity)
+        return
     if args.flashinfer:
         bench_flashinfer_decode(args.out, 32, 32768)
         bench_flashinfer_decode(args.out, 1, 131072)

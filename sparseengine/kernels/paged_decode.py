@@ -1,13 +1,24 @@
 """Decode attention (one query token per request) over the paged KV cache.
 
-Triton path: split-K flash decoding. Each request's KV range is cut into chunks of
-`kv_chunk` tokens; one program per (request, KV head, chunk) loads the g query heads of
-the group (GQA: K/V are read once for the whole group), runs an online softmax over the
-chunk in fp32 and writes a partial (normalised output, log-sum-exp). A second kernel
-merges the partials per (request, query head). The number of chunks depends only on
-static shapes (page-table width), never on `kv_lens` values, so the launch is CUDA-graph
-safe. The same split kernel serves the sparse variants (`sparse_decode.py`: token or
-page selections) and the H2O column sums (`attention_colsum.py`: it can store logits).
+Triton path: split-K flash decoding. Each request's KV range is cut into chunks; one
+program per (request, KV head, chunk) loads the g query heads of the group (GQA: K/V are
+read once for the whole group), runs an online softmax over the chunk in fp32 and writes a
+partial (normalised output, log-sum-exp). The last program of a (request, KV head) row to
+finish merges the row's partials: each program with items counts itself in on the row's
+int32 counter (an acq_rel atomic, after a barrier so that all of the program's partial
+stores come first); the one that sees `n_active - 1` merges and zeros the counter for the
+next launch. The counters live in one buffer per device, allocated once (a fixed address
+that CUDA-graph replays reuse), so launches must not run concurrently on two streams of
+one device. One chunk writes the output directly; with more rows than counters (or
+`fused_combine=False`) a second kernel merges the partials per (request, query head).
+
+The grid depends only on static shapes, so the launch is CUDA-graph safe:
+`auto_num_splits` picks the splits per row from the row count, and each program cuts its
+row's length (read on the device) into that many chunks, so a short row in a wide page
+table costs no empty programs' writes. With `kv_chunk`, chunks are fixed and the grid
+covers the table's capacity. The same split kernel serves the sparse variants
+(`sparse_decode.py`: token or page selections) and the H2O column sums
+(`attention_colsum.py`: it can store logits).
 """
 from __future__ import annotations
 
@@ -22,6 +33,11 @@ if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing need
     import triton.language as tl
 
 MODE_DENSE, MODE_TOKENS, MODE_PAGES = 0, 1, 2
+# What the split kernel writes: partials only (a combine kernel follows), partials then the
+# last program merges, or the output itself (one split).
+_PARTIALS, _LAST_MERGES, _DIRECT = 0, 1, 2
+MAX_SPLIT_COUNTERS = 1 << 16
+_split_counters: dict[torch.device, torch.Tensor] = {}
 
 
 def paged_decode_ref(q, k_cache, v_cache, page_table, kv_lens, scale=None, return_lse=False):
@@ -50,23 +66,34 @@ def paged_decode_triton(q, k_cache, v_cache, page_table, kv_lens, scale=None, re
                           scale=scale, return_lse=return_lse, kv_chunk=kv_chunk)
 
 
-def auto_kv_chunk(capacity: int, rows: int, device: torch.device) -> int:
-    """Chunk so that (request, KV head, chunk) programs fill the GPU a few times over."""
-    want_splits = max(1, cdiv(4 * _common.num_sms(device), rows))
-    lo = 256 if device.type == "cuda" else 32
-    # H200, Hkv=8, d=128 bf16: 1K-2K token chunks ran at 3.7-4.3 TB/s at B=1x128K and B=32x32K.
-    return max(lo, min(2048, next_pow2(cdiv(max(capacity, 1), want_splits))))
+def auto_num_splits(capacity: int, rows: int, device: torch.device) -> int:
+    """Splits per (request, KV head) row so that rows x splits programs fill the GPU's
+    ~4 blocks per SM in whole waves: the fewest in [want, 2 want) with the least idle tail.
+    Each row then cuts its own length (known on the device only) into that many chunks."""
+    slots = 4 * _common.num_sms(device)
+    want = max(1, cdiv(slots, rows))
+    most = max(1, cdiv(capacity, 256 if device.type == "cuda" else 32))
+    if want == 1 or want >= most:
+        return min(want, most)
+
+    def idle(s: int) -> float:
+        programs = rows * s
+        return cdiv(programs, slots) * slots / programs
+
+    return min(range(want, min(2 * want, most + 1)), key=lambda s: (idle(s), s))
 
 
 def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, sel=None, num_sel=None,
                    scale=None, return_lse=False, kv_chunk=None, logits=None, block_n=64, num_warps=4,
-                   num_stages=2):
-    """Launch the split kernel + merge. `capacity` = static upper bound of items per row.
+                   num_stages=2, fused_combine=None):
+    """Launch the split kernel (+ merge). `capacity` = static upper bound of items per row.
 
     mode DENSE: items are tokens 0..kv_len-1. TOKENS: `sel [B, Hkv, K]` token ids, `num_sel
     [B, Hkv]` valid entries. PAGES: `sel [B, Hkv, P]` logical pages, `num_sel` valid pages.
     `logits [B, Hq, L]` fp32 (optional, DENSE only) receives the log2-domain scaled scores.
     `block_n`, `num_warps`, `num_stages`: launch tuning (bench_gpu sweeps them).
+    `fused_combine`: True merges in the split kernel, False launches the combine kernel,
+    None (auto) fuses unless there are more (request, KV head) rows than counters.
     """
     B, Hq, d = q.shape
     page_size, Hkv = check_cache(k_cache, Hq, d)
@@ -75,53 +102,89 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
     if q.stride(-1) != 1:
         q = q.contiguous()
     g = Hq // Hkv
-    chunk = kv_chunk or auto_kv_chunk(capacity, B * Hkv, device)
-    if chunk < 16 or chunk & (chunk - 1):
-        raise ValueError(f"kv_chunk must be a power of two >= 16, got {chunk}")
-    block_n = min(chunk, block_n)
-    num_splits = max(1, cdiv(capacity, chunk))
+    if kv_chunk is not None:  # fixed chunks: the grid covers `capacity`
+        if kv_chunk < 16 or kv_chunk & (kv_chunk - 1):
+            raise ValueError(f"kv_chunk must be a power of two >= 16, got {kv_chunk}")
+        chunk, block_n = kv_chunk, min(kv_chunk, block_n)
+        num_splits = max(1, cdiv(capacity, chunk))
+    else:  # 0: each row splits its own length (on the device) into num_splits chunks
+        chunk, num_splits = 0, auto_num_splits(capacity, B * Hkv, device)
+    combine = _combine_mode(fused_combine, num_splits, B * Hkv)
     part_out = _common.empty((B, Hq, num_splits, d), torch.float32, device)
     part_lse = _common.empty((B, Hq, num_splits), torch.float32, device)
+    out = _common.empty((B, Hq, d), q.dtype, device)
+    lse = _common.empty((B, Hq), torch.float32, device) if return_lse else part_lse
+    counters = _counters(device) if combine == _LAST_MERGES else kv_lens
     has_sel = sel is not None
     sel_t = sel if has_sel else kv_lens
     num_sel_t = num_sel if has_sel else kv_lens
     logits_t = logits if logits is not None else part_lse
+    _jit_merge_helper()
+    merge_args = dict(HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_S=min(64, next_pow2(num_splits)),
+                      STORE_LSE=return_lse)
     _decode_split_kernel[(B * Hkv, num_splits)](
         q, k_cache, v_cache, page_table, kv_lens, sel_t, num_sel_t, part_out, part_lse, logits_t,
-        _common.default_scale(d, scale) * LOG2E,
+        out, lse, counters, _common.default_scale(d, scale) * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         page_table.stride(0),
         sel_t.stride(0) if has_sel else 0, sel_t.stride(1) if has_sel else 0,
         num_sel_t.stride(0) if has_sel else 0, num_sel_t.stride(1) if has_sel else 0,
+        out.stride(0), out.stride(1),
         num_splits, logits.shape[-1] if logits is not None else 0,
         Hkv, Hq,
-        GROUP=g, BLOCK_H=max(16, next_pow2(g)), HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
-        PAGE_SIZE=page_size, CHUNK=chunk, BLOCK_N=block_n, MODE=mode,
-        STORE_LOGITS=logits is not None, DOT_PREC=_common.dot_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        GROUP=g, BLOCK_H=max(16, next_pow2(g)), PAGE_SIZE=page_size, CHUNK=chunk, BLOCK_N=block_n,
+        MODE=mode, STORE_LOGITS=logits is not None, DOT_PREC=_common.dot_precision(q.dtype),
+        COMBINE=combine, **merge_args, num_warps=num_warps, num_stages=num_stages,
     )
-    out = _common.empty((B, Hq, d), q.dtype, device)
-    lse = _common.empty((B, Hq), torch.float32, device) if return_lse else part_lse
-    _combine_splits_kernel[(B * Hq,)](
-        part_out, part_lse, out, lse, num_splits, out.stride(0), out.stride(1), Hq,
-        HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_S=min(64, next_pow2(num_splits)),
-        STORE_LSE=return_lse, num_warps=4,
-    )
+    if combine == _PARTIALS:
+        _combine_splits_kernel[(B * Hq,)](
+            part_out, part_lse, out, lse, num_splits, out.stride(0), out.stride(1), Hq, **merge_args, num_warps=4,
+        )
     return (out, lse) if return_lse else out
+
+
+def _combine_mode(fused_combine: bool | None, num_splits: int, rows: int) -> int:
+    if fused_combine is False:
+        return _PARTIALS
+    if num_splits == 1:
+        return _DIRECT
+    if rows <= MAX_SPLIT_COUNTERS:
+        return _LAST_MERGES
+    if fused_combine:
+        raise ValueError(f"fused_combine needs B * Hkv <= {MAX_SPLIT_COUNTERS} counters, got {rows} rows")
+    return _PARTIALS
+
+
+def _jit_merge_helper() -> None:
+    """Compiled kernels call only jitted functions (the interpreter runs `_merge_splits` as Python)."""
+    global _merge_splits, tl
+    if not _common.interpreting() and not hasattr(_merge_splits, "fn"):
+        import triton
+        import triton.language
+
+        tl, _merge_splits = triton.language, triton.jit(_merge_splits)
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """The device's split counters: zeroed once, then every launch leaves them at zero."""
+    if device not in _split_counters:
+        _split_counters[device] = torch.zeros(MAX_SPLIT_COUNTERS, dtype=torch.int32, device=device)
+    return _split_counters[device]
 
 
 @lazy_jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, sel_ptr, num_sel_ptr,
-    part_out_ptr, part_lse_ptr, logits_ptr, qk_scale,
+    part_out_ptr, part_lse_ptr, logits_ptr, out_ptr, lse_ptr, counter_ptr, qk_scale,
     stride_qb, stride_qh, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh,
-    stride_pt, stride_sel_b, stride_sel_h, stride_ns_b, stride_ns_h,
+    stride_pt, stride_sel_b, stride_sel_h, stride_ns_b, stride_ns_h, stride_ob, stride_oh,
     num_splits, logits_len, HKV, HQ,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
-    STORE_LOGITS: tl.constexpr, DOT_PREC: tl.constexpr,
+    STORE_LOGITS: tl.constexpr, DOT_PREC: tl.constexpr, COMBINE: tl.constexpr, BLOCK_S: tl.constexpr,
+    STORE_LSE: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -134,8 +197,13 @@ def _decode_split_kernel(
         n_items = tl.load(num_sel_ptr + b * stride_ns_b + kvh * stride_ns_h)
     else:
         n_items = tl.load(num_sel_ptr + b * stride_ns_b + kvh * stride_ns_h) * PAGE_SIZE
-    start = split * CHUNK
-    end = tl.minimum(start + CHUNK, n_items)
+    if CHUNK == 0:  # the row's own chunk: its items over the splits, whole blocks
+        chunk = tl.maximum(tl.cdiv(tl.cdiv(n_items, num_splits), BLOCK_N), 1) * BLOCK_N
+    else:
+        chunk = CHUNK
+    n_active = tl.maximum(tl.cdiv(n_items, chunk), 1)  # splits with items (split 0 always)
+    start = split * chunk  # an inactive split reads nothing (and, merging in-kernel, writes nothing)
+    end = tl.minimum(start + chunk, n_items)
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -183,12 +251,30 @@ def _decode_split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 
-    row = (b * HQ + hq) * num_splits + split
     l_safe = tl.where(l_i > 0, l_i, 1.0)
-    tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None],
-             mask=h_mask[:, None] & d_mask[None, :])
     lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))  # log2 domain
-    tl.store(part_lse_ptr + row, lse, mask=h_mask)
+    hd_mask = h_mask[:, None] & d_mask[None, :]
+    if COMBINE == 2:  # the only split: the partial is the output
+        tl.store(out_ptr + b * stride_ob + hq[:, None] * stride_oh + offs_d[None, :],
+                 (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=hd_mask)
+        if STORE_LSE:
+            tl.store(lse_ptr + b * HQ + hq, lse * 0.6931471805599453, mask=h_mask)
+    else:
+        row = (b * HQ + hq) * num_splits + split
+        keep = hd_mask if COMBINE == 0 else hd_mask & (split < n_active)
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None], mask=keep)
+        tl.store(part_lse_ptr + row, lse, mask=h_mask if COMBINE == 0 else h_mask & (split < n_active))
+        if COMBINE == 1 and split < n_active:
+            # Every thread's partial stores before the release; the acquire of the last
+            # program to arrive then sees all the row's partials.
+            tl.debug_barrier()
+            counter = counter_ptr + pid_bh
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n_active - 1:
+                for i in range(GROUP):
+                    _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, b * HQ + kvh * GROUP + i,
+                                  num_splits, n_active, stride_ob, stride_oh, HQ, HEAD_DIM, BLOCK_D, BLOCK_S,
+                                  STORE_LSE)
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 @lazy_jit
@@ -196,7 +282,15 @@ def _combine_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_splits, stride_ob, stride_oh, HQ,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, tl.program_id(0), num_splits, num_splits,
+                  stride_ob, stride_oh, HQ, HEAD_DIM, BLOCK_D, BLOCK_S, STORE_LSE)
+
+
+def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, row, num_splits, n_read, stride_ob, stride_oh, HQ,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, STORE_LSE: tl.constexpr):
+    """Merge query row `row` = b * HQ + h: its first `n_read` log2-domain partials (of
+    `num_splits` slots) -> out (and lse, natural log). Loads bypass L1 (.cg): in the fused
+    kernel other programs wrote the partials just now."""
     b = row // HQ
     h = row % HQ
     offs_s = tl.arange(0, BLOCK_S)
@@ -204,18 +298,18 @@ def _combine_splits_kernel(
     d_mask = offs_d < HEAD_DIM
     lse_row = part_lse_ptr + row * num_splits
     m_vec = tl.full([BLOCK_S], float("-inf"), tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        m_vec = tl.maximum(m_vec, tl.load(lse_row + s0 + offs_s, mask=s0 + offs_s < num_splits,
-                                          other=float("-inf")))
+    for s0 in range(0, n_read, BLOCK_S):
+        m_vec = tl.maximum(m_vec, tl.load(lse_row + s0 + offs_s, mask=s0 + offs_s < n_read,
+                                          other=float("-inf"), cache_modifier=".cg"))
     m = tl.max(m_vec, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     acc = tl.zeros([BLOCK_D], tl.float32)
     w_vec = tl.zeros([BLOCK_S], tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        s_mask = s0 + offs_s < num_splits
-        w = tl.exp2(tl.load(lse_row + s0 + offs_s, mask=s_mask, other=float("-inf")) - m)
+    for s0 in range(0, n_read, BLOCK_S):
+        s_mask = s0 + offs_s < n_read
+        w = tl.exp2(tl.load(lse_row + s0 + offs_s, mask=s_mask, other=float("-inf"), cache_modifier=".cg") - m)
         o = tl.load(part_out_ptr + (row * num_splits + s0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+                    mask=s_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
         acc += tl.sum(w[:, None] * o, 0)
         w_vec += w
     w_sum = tl.sum(w_vec, 0)

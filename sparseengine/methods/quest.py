@@ -11,7 +11,8 @@ the page bounds live in one pool per layer, ``kmax/kmin [num_pages, Hkv, d]`` in
 dtype, indexed by physical page and refreshed after every K write (a page's offset 0
 resets it, so a freed page needs no cleanup). Every step is batched, with no per-request
 Python and no host sync on the decode path: one scoring call over every request's page
-table, one top-k (:func:`select_pages_batched`), a page-mode ``Selection`` of fixed width.
+table, one page choice (:func:`select_pages_batched`, or its Triton twin
+``kernels.quest_select_pages_triton`` on a Triton provider), a page-mode ``Selection`` of fixed width.
 The CUDA decode graph captures it.
 """
 
@@ -107,8 +108,8 @@ class Quest(SparseMethodRuntime):
         q_last = q if ctx.is_decode else q[ctx.cu_q_lens[1:].long() - 1]
         score = kernels.quest_page_scores_triton if triton else quest_page_scores_torch
         scores = score(q_last, kmax, kmin, view.page_table, view.kv_lens, self.page)
-        pages, counts = select_pages_batched(scores, view.kv_lens, self.page, cfg.sink_tokens,
-                                             cfg.recent_tokens, cfg.budget)
+        choose = kernels.quest_select_pages_triton if triton else select_pages_batched
+        pages, counts = choose(scores, view.kv_lens, self.page, cfg.sink_tokens, cfg.recent_tokens, cfg.budget)
         return Selection(pages, counts, dense, page_size=self.page)
 
     def _prefill_rows(self, ctx) -> tuple[bool, ...]:

@@ -21,28 +21,17 @@ sync in the decode path).
 from __future__ import annotations
 
 import math
-import operator
 
 import torch
 import torch.nn.functional as F
+
+from sparseengine.kernels._common import int_arg as _int_arg
 
 POOLINGS = ("max", "avg")
 OMNIKV_SCORES = ("logits", "probs")
 
 
 # ----------------------------------------------------------------------------- checks
-
-
-def _int_arg(name: str, value, minimum: int = 0) -> int:
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    try:
-        v = operator.index(value)
-    except TypeError:
-        raise ValueError(f"{name} must be an integer, got {value!r}") from None
-    if v < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {v}")
-    return v
 
 
 def _tensor_arg(name: str, t, layout: str, floating: bool = True) -> torch.Tensor:

@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from sparseengine.kernels import paged_decode_ref, paged_decode_triton
+from sparseengine.kernels.paged_decode import MODE_DENSE, auto_num_splits, split_k_decode
 from sparseengine.kernels.testing import CASES, assert_close, case_id, random_paged_kv, randn
 
 
@@ -60,6 +61,70 @@ def test_empty_request_and_strided_q(gen, device):
     assert_close(lse, lse_ref)
 
 
+# GQA 4, capacity 76 tokens: kv_chunk 16 gives 5 splits, of which request 1 (5 tokens) fills
+# one and request 2 none; kv_chunk 128 gives one split (the kernel writes the output itself).
+MERGE_CASE = (8, 2, 32, 4, [70, 5, 0, 33])
+
+
+def _split_k(q, kv, kv_chunk, fused_combine):
+    return split_k_decode(q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, mode=MODE_DENSE,
+                          capacity=kv.page_table.shape[1] * kv.page_size, return_lse=True, kv_chunk=kv_chunk,
+                          fused_combine=fused_combine)
+
+
+@pytest.mark.parametrize("kv_chunk", [16, 128, None], ids=["5-splits", "1-split", "per-row-chunks"])
+def test_fused_combine_matches_ref_and_two_kernel_path(kv_chunk, gen, device):
+    """kv_chunk None: 2 splits for the 8 rows (CPU: 16 slots); each row cuts its own length,
+    so requests 1-3 leave their second split inactive."""
+    q, kv = _inputs(MERGE_CASE, gen, device)
+    out_ref, lse_ref = paged_decode_ref(q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, return_lse=True)
+    out, lse = _split_k(q, kv, kv_chunk, fused_combine=True)
+    assert_close(out, out_ref, 1e-4, "out")
+    assert_close(lse, lse_ref, 1e-4, "lse")
+    assert torch.equal(out[2], torch.zeros_like(out[2])) and torch.isneginf(lse[2]).all()
+    out_2k, lse_2k = _split_k(q, kv, kv_chunk, fused_combine=False)
+    assert_close(out_2k, out_ref, 1e-4, "two-kernel out")
+    assert_close(out, out_2k, 1e-6, "fused vs two-kernel out")
+    assert_close(lse, lse_2k, 1e-6, "fused vs two-kernel lse")
+
+
+def test_fused_combine_resets_its_counters(gen, device):
+    """The last program zeros its row's counter: a second launch (and one over more rows,
+    reusing the counters) merges again instead of leaving the poisoned output."""
+    q, kv = _inputs(MERGE_CASE, gen, device)
+    first = _split_k(q, kv, 16, fused_combine=True)
+    second = _split_k(q, kv, 16, fused_combine=True)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    q2, kv2 = _inputs((8, 4, 32, 4, [9, 40, 64]), gen, device)
+    out, lse = _split_k(q2, kv2, 16, fused_combine=True)
+    out_ref, lse_ref = paged_decode_ref(q2, kv2.k_cache, kv2.v_cache, kv2.page_table, kv2.kv_lens, return_lse=True)
+    assert_close(out, out_ref, 1e-4, "out")
+    assert_close(lse, lse_ref, 1e-4, "lse")
+
+
+def test_num_splits_fill_whole_waves_within_the_capacity() -> None:
+    cpu = torch.device("cpu")  # 4 "SMs": 16 program slots
+    assert auto_num_splits(4096, 8, cpu) == 2  # 16 programs: one whole wave
+    assert auto_num_splits(4096, 5, cpu) == 6  # want >= 4; 6 x 5 = 30 programs leave 2 of 32 slots idle
+    assert auto_num_splits(4096, 16, cpu) == auto_num_splits(4096, 999, cpu) == 1
+    assert auto_num_splits(64, 1, cpu) == 2  # want 16, but 64 items give at most 2 chunks of 32
+
+
+def test_wide_table_short_rows_leave_splits_inactive(gen, device):
+    """One row per request and a page table far wider than the lengths: many splits, of
+    which only the first few have items; the merge reads just those."""
+    q, kv = _inputs((4, 1, 32, 4, [70, 1]), gen, device)
+    wide = torch.cat([kv.page_table, kv.page_table[:, :1].expand(-1, 60)], 1).contiguous()
+    args = (q, kv.k_cache, kv.v_cache, wide, kv.kv_lens)
+    ref = paged_decode_ref(q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, return_lse=True)
+    for fused in (True, False):
+        out, lse = split_k_decode(*args, mode=MODE_DENSE, capacity=wide.shape[1] * 4, return_lse=True,
+                                  fused_combine=fused)
+        assert_close(out, ref[0], 1e-4, f"out fused={fused}")
+        assert_close(lse, ref[1], 1e-4, f"lse fused={fused}")
+
+
 def test_fp16(gen, device):
     q, kv = _inputs(CASES[1], gen, device, torch.float16)
     args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens)
@@ -77,3 +142,28 @@ def test_gpu_bf16_long(lens, gen):
     out_ref, lse_ref = paged_decode_ref(*args, return_lse=True)
     assert_close(out, out_ref, 2e-2, "out")
     assert_close(lse, lse_ref, 1e-3, "lse")
+
+
+@pytest.mark.gpu
+def test_gpu_fused_combine_in_cuda_graph(gen):
+    """Graph replays reuse the counters at their fixed address: each replay merges afresh."""
+    q, kv = _inputs((32, 8, 128, 16, [4096, 1000, 0]), gen, "cuda", torch.bfloat16)
+    args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens)
+    out_2k, lse_2k = _split_k(q, kv, 256, fused_combine=False)
+    for _ in range(2):  # compile and allocate the counters outside the capture
+        _split_k(q, kv, 256, fused_combine=True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = _split_k(q, kv, 256, fused_combine=True)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(out, out_2k, 1e-2, "out")
+        assert_close(lse, lse_2k, 1e-5, "lse")
+    q.copy_(randn(*q.shape, generator=gen, dtype=q.dtype, device="cuda"))
+    graph.replay()
+    out_ref, lse_ref = paged_decode_ref(*args, return_lse=True)
+    assert_close(out, out_ref, 2e-2, "out after new q")
+    assert_close(lse, lse_ref, 1e-3, "lse after new q")

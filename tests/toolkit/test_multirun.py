@@ -76,3 +76,17 @@ def test_sigterm_records_the_running_job_as_interrupted(tmp_path) -> None:
     (rec,) = read_records(records)
     assert rec["status"] == "interrupted"
     assert rec["metrics"]["decode/max_batch"] >= 1  # measured before the signal, kept
+
+
+def test_resume_runs_only_the_jobs_not_yet_recorded_ok(tmp_path) -> None:
+    records = tmp_path / "records.jsonl"
+    first = run_py(["-m", "debug=tiny", "task=passkey", "engine.budget=64,-1", f"records_path={records}",
+                    f"hydra.sweep.dir={tmp_path / 'sweep1'}"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = run_py(["-m", "debug=tiny", "task=passkey", "engine.budget=64,-1,128", "resume=true",
+                    f"records_path={records}", f"hydra.sweep.dir={tmp_path / 'sweep2'}"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    rows = [(r["engine"]["budget"], r["status"], "sweep2" in r["job_dir"]) for r in read_records(records)]
+    # budget=64 was ok: not run again; the failed job and the new one run in the second sweep
+    assert rows == [(64, "ok", False), (-1, "failed", False), (-1, "failed", True), (128, "ok", True)]
+    assert "resume: already recorded (ok" in again.stdout

@@ -1,0 +1,167 @@
+"""Quest page selection on the GPU: one program per (request, KV head), no sort.
+
+`quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_tokens, budget)`
+has the contract of `sparseengine.methods.quest.select_pages_batched` (the torch
+reference and fallback): `scores [B, Hkv, P]` page bounds (any float dtype; entries past
+request b's `ceil(kv_lens[b] / page_size)` pages are never read) -> `(pages [B, Hkv, K]`
+int64 logical pages ascending, -1 past the count; `counts [B, Hkv]` int32), `K =
+min(selection_width(...), P)`. Forced pages: the sink pages `[0, ceil(sink / page_size))`
+and the pages from `recent_first = (n - recent) // page_size` on (none when recent is 0),
+or every page of a request within `sink + budget + recent` tokens or whose sink and recent
+pages meet. Among the other ("middle") pages it takes the top `min(top, recent_first -
+sink_pages)` by score, `top = max(3, budget // page_size)`; ties go to the earlier page
+(METHODS.md, `quest_select_pages`), which `torch.topk` does not promise.
+
+How: a score's fp32 bits map to an int32 key with the same order (negative floats flip
+their low 31 bits; -0.0 counts as +0.0). A bisection over the 32 key bits finds the m-th
+largest key t: each pass counts the middle keys `>= lo + 2^bit` and keeps the bit when at
+least m are. Then one pass counts the keys `> t`, and the last pass takes those plus the
+earliest keys equal to t until m are taken, writing each chosen page at its rank among
+the chosen ones (an exclusive `tl.cumsum`, carried across blocks), so the output is
+ascending with no sort. Sink and recent slots are written by arithmetic. Rows are read in
+blocks of `block_p` pages, 34 times over the middle range (the row stays in L2). Fixed
+shapes, no host sync: CUDA-graph capturable. `kv_lens` past P pages is an invalid input;
+the kernel then stays in bounds, its choice unspecified.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ._common import LazyKernel, cdiv, check_launch, int_arg, interpreting, next_pow2
+
+if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
+    import triton.language as tl
+
+
+def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_tokens, budget, *,
+                              block_p: int = 8192, num_warps: int | None = None):
+    """`block_p`: pages per block (a power of two; capped at P's); `num_warps`: default
+    one warp per 512 pages of the block, 1 to 16."""
+    # methods.quest imports this package: read its width rule at call time
+    from sparseengine.methods.quest import selection_width
+
+    if not isinstance(scores, torch.Tensor) or scores.dim() != 3 or not scores.is_floating_point():
+        got = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
+        dtype = f", dtype {scores.dtype}" if isinstance(scores, torch.Tensor) else ""
+        raise ValueError(f"scores must be a floating [B, Hkv, P] tensor, got {got}{dtype}")
+    B, H, P = scores.shape
+    if (not isinstance(kv_lens, torch.Tensor) or kv_lens.dim() != 1 or kv_lens.shape[0] != B
+            or kv_lens.is_floating_point() or kv_lens.dtype == torch.bool):
+        got = (f"shape {tuple(kv_lens.shape)}, dtype {kv_lens.dtype}" if isinstance(kv_lens, torch.Tensor)
+               else type(kv_lens).__name__)
+        raise ValueError(f"kv_lens must be an integer [B={B}] tensor, got {got}")
+    ps = int_arg("page_size", page_size, 1)
+    sink = int_arg("sink_tokens", sink_tokens, 0)
+    recent = int_arg("recent_tokens", recent_tokens, 0)
+    budget = int_arg("budget", budget, 0)
+    block_p = int_arg("block_p", block_p, 16)
+    if block_p & (block_p - 1):
+        raise ValueError(f"block_p must be a power of two, got {block_p}")
+    device = check_launch(scores, kv_lens)
+    if scores.stride(-1) != 1:
+        scores = scores.contiguous()
+    K = min(selection_width(ps, sink, budget, recent), P)
+    # Not _common.empty: its test poison is NaN, which integer tensors cannot hold (the
+    # tests here poison torch.empty instead).
+    pages = torch.empty((B, H, K), dtype=torch.int64, device=device)
+    counts = torch.empty((B, H), dtype=torch.int32, device=device)
+    if B * H == 0:
+        return pages, counts
+    block_p = min(block_p, max(16, next_pow2(P)))
+    _select_kernel[(B * H,)](
+        scores, kv_lens, pages, counts, scores.stride(0), scores.stride(1), H, P, K,
+        PAGE_SIZE=ps, SINK_PAGES=cdiv(sink, ps), RECENT=recent, TOTAL=sink + budget + recent,
+        TOP=max(3, budget // ps), BLOCK_P=block_p, BLOCK_K=min(1024, max(16, next_pow2(K))),
+        num_warps=num_warps or min(16, max(1, block_p // 512)),
+    )
+    return pages, counts
+
+
+class _SelectKernel(LazyKernel):
+    """Compiled kernels call only jitted functions: jit `_page_keys` with the kernel. The
+    interpreter runs it as plain Python (LazyKernel has bound `tl` in this module)."""
+
+    def __getitem__(self, grid):
+        global _page_keys
+        if self._jitted is None and not interpreting():
+            import triton
+
+            _page_keys = triton.jit(_page_keys)
+        return super().__getitem__(grid)
+
+
+def _page_keys(row, offs, P):
+    """int32 keys of the scores at `offs` (those < P), ordered as the floats; -0.0 is +0.0."""
+    s = tl.load(row + offs, mask=offs < P, other=0.0).to(tl.float32)
+    bits = tl.where(s == 0.0, 0.0, s).to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: larger magnitude, smaller key
+
+
+@_SelectKernel
+def _select_kernel(
+    scores_ptr, kv_lens_ptr, pages_ptr, counts_ptr, stride_sb, stride_sh, HKV, P, K,
+    PAGE_SIZE: tl.constexpr, SINK_PAGES: tl.constexpr, RECENT: tl.constexpr, TOTAL: tl.constexpr,
+    TOP: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = pid // HKV
+    row = scores_ptr + b.to(tl.int64) * stride_sb + (pid % HKV).to(tl.int64) * stride_sh
+    out = pages_ptr + pid.to(tl.int64) * K
+    n = tl.load(kv_lens_ptr + b).to(tl.int32)
+    n_pages = (n + PAGE_SIZE - 1) // PAGE_SIZE
+    if RECENT > 0:
+        recent_first = tl.maximum(n - RECENT, 0) // PAGE_SIZE  # the first page with a recent token
+    else:
+        recent_first = n_pages
+    everything = (n <= TOTAL) | (recent_first <= SINK_PAGES)
+    m = tl.minimum(recent_first - SINK_PAGES, TOP)  # middle pages to take (when not everything)
+    count = tl.where(everything, n_pages, SINK_PAGES + m + n_pages - recent_first)
+    tl.store(counts_ptr + pid, count)
+
+    # Slots [0, sink_pages) and [sink_pages + m, count) hold consecutive pages; -1 after.
+    for j0 in range(0, K, BLOCK_K):
+        j = j0 + tl.arange(0, BLOCK_K)
+        head = everything | (j < SINK_PAGES)
+        page = tl.where(head, j, recent_first + (j - SINK_PAGES - m))
+        page = tl.where(j < count, page, -1)
+        tl.store(out + j, page.to(tl.int64), mask=(j < K) & (head | (j >= SINK_PAGES + m)))
+
+    if not everything:
+        # The middle pages are [SINK_PAGES, mid_end). Blocks start at multiples of BLOCK_P,
+        # so the loads stay aligned (vectorised); `ok` masks the sink pages of block 0.
+        mid_end = tl.minimum(recent_first, P)  # == recent_first for a valid kv_len
+        # lo: the m-th largest middle key, bit by bit (int64 scalars: lo + step may reach 2^31).
+        lo = tl.full([], -2147483648, tl.int64)
+        if recent_first - SINK_PAGES > TOP:  # else every middle page is taken: lo stays the minimum
+            step = tl.full([], 2147483648, tl.int64)
+            for _ in range(32):
+                cand = (lo + step).to(tl.int32)
+                ge = tl.zeros([BLOCK_P], tl.int32)
+                for p0 in range(0, mid_end, BLOCK_P):
+                    offs = p0 + tl.arange(0, BLOCK_P)
+                    ok = (offs >= SINK_PAGES) & (offs < mid_end)
+                    ge += (ok & (_page_keys(row, offs, P) >= cand)).to(tl.int32)
+                lo = tl.where(tl.sum(ge, 0) >= m, lo + step, lo)
+                step = step // 2
+        t = lo.to(tl.int32)
+        gt = tl.zeros([BLOCK_P], tl.int32)
+        for p0 in range(0, mid_end, BLOCK_P):
+            offs = p0 + tl.arange(0, BLOCK_P)
+            ok = (offs >= SINK_PAGES) & (offs < mid_end)
+            gt += (ok & (_page_keys(row, offs, P) > t)).to(tl.int32)
+        ties = m - tl.sum(gt, 0)  # keys equal to t to take, earliest first (0 when lo stayed the minimum)
+        taken = tl.zeros([], tl.int32)
+        tied = tl.zeros([], tl.int32)
+        for p0 in range(0, mid_end, BLOCK_P):
+            offs = p0 + tl.arange(0, BLOCK_P)
+            ok = (offs >= SINK_PAGES) & (offs < mid_end)
+            key = _page_keys(row, offs, P)
+            eq = (ok & (key == t)).to(tl.int32)
+            chosen = ok & ((key > t) | ((eq > 0) & (tied + tl.cumsum(eq, 0) - eq < ties)))
+            pick = chosen.to(tl.int32)
+            slot = SINK_PAGES + taken + tl.cumsum(pick, 0) - pick  # exclusive rank among chosen pages
+            tl.store(out + slot, offs.to(tl.int64), mask=chosen & (slot < K))
+            taken += tl.sum(pick, 0)
+            tied += tl.sum(eq, 0)

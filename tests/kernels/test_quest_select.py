@@ -1,0 +1,143 @@
+"""`quest_select_pages_triton` == `select_pages_batched` (the torch path) on distinct scores,
+and == the per-request definition `quest_select_pages` (earlier page wins a tie) on scores
+full of ties. Scores past a request's pages are NaN: the contract says they are never read."""
+import pytest
+import torch
+
+from sparseengine.kernels import quest_select_pages_triton
+from sparseengine.methods.quest import select_pages_batched
+from sparseengine.methods.selection import quest_select_pages
+
+# (kv_lens, Hkv, P, page_size, sink, budget, recent, block_p): ragged lengths, kv_len 0
+# (a padded graph row), requests within the total, blocks smaller than the middle range.
+CASES = [
+    ([150, 9, 97, 0], 2, 40, 4, 4, 16, 8, 16),  # 9 <= total 28: all pages
+    ([300, 50, 100, 49], 3, 20, 16, 20, 8, 20, 16),  # 50: sink and recent pages meet; 100: middle of 3 = top
+    ([61, 64, 200, 28, 29], 2, 26, 8, 4, 24, 0, 16),  # no recent tokens: a partial last page competes
+    ([16 * 300 + 5, 2000, 640], 4, 320, 16, 64, 512, 64, 64),  # top 32 of ~290 middle pages, 5 blocks
+    ([16 * 300 + 5, 2000, 640], 4, 320, 16, 64, 512, 64, 4096),  # the same in one block
+    ([23, 24, 70], 1, 20, 4, 0, 20, 3, 16),  # no sink
+]
+
+
+@pytest.fixture(autouse=True)
+def _poison_torch_empty(monkeypatch):
+    """The wrapper allocates its integer outputs with torch.empty (the conftest's NaN poison
+    of _common.empty has no integer form): they start as -12345, so unwritten entries show."""
+    real = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = real(*args, **kwargs)
+        if t.is_floating_point():
+            return t.fill_(float("nan"))
+        return t.fill_(-12345) if t.dtype in (torch.int32, torch.int64) else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def _case_id(c):
+    lens, hkv, P, ps, sink, budget, recent, block = c
+    return f"b{len(lens)}-hkv{hkv}-P{P}-ps{ps}-s{sink}b{budget}r{recent}-blk{block}"
+
+
+def _scores(values: torch.Tensor, kv_lens, ps) -> torch.Tensor:
+    """`values [B, Hkv, P]` with NaN past each request's pages."""
+    P = values.shape[-1]
+    n_pages = torch.tensor([-(-n // ps) for n in kv_lens])
+    return values.masked_fill(torch.arange(P)[None, None, :] >= n_pages[:, None, None], float("nan"))
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_equals_torch_path_on_distinct_scores(case, gen, device):
+    lens, hkv, P, ps, sink, budget, recent, block = case
+    scores = _scores(torch.randn(len(lens), hkv, P, generator=gen), lens, ps).to(device)
+    kv_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    args = (scores, kv_lens, ps, sink, recent, budget)
+    pages, counts = quest_select_pages_triton(*args, block_p=block)
+    want_pages, want_counts = select_pages_batched(*args)
+    assert pages.dtype == torch.int64 and counts.dtype == torch.int32
+    assert torch.equal(counts, want_counts)
+    assert torch.equal(pages, want_pages)
+
+
+def test_strided_scores_and_int64_lengths(gen, device):
+    """A view into a wider buffer (row stride != P), int64 kv_lens."""
+    lens, ps, P = [130, 77], 4, 33
+    wide = torch.randn(2, 3, P + 5, generator=gen)
+    wide[..., :P] = _scores(wide[..., :P], lens, ps)
+    scores = wide.to(device)[..., :P]
+    args = (scores, torch.tensor(lens, device=device), ps, 3, 5, 12)
+    for got, want in zip(quest_select_pages_triton(*args, block_p=16), select_pages_batched(*args)):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ties_go_to_the_earlier_page(dtype, gen, device):
+    """Scores from a handful of values (with -inf, +inf and both zeros): each (request, KV
+    head) is the definition's choice, whose stable sort gives a tie to the earlier page."""
+    lens, hkv, P, ps, sink, budget, recent = [16 * 90 + 3, 300, 1000, 40, 0], 3, 95, 16, 20, 160, 30
+    palette = torch.tensor([-1.5, -0.0, 0.0, 0.25, 0.25, 2.0, float("-inf"), float("inf")])
+    values = palette[torch.randint(0, 6, (len(lens), hkv, P), generator=gen)]
+    values[0, 0, 30:40] = float("-inf")  # a run of -inf middle pages
+    values[0, 1, 5:8] = float("inf")
+    values[1, 2] = 0.5  # one value: the earliest pages of the middle win
+    scores = _scores(values, lens, ps).to(dtype).to(device)
+    kv_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    for block in (16, 128):
+        pages, counts = quest_select_pages_triton(scores, kv_lens, ps, sink, recent, budget, block_p=block)
+        for b, n in enumerate(lens):
+            bounds = scores[b, :, : -(-n // ps)].cpu()
+            want = quest_select_pages(bounds, n, ps, sink, recent, budget)
+            for h in range(hkv):
+                count = int(counts[b, h])
+                where = f"block {block}, request {b} (n={n}), head {h}"
+                assert count == want.shape[1], where
+                assert pages[b, h, :count].tolist() == want[h].tolist(), where
+                assert (pages[b, h, count:] == -1).all(), where
+
+
+def test_bad_inputs_name_the_value(device):
+    lens = torch.tensor([40], dtype=torch.int32, device=device)
+    scores = torch.zeros(1, 2, 10, device=device)
+    with pytest.raises(ValueError, match=r"scores must be a floating \[B, Hkv, P\] tensor, got \(2, 10\)"):
+        quest_select_pages_triton(scores[0], lens, 4, 4, 4, 8)
+    with pytest.raises(ValueError, match="dtype torch.int64"):
+        quest_select_pages_triton(scores.long(), lens, 4, 4, 4, 8)
+    with pytest.raises(ValueError, match=r"kv_lens must be an integer \[B=1\] tensor, got shape \(2,\)"):
+        quest_select_pages_triton(scores, torch.tensor([40, 3], device=device), 4, 4, 4, 8)
+    with pytest.raises(ValueError, match="page_size must be an integer >= 1, got 0"):
+        quest_select_pages_triton(scores, lens, 0, 4, 4, 8)
+    with pytest.raises(ValueError, match="budget must be an integer >= 0, got -1"):
+        quest_select_pages_triton(scores, lens, 4, 4, 4, -1)
+    with pytest.raises(ValueError, match="block_p must be a power of two, got 48"):
+        quest_select_pages_triton(scores, lens, 4, 4, 4, 8, block_p=48)
+
+
+@pytest.mark.gpu
+def test_gpu_128k_batch6_and_cuda_graph(gen):
+    """The profiled shape: B=6, Hkv=8, 8192 pages of 16; captured and replayed in a graph."""
+    lens, hkv, P, ps, sink, budget, recent = [131072, 131000, 70000, 4097, 2100, 0], 8, 8192, 16, 64, 2048, 64
+    scores = _scores(torch.randn(len(lens), hkv, P, generator=gen), lens, ps).cuda()
+    kv_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    args = (scores, kv_lens, ps, sink, recent, budget)
+    for block in (1024, 4096, 8192):
+        got = quest_select_pages_triton(*args, block_p=block)
+        for g, w in zip(got, select_pages_batched(*args)):
+            assert torch.equal(g, w), block
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pages, counts = quest_select_pages_triton(*args)
+    for _ in range(2):
+        scores.copy_(_scores(torch.randn(len(lens), hkv, P, generator=gen), lens, ps))
+        pages.fill_(-7)
+        graph.replay()
+        torch.cuda.synchronize()
+        want_pages, want_counts = select_pages_batched(*args)
+        assert torch.equal(pages, want_pages) and torch.equal(counts, want_counts)
+    # ties at full size: a score from 4 values, checked for one request against the definition
+    scores.copy_(_scores(torch.randint(0, 4, (len(lens), hkv, P), generator=gen).float(), lens, ps))
+    graph.replay()
+    want = quest_select_pages(scores[1, :, : -(-lens[1] // ps)].cpu(), lens[1], ps, sink, recent, budget)
+    assert torch.equal(counts[1].cpu(), torch.full((hkv,), want.shape[1], dtype=torch.int32))
+    assert torch.equal(pages[1, :, : want.shape[1]].cpu(), want)
