@@ -54,7 +54,7 @@ profiles)
   timeout 90 python -m sparseengine.kernels.bench_gpu --splits --out "$OUT/decode_splits.jsonl" 2>&1 | tail -20
   for spec in "vanilla 1" "quest 6" "snapkv 183"; do
     set -- $spec
-    timeout 150 python scripts/profile_decode_step.py --method $1 --batch $2 --steps 8 --commit "$COMMIT" \
+    timeout 120 python scripts/profile_decode_step.py --method $1 --batch $2 --steps 8 --commit "$COMMIT" \
       --out "$OUT/profile_$1_b$2.json" 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -8
   done
   ;;
