@@ -47,6 +47,18 @@ def load_records(paths: str | Path | Iterable[str | Path], status: str | None = 
     return df
 
 
+def total_budget(row) -> int:
+    """Tokens the method keeps per layer: sink + budget + recent, without ``budget`` for a
+    method that leaves it unused (its registry ``budget_knob`` is ``recent_tokens``)."""
+    from sparseengine.method_registry import get_spec
+
+    try:
+        uses_budget = get_spec(str(row["sparse_method"])).budget_knob == "budget"
+    except Exception:  # a method no longer registered: the plain sum
+        uses_budget = True
+    return int(row["sink_tokens"] + row["recent_tokens"] + (row["budget"] if uses_budget else 0))
+
+
 def lane(row: pd.Series) -> str:
     """A throughput/accuracy lane: the method, its total budget unless dense, any prefill method."""
     from sparseengine.method_registry import get_spec
@@ -57,7 +69,7 @@ def lane(row: pd.Series) -> str:
     except Exception:  # a method no longer registered still gets a label
         dense = name == "vanilla"
     if not dense:
-        name += f" (total {int(row['sink_tokens'] + row['budget'] + row['recent_tokens'])})"
+        name += f" (total {total_budget(row)})"
     if row.get("prefill_sparse_method") not in (None, "none"):
         name += f" + {row['prefill_sparse_method']}"
     return name
@@ -71,18 +83,19 @@ def accuracy_table(df: pd.DataFrame) -> pd.DataFrame:
             m = re.fullmatch(r"(passkey|ruler|longbench)(?:/(.+))?/score", col)
             if m is None or pd.isna(row[col]):
                 continue
-            total = row["sink_tokens"] + row["budget"] + row["recent_tokens"]
+            total, frac = total_budget(row), row.get("budget_fraction")
+            if frac is not None and not pd.isna(frac) and round(float(frac) * row["context_length"]) != total:
+                frac = None  # the method did not hold the sweep's fraction (its budget was unused)
             out.append({"task": m.group(1) + (f"/{m.group(2)}" if m.group(2) else ""),
                         "sparse_method": row["sparse_method"], "prefill_sparse_method": row["prefill_sparse_method"],
                         "model": row["model"], "context_length": row["context_length"],
-                        "budget_fraction": row.get("budget_fraction"), "total_budget": total,
+                        "budget_fraction": frac, "total_budget": total,
                         "score": row[col], "num_samples": row.get(col.replace("/score", "/num_samples")),
-                        "seed": row["seed"]})
+                        "seed": row["seed"], "device": row.get("provenance.device")})
     table = pd.DataFrame(out)
     if table.empty:
         return table
-    keys = ["task", "sparse_method", "prefill_sparse_method", "model", "context_length", "budget_fraction",
-            "total_budget", "seed"]
+    keys = ["task", "sparse_method", "prefill_sparse_method", "model", "context_length", "total_budget", "seed"]
     return table.drop_duplicates(keys, keep="last").reset_index(drop=True)  # a rerun cell supersedes
 
 

@@ -36,6 +36,9 @@ class MethodSpec:
     frees_memory: bool = False
     knobs: dict[str, Any] = field(default_factory=dict)
     paper: str = ""
+    # The Config field that a total-budget sweep sets: "budget" (total = sink + budget +
+    # recent) or "recent_tokens" (total = sink + recent; the method leaves budget unused).
+    budget_knob: str = "budget"
 
 
 @lru_cache(maxsize=1)

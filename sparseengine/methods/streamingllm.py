@@ -75,4 +75,5 @@ class StreamingLLM(SparseMethodRuntime):
 SPEC = MethodSpec(
     name="streamingllm", kind="decode", family="physical_eviction", runtime=StreamingLLM,
     prefill_policy="all_chunked", frees_memory=True, knobs={"streamingllm_rerotate": False},
+    budget_knob="recent_tokens",  # a total budget T is T - sink recent tokens
     paper="Xiao et al., Efficient Streaming Language Models with Attention Sinks, ICLR 2024")

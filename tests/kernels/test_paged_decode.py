@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from sparseengine.kernels import paged_decode_ref, paged_decode_triton
-from sparseengine.kernels.paged_decode import MODE_DENSE, auto_num_splits, split_k_decode
+from sparseengine.kernels.paged_decode import MODE_DENSE, split_k_decode, split_plan
 from sparseengine.kernels.testing import CASES, assert_close, case_id, random_paged_kv, randn
 
 
@@ -72,10 +72,8 @@ def _split_k(q, kv, kv_chunk, fused_combine):
                           fused_combine=fused_combine)
 
 
-@pytest.mark.parametrize("kv_chunk", [16, 128, None], ids=["5-splits", "1-split", "per-row-chunks"])
+@pytest.mark.parametrize("kv_chunk", [16, 128], ids=["5-splits", "1-split"])
 def test_fused_combine_matches_ref_and_two_kernel_path(kv_chunk, gen, device):
-    """kv_chunk None: 2 splits for the 8 rows (CPU: 16 slots); each row cuts its own length,
-    so requests 1-3 leave their second split inactive."""
     q, kv = _inputs(MERGE_CASE, gen, device)
     out_ref, lse_ref = paged_decode_ref(q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, return_lse=True)
     out, lse = _split_k(q, kv, kv_chunk, fused_combine=True)
@@ -103,24 +101,29 @@ def test_fused_combine_resets_its_counters(gen, device):
     assert_close(lse, lse_ref, 1e-4, "lse")
 
 
-def test_num_splits_fill_whole_waves_within_the_capacity() -> None:
+def test_split_plan_per_row_only_for_rows_that_fill_the_gpu() -> None:
     cpu = torch.device("cpu")  # 4 "SMs": 16 program slots
-    assert auto_num_splits(4096, 8, cpu) == 2  # 16 programs: one whole wave
-    assert auto_num_splits(4096, 5, cpu) == 6  # want >= 4; 6 x 5 = 30 programs leave 2 of 32 slots idle
-    assert auto_num_splits(4096, 16, cpu) == auto_num_splits(4096, 999, cpu) == 1
-    assert auto_num_splits(64, 1, cpu) == 2  # want 16, but 64 items give at most 2 chunks of 32
+    assert split_plan(4096, 16, cpu) == split_plan(133120, 999, cpu) == (0, 1)  # one program per row
+    assert split_plan(4096, 8, cpu) == (2048, 2)  # fixed chunks fill the slots twice over
+    assert split_plan(4096, 1, cpu) == (256, 16)
+    assert split_plan(4096, 1, cpu, kv_chunk=16) == (16, 256)
+    assert split_plan(4096, 1, cpu, row_splits=3) == (0, 3)
+    with pytest.raises(ValueError, match="kv_chunk must be a power of two >= 16, got 24"):
+        split_plan(4096, 1, cpu, kv_chunk=24)
 
 
-def test_wide_table_short_rows_leave_splits_inactive(gen, device):
-    """One row per request and a page table far wider than the lengths: many splits, of
-    which only the first few have items; the merge reads just those."""
+@pytest.mark.parametrize("row_splits", [1, 8])
+def test_wide_table_short_rows_leave_splits_inactive(row_splits, gen, device):
+    """Rows cutting their own length, in a page table far wider than the lengths: with 8
+    splits only the first few have items and the merge reads just those; with 1 the
+    program writes the output."""
     q, kv = _inputs((4, 1, 32, 4, [70, 1]), gen, device)
     wide = torch.cat([kv.page_table, kv.page_table[:, :1].expand(-1, 60)], 1).contiguous()
     args = (q, kv.k_cache, kv.v_cache, wide, kv.kv_lens)
     ref = paged_decode_ref(q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, return_lse=True)
     for fused in (True, False):
         out, lse = split_k_decode(*args, mode=MODE_DENSE, capacity=wide.shape[1] * 4, return_lse=True,
-                                  fused_combine=fused)
+                                  fused_combine=fused, row_splits=row_splits)
         assert_close(out, ref[0], 1e-4, f"out fused={fused}")
         assert_close(lse, ref[1], 1e-4, f"lse fused={fused}")
 

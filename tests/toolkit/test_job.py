@@ -33,6 +33,23 @@ def test_budget_fraction_sets_budget(tmp_path) -> None:
         resolve_engine(_cfg(tmp_path, "budget_fraction=0.125"))  # 32 tokens < 64 + 512
 
 
+def test_budget_fraction_sets_recent_tokens_for_a_method_without_budget(tmp_path) -> None:
+    """StreamingLLM leaves ``budget`` unused (METHODS.md): its total is sink + recent, so a
+    fraction sets ``recent_tokens``; the summary tables count what it held."""
+    import pandas as pd
+
+    from experiments.aggregate import lane, total_budget
+
+    cfg = _cfg(tmp_path, "sparse_method=streamingllm", "budget_fraction=0.5", "engine.sink_tokens=16")
+    engine = resolve_engine(cfg)
+    assert (engine["recent_tokens"], engine["budget"]) == (256 // 2 - 16, 0)
+    row = pd.Series({"sparse_method": "streamingllm", "sink_tokens": 16, "budget": 999, "recent_tokens": 64,
+                     "prefill_sparse_method": "none"})
+    assert total_budget(row) == 80 and lane(row) == "streamingllm (total 80)"
+    with pytest.raises(ValueError, match=r"fewer than sink_tokens \(64\)"):
+        resolve_engine(_cfg(tmp_path, "sparse_method=streamingllm", "budget_fraction=0.125"))  # 32 < 64
+
+
 def test_interrupt_keeps_measured_metrics(tmp_path) -> None:
     cfg = _cfg(tmp_path, "task._target_=tests.toolkit.test_job.InterruptedTask", "task.name=interrupted")
     with pytest.raises(KeyboardInterrupt):
