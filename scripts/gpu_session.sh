@@ -71,10 +71,12 @@ throughput)
   cp results/decode_throughput_128k.csv results/figures/decode_throughput_128k.png "$OUT/" 2>/dev/null
   ;;
 accuracy)
-  # python run.py -m experiment=accuracy_smollm2, as two concurrent sweeps (2K and 4K) in one
-  # process each, eager (short generations: graph captures would cost more than they save),
-  # every prompt of a task in flight at once. resume=true: a second call finishes what a
-  # first one's time limit cut off. ACC_TIMEOUT (s) bounds each sweep.
+  # python run.py -m experiment=accuracy_smollm2, as concurrent sweeps (each method group x
+  # context, one process each), eager (short generations: graph captures would cost more
+  # than they save), every prompt of a task in flight at once. resume=true: a second call
+  # finishes what a first one's time limit cut off. ACC_TIMEOUT (s) bounds each sweep;
+  # ACC_GROUPS splits the methods (DeltaKV and H2O RULER jobs take 2-5 minutes each here,
+  # the others seconds: keep them in different groups).
   install_wheels .whl/hydra
   stash_gguf
   ckpt=/tmp/deltakv_smollm2.safetensors
@@ -87,13 +89,16 @@ PY
       --out $ckpt --device cuda --dtype float32 2>&1 | tail -3
   fi
   for ctx in 2k 4k; do
-    OMP_NUM_THREADS=4 timeout "${ACC_TIMEOUT:-540}" python run.py -m experiment=accuracy_smollm2 context=$ctx \
-      engine.device=cuda engine.dtype=float32 +engine.enforce_eager=true batch=accuracy_gpu task.chunk_size=64 \
-      +engine.num_kv_pages=16384 deltakv_checkpoint=$ckpt resume=true \
-      hydra.sweep.dir=runs/accuracy_smollm2/gpu_${ctx}_$(date +%s) "$@" > "/tmp/accuracy_$ctx.log" 2>&1 &
+    for group in ${ACC_GROUPS:-vanilla,streamingllm,snapkv,h2o pyramidkv,omnikv,quest,deltakv}; do
+      OMP_NUM_THREADS=3 timeout "${ACC_TIMEOUT:-540}" python run.py -m experiment=accuracy_smollm2 context=$ctx \
+        sparse_method=$group engine.device=cuda engine.dtype=float32 +engine.enforce_eager=true \
+        batch=accuracy_gpu task.chunk_size=64 +engine.num_kv_pages=16384 deltakv_checkpoint=$ckpt resume=true \
+        hydra.sweep.dir=runs/accuracy_smollm2/gpu_${ctx}_${group%%,*}_$(date +%s) "$@" \
+        > "/tmp/accuracy_${ctx}_${group%%,*}.log" 2>&1 &
+    done
   done
   wait
-  for ctx in 2k 4k; do grep -v -E "it/s\]|s/it\]" "/tmp/accuracy_$ctx.log" | tail -25 > "$OUT/accuracy_$ctx.log"; done
+  for log in /tmp/accuracy_*.log; do grep -v -E "it/s\]|s/it\]" "$log" | tail -8; done > "$OUT/accuracy.log"
   python - <<'PY' 2>&1 | tail -30
 from experiments import aggregate
 from experiments.figures import accuracy_vs_budget
