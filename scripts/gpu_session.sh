@@ -64,9 +64,11 @@ throughput)
   # earlier lanes come along so the summary redraws the whole figure (a rerun lane supersedes)
   [ -f runs/decode_throughput_128k/records.jsonl ] || { mkdir -p runs/decode_throughput_128k; \
     cp results/decode_throughput_128k_records.jsonl runs/decode_throughput_128k/records.jsonl; }
-  [ -n "${SKIP_TESTS:-}" ] || timeout 90 python -m pytest tests/kernels tests/methods tests/attention -q -m gpu \
+  [ -n "${SKIP_TESTS:-}" ] || timeout "${TEST_TIMEOUT:-90}" python -m pytest tests/kernels tests/methods tests/attention -q -m gpu \
     -k "not flashinfer" -p no:cacheprovider -rs 2>&1 | tail -12 | tee -a "$OUT/gpu_tests.log"
-  python run.py -m experiment=decode_throughput_128k "$@" 2>&1 | grep -v -E "^\s*$|it/s\]|s/it\]" | tail -40
+  # THROUGHPUT_TIMEOUT (s) bounds the sweep so that what it recorded still comes back
+  timeout "${THROUGHPUT_TIMEOUT:-480}" python run.py -m experiment=decode_throughput_128k "$@" 2>&1 \
+    | grep -v -E "^\s*$|it/s\]|s/it\]" | tail -40
   cp runs/decode_throughput_128k/records.jsonl "$OUT/" 2>/dev/null
   cp results/decode_throughput_128k.csv results/figures/decode_throughput_128k.png "$OUT/" 2>/dev/null
   ;;
@@ -80,7 +82,8 @@ accuracy)
   install_wheels .whl/hydra
   stash_gguf
   ckpt=/tmp/deltakv_smollm2.safetensors
-  if [ ! -f $ckpt ]; then
+  groups=${ACC_GROUPS:-vanilla,streamingllm,snapkv,h2o pyramidkv,omnikv,quest,deltakv}
+  if [ ! -f $ckpt ] && [[ $groups == *deltakv* ]]; then
     python - <<'PY'
 from experiments.corpus import stdlib_docstrings
 open("/tmp/calibration.txt", "w").write(stdlib_docstrings(400_000))
@@ -89,7 +92,7 @@ PY
       --out $ckpt --device cuda --dtype float32 2>&1 | tail -3
   fi
   for ctx in 2k 4k; do
-    for group in ${ACC_GROUPS:-vanilla,streamingllm,snapkv,h2o pyramidkv,omnikv,quest,deltakv}; do
+    for group in $groups; do
       OMP_NUM_THREADS=3 timeout "${ACC_TIMEOUT:-540}" python run.py -m experiment=accuracy_smollm2 context=$ctx \
         sparse_method=$group engine.device=cuda engine.dtype=float32 +engine.enforce_eager=true \
         batch=accuracy_gpu task.chunk_size=64 +engine.num_kv_pages=16384 deltakv_checkpoint=$ckpt resume=true \

@@ -5,7 +5,9 @@ requests of ``--prompt-len`` tokens with the synthesised prefill, then records
 ``--steps`` pure-decode steps under ``torch.profiler`` (eager, so every kernel is seen:
 the kernels are the ones the CUDA graph replays, without the launch gaps). Writes one JSON
 with the device time per step of each kernel (grouped by name), their sum, the eager and
-the graph step times measured in the same process, and the roofline of the step.
+the graph step times measured in the same process, and the roofline of the step. The
+graph steps are profiled too (CUPTI sees the kernels a replay launches): graph step time
+minus their kernel sum is the host work and launch gaps between kernels.
 
     python scripts/profile_decode_step.py --method vanilla --batch 1 --out profile_vanilla_b1.json
 """
@@ -100,6 +102,7 @@ def main() -> None:
     with LLM(**kw) as llm:
         out["graph_step_ms"] = 1e3 * step_time(llm, prompts, 64)
         out["graph_steps_used"] = llm.runner.graph_steps > 0
+        graph_table = kernel_table(llm, prompts, args.steps)  # the kernels the graph replays
         cost = roofline.decode_step_cost(llm.model_config, llm.config, 2, args.batch, args.prompt_len)
         out["roofline_bytes"] = cost.bytes
         out["limit_step_ms"] = 1e3 * cost.bytes / (bw * 1e9)
@@ -108,11 +111,16 @@ def main() -> None:
         table = kernel_table(llm, prompts, args.steps)
     out["kernel_us_per_step"] = {k: round(v, 1) for k, v in table.items()}
     out["kernel_sum_ms"] = sum(table.values()) / 1e3
+    out["graph_kernel_us_per_step"] = {k: round(v, 1) for k, v in graph_table.items()}
+    out["graph_kernel_sum_ms"] = sum(graph_table.values()) / 1e3
+    out["graph_gap_ms"] = out["graph_step_ms"] - out["graph_kernel_sum_ms"]  # host work + launch gaps
     out["pct_of_limit_graph"] = 100 * out["limit_step_ms"] / out["graph_step_ms"]
     Path(args.out).write_text(json.dumps(out, indent=1))
-    print(json.dumps({k: v for k, v in out.items() if k != "kernel_us_per_step"}, indent=1))
-    for name, us in list(table.items())[:15]:
-        print(f"{us:9.1f} us  {name}")
+    print(json.dumps({k: v for k, v in out.items() if not k.endswith("kernel_us_per_step")}, indent=1))
+    for title, tab in (("eager", table), ("graph", graph_table)):
+        print(f"-- {title} kernels, us per step")
+        for name, us in list(tab.items())[:12]:
+            print(f"{us:9.1f} us  {name}")
 
 
 if __name__ == "__main__":

@@ -53,5 +53,42 @@ class CacheManager:
         vc[dst[None, :].expand(hkv, -1), heads] = v_new
         seq.layer_lens[layer] = count
 
+    def compact_layers(self, seq: Sequence, keep: torch.Tensor, layers: list[int] | None = None) -> None:
+        """``compact`` of many layers at once (one gather, one scatter for K and for V):
+        ``keep [Hkv, count]`` (the same cache indices in every layer) or ``[len(layers),
+        Hkv, count]``; ``layers`` defaults to all."""
+        kv, ps = self.kv, self.page_size
+        layers = list(range(kv.k.shape[0])) if layers is None else list(layers)
+        if not layers:
+            return
+        device = kv.k.device
+        keep = keep.to(device)
+        if keep.dim() == 2:
+            keep = keep.expand(len(layers), *keep.shape)
+        nl, hkv, count = keep.shape
+        if nl != len(layers) or hkv != kv.k.shape[3]:
+            raise ValueError(f"keep must be [Hkv={kv.k.shape[3]}, count] or [{len(layers)}, Hkv, count], "
+                             f"got {tuple(keep.shape)}")
+        offset = torch.tensor(layers, device=device)[:, None, None] * (kv.num_pages * ps)  # [nl, 1, 1]
+        src = self.slots(seq, keep) + offset  # [nl, Hkv, count]
+        dst = (self.slots(seq, torch.arange(count, device=device)) + offset).expand(nl, hkv, count)
+        heads = torch.arange(hkv, device=device)[None, :, None]
+        for cache in (kv.k, kv.v):
+            flat = cache.view(-1, *cache.shape[3:])  # [L * pages * page, Hkv, d]
+            flat[dst, heads] = flat[src, heads]
+        for layer in layers:
+            seq.layer_lens[layer] = count
+
+    def move_tokens(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's K and V (all heads) of the physical cache slots ``src [N]``
+        to the slots ``dst [N]`` (one gather and one scatter, whatever the batch)."""
+        kv = self.kv
+        device = kv.k.device
+        offset = torch.arange(kv.k.shape[0], device=device)[:, None] * (kv.num_pages * self.page_size)
+        src, dst = src.to(device)[None, :] + offset, dst.to(device)[None, :] + offset  # [L, N]
+        for cache in (kv.k, kv.v):
+            flat = cache.view(-1, *cache.shape[3:])
+            flat[dst.flatten()] = flat[src.flatten()]
+
     def trim_pages(self, seq: Sequence) -> int:
         return self.scheduler.trim_pages(seq)

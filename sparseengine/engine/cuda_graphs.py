@@ -38,6 +38,14 @@ class DecodeGraphs:
         self.cu = torch.arange(top + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
+        # host mirror of ``table`` (pinned: its rows go up without a staging copy); per row,
+        # the (request id, page list) it holds, so a step re-sends only the rows that changed
+        self._host = torch.zeros((top, max_pages), dtype=torch.int32)
+        if torch.device(device).type == "cuda":
+            self._host = self._host.pin_memory()
+        self.host_table = self._host.numpy()  # the same memory, written row by row
+        self._row_of: list[tuple[int, list[int]] | None] = [None] * top
+        self._dirty: tuple[int, int] | None = None
 
     def bucket(self, batch: int) -> int | None:
         return next((b for b in self.sizes if b >= batch), None)
@@ -65,9 +73,25 @@ class DecodeGraphs:
             set_step_context(None)
         self.graphs[size] = (graph, logits)
 
-    def run(self, ids: list[int], positions: list[int], slots: np.ndarray, lens: np.ndarray,
-            table: np.ndarray) -> torch.Tensor:
-        """slots/lens [L, B], table [B, pages] -> logits [B, V]."""
+    def page_tables(self, seq_ids: list[int], tables: list[list[int]]) -> np.ndarray:
+        """The step's page tables as rows of the host mirror ``[B, max_pages]`` (zero past
+        each row's pages). Only rows whose request or pages changed since the last step are
+        rewritten, and only those travel to the GPU in ``run``."""
+        lo = hi = None
+        for b, (sid, pages) in enumerate(zip(seq_ids, tables)):
+            held = self._row_of[b]
+            if held is not None and held[0] == sid and held[1] == pages:
+                continue
+            old = len(held[1]) if held is not None else self.host_table.shape[1]
+            self.host_table[b, : len(pages)] = pages
+            self.host_table[b, len(pages): max(old, len(pages))] = 0
+            self._row_of[b] = (sid, list(pages))
+            lo, hi = (b if lo is None else lo), b + 1
+        self._dirty = None if lo is None else (lo, hi)
+        return self.host_table[: len(tables)]
+
+    def run(self, ids: list[int], positions: list[int], slots: np.ndarray, lens: np.ndarray) -> torch.Tensor:
+        """slots/lens [L, B] (page tables from ``page_tables`` this step) -> logits [B, V]."""
         batch = len(ids)
         size = self.bucket(batch)
         self.slots[:, batch:size] = -1
@@ -76,7 +100,9 @@ class DecodeGraphs:
         self.positions[:batch].copy_(torch.from_numpy(np.asarray(positions, dtype=np.int64)), non_blocking=True)
         self.slots[:, :batch].copy_(torch.from_numpy(slots), non_blocking=True)
         self.lens[:, :batch].copy_(torch.from_numpy(lens), non_blocking=True)
-        self.table[:batch, : table.shape[1]].copy_(torch.from_numpy(table), non_blocking=True)
+        if self._dirty is not None:
+            lo, hi = self._dirty
+            self.table[lo:hi].copy_(self._host[lo:hi], non_blocking=True)
         if size not in self.graphs:
             self._capture(size)
         graph, logits = self.graphs[size]

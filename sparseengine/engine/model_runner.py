@@ -27,14 +27,11 @@ class ModelRunner:
     def _graph_decode(self, seqs: list[Sequence], ids: list[int], pos: list[int]) -> torch.Tensor:
         ps = self.page_size
         starts = np.array([s.layer_lens for s in seqs], dtype=np.int64).T  # [L, B]
-        width = max(len(s.page_table) for s in seqs)
-        table = np.zeros((len(seqs), width), dtype=np.int32)
-        for b, s in enumerate(seqs):
-            table[b, : len(s.page_table)] = s.page_table
+        table = self.graphs.page_tables([s.seq_id for s in seqs], [s.page_table for s in seqs])
         pages = table[np.arange(len(seqs))[None, :], starts // ps]  # [L, B]
         slots = pages.astype(np.int64) * ps + starts % ps
         self.graph_steps += 1
-        return self.graphs.run(ids, pos, slots, (starts + 1).astype(np.int32), table)
+        return self.graphs.run(ids, pos, slots, (starts + 1).astype(np.int32))
 
     def _views(self, seqs: list[Sequence], q_lens: list[int]) -> list[LayerView]:
         ps = self.page_size

@@ -66,16 +66,22 @@ class H2O(SparseMethodRuntime):
             self.evict(seq, st["h2o_acc"], self.config.budget)
 
     def evict(self, seq, acc: dict[int, torch.Tensor], budget: int) -> None:
+        """Evict every layer past the total; layers of one length in one batched pick and
+        one compaction."""
         cfg = self.config
-        changed = False
-        for layer in range(self.model.num_layers):
-            if seq.layer_lens[layer] <= cfg.sink_tokens + budget + cfg.recent_tokens:
-                continue
-            keep = h2o_keep(acc[layer], cfg.sink_tokens, budget, cfg.recent_tokens)
-            acc[layer] = acc[layer].gather(1, keep.to(acc[layer].device))
-            self.cache.compact(seq, layer, keep)
-            changed = True
-        if changed:
+        groups: dict[int, list[int]] = {}
+        for layer, n in enumerate(seq.layer_lens):
+            if n > cfg.sink_tokens + budget + cfg.recent_tokens:
+                groups.setdefault(n, []).append(layer)
+        for layers in groups.values():
+            scores = torch.stack([acc[layer] for layer in layers])  # [G, Hkv, n]
+            g, hkv, _ = scores.shape
+            keep = h2o_keep(scores.flatten(0, 1), cfg.sink_tokens, budget, cfg.recent_tokens).view(g, hkv, -1)
+            kept = scores.gather(2, keep.to(scores.device))
+            for i, layer in enumerate(layers):
+                acc[layer] = kept[i]
+            self.cache.compact_layers(seq, keep, layers)
+        if groups:
             self.cache.trim_pages(seq)
 
 

@@ -2,6 +2,12 @@
 Sinks"): keep the first ``sink_tokens`` and the last ``recent_tokens``; evict the middle
 as soon as a row grows past their sum. ``budget`` is unused.
 
+The cache holds the kept tokens as ``[sink | recent window]``. With original positions
+(the default) attention does not care about slot order, so when one token arrives in a
+full row (every decode step) it takes the slot of the oldest recent token: the window is
+a ring, and a step moves one token per layer instead of shifting the whole window. Any
+other eviction (a prompt chunk) compacts every layer at once back into token order.
+
 ``streamingllm_rerotate=False`` (reference variant): keys keep their original RoPE
 positions. ``True`` (the paper's variant): positions are cache-local; after each eviction
 the kept keys are re-rotated to their new cache index, and new tokens take the position
@@ -16,6 +22,18 @@ from sparseengine.layers.rotary import apply_rotary, rope_inv_freq
 from sparseengine.method_registry import MethodSpec
 from sparseengine.methods.base import SparseMethodRuntime
 from sparseengine.methods.selection import streaming_keep
+
+RING_KEY = "streaming_ring"  # where the recent window's oldest token sits (see finish_step)
+
+
+def token_order(n: int, sink: int, recent: int, ring: int) -> torch.Tensor:
+    """Cache indices of an n-token row (n >= sink + recent when ``ring`` > 0) in token
+    order: the recent window ``[sink, sink + recent)`` is a ring whose oldest token sits
+    at ``sink + ring``; indices past it hold the step's new tokens, in order."""
+    order = torch.arange(n)
+    if ring:
+        order[sink:sink + recent] = sink + (ring + torch.arange(recent)) % recent
+    return order
 
 
 class StreamingLLM(SparseMethodRuntime):
@@ -41,31 +59,49 @@ class StreamingLLM(SparseMethodRuntime):
         return range(local, local + n)
 
     def finish_step(self, batch) -> None:
+        sink, recent = self.config.sink_tokens, self.config.recent_tokens
+        src, dst = [], []  # one token per request moves (every layer) on the ring path
         for seq in batch.seqs:
             n = seq.layer_lens[0]
             if n <= self.total:
                 continue
-            keep = streaming_keep(n, self.config.sink_tokens, self.config.recent_tokens)
-            heads = keep.expand(self.model.num_kv_heads, -1)
-            for layer in range(self.model.num_layers):
-                self.cache.compact(seq, layer, heads)
+            st = self.cache.state(seq)
+            ring = st.get(RING_KEY, 0)
+            if n == self.total + 1 and recent > 0 and not self.rerotate:
+                # the newest token (slot `total`) takes the oldest recent token's slot
+                src.append(self._slot(seq, self.total))
+                dst.append(self._slot(seq, sink + ring))
+                st[RING_KEY] = (ring + 1) % recent
+                seq.layer_lens = [self.total] * len(seq.layer_lens)
+            else:
+                keep = token_order(n, sink, recent, ring)[streaming_keep(n, sink, recent)]
+                self.cache.compact_layers(seq, keep.expand(self.model.num_kv_heads, -1))
+                st[RING_KEY] = 0
                 if self.rerotate:
-                    self._rerotate(seq, layer, keep)
+                    self._rerotate(seq, streaming_keep(n, sink, recent))
             self.cache.trim_pages(seq)
+        if src:
+            self.cache.move_tokens(torch.tensor(src), torch.tensor(dst))
 
-    def _rerotate(self, seq, layer: int, kept: torch.Tensor) -> None:
-        """Move each kept key from position kept[i] to position i: rotate by i - kept[i]."""
+    def _slot(self, seq, index: int) -> int:
+        ps = self.cache.page_size
+        return seq.page_table[index // ps] * ps + index % ps
+
+    def _rerotate(self, seq, kept: torch.Tensor) -> None:
+        """Move each kept key (every layer) from position kept[i] to position i: rotate by
+        i - kept[i]."""
         delta = torch.arange(kept.numel()) - kept
-        moved = delta != 0
-        if not moved.any():
+        idx = torch.nonzero(delta != 0).flatten()
+        if idx.numel() == 0:
             return
-        idx = torch.nonzero(moved).flatten()
-        k_cache, _ = self.cache.kv.layer(layer)
-        flat = k_cache.flatten(0, 1)
-        slots = self.cache.slots(seq, idx.to(flat.device))
+        kv = self.cache.kv
+        flat = kv.k.view(-1, *kv.k.shape[3:])  # [L * pages * page, Hkv, d]
+        layers = torch.arange(kv.k.shape[0], device=flat.device)[:, None] * (kv.num_pages * self.cache.page_size)
+        slots = (self.cache.slots(seq, idx.to(flat.device))[None, :] + layers).flatten()  # [L * m]
         freqs = delta[idx].double()[:, None] * self.inv_freq.double()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(flat.device, flat.dtype), emb.sin().to(flat.device, flat.dtype)
+        cos, sin = cos.repeat(kv.k.shape[0], 1), sin.repeat(kv.k.shape[0], 1)
         flat[slots] = apply_rotary(flat[slots], cos, sin)
 
     def kv_tokens(self, seq) -> float:

@@ -336,8 +336,18 @@ def test_h2o_prefill_kept_sets_match_reference(tiny_llama, monkeypatch, window, 
         events.append(("compact", layer, keep.clone()))
         return compact(self, seq, layer, keep)
 
+    compact_layers = CacheManager.compact_layers
+
+    def spy_compact_layers(self, seq, keep, layers=None):  # recorded layer by layer
+        layers = range(len(seq.layer_lens)) if layers is None else layers
+        per_layer = keep if keep.dim() == 3 else keep.expand(len(layers), *keep.shape)
+        for layer, k in zip(layers, per_layer):
+            events.append(("compact", layer, k.clone()))
+        return compact_layers(self, seq, keep, layers)
+
     monkeypatch.setattr(Attention, "forward", spy_forward)
     monkeypatch.setattr(CacheManager, "compact", spy_compact)
+    monkeypatch.setattr(CacheManager, "compact_layers", spy_compact_layers)
     sink, recent, budget = 4, 8, 40
     h2o_budget = 20  # h2o pairing: its total 32 < 40
     extra = {"budget": h2o_budget} if decode == "h2o" else {}

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -263,8 +264,15 @@ def test_decode_steps_may_replay_a_graph(tiny_llama):
             def bucket(self, batch):
                 return batch
 
-            def run(self, ids, positions, slots, lens, table):
+            def page_tables(self, seq_ids, tables):
+                self.table = np.zeros((len(tables), max(map(len, tables))), dtype=np.int32)
+                for b, pages in enumerate(tables):
+                    self.table[b, : len(pages)] = pages
+                return self.table
+
+            def run(self, ids, positions, slots, lens):
                 calls.append(len(ids))
+                table = self.table
                 views = [LayerView(torch.from_numpy(slots[l]), torch.from_numpy(lens[l]),  # host lens: torch
                                    tuple(lens[l].tolist()), torch.from_numpy(table)) for l in range(slots.shape[0])]
                 ctx = StepContext(seqs=[None] * len(ids), q_lens=(1,) * len(ids),
