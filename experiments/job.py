@@ -25,29 +25,36 @@ from experiments.tasks.base import TaskEnv
 
 
 def resolve_engine(cfg: DictConfig) -> dict[str, Any]:
-    """``cfg.engine`` as LLM keywords, with ``budget_fraction`` turned into the total budget
-    through the method's ``budget_knob``: ``budget`` = total - sink - recent, or, for a
-    method that leaves ``budget`` unused (StreamingLLM), ``recent_tokens`` = total - sink."""
+    """``cfg.engine`` as LLM keywords, with ``budget_fraction`` (of the context) or
+    ``total_budget`` (tokens) turned into the total budget through the method's
+    ``budget_knob``: ``budget`` = total - sink - recent, or, for a method that leaves
+    ``budget`` unused (StreamingLLM), ``recent_tokens`` = total - sink."""
     from sparseengine.method_registry import get_spec
 
     engine: dict[str, Any] = OmegaConf.to_container(cfg.engine, resolve=True)  # type: ignore[assignment]
-    frac = cfg.get("budget_fraction")
+    frac, total = cfg.get("budget_fraction"), cfg.get("total_budget")
+    if frac is not None and total is not None:
+        raise ValueError(f"set budget_fraction ({frac}) or total_budget ({total}), not both")
     if frac is not None:
         if not 0 < float(frac) <= 1:
             raise ValueError(f"budget_fraction={frac!r}: must be in (0, 1]")
         total = round(float(frac) * int(cfg.task.context_length))
-        sink, recent = int(engine.get("sink_tokens", 64)), int(engine.get("recent_tokens", 512))
-        if get_spec(engine.get("sparse_method", "vanilla")).budget_knob == "recent_tokens":
-            if total < sink:
-                raise ValueError(f"budget_fraction={frac} gives {total} total tokens at context_length="
-                                 f"{cfg.task.context_length}, fewer than sink_tokens ({sink}); lower it")
-            engine["recent_tokens"], engine["budget"] = total - sink, 0
-            return engine
-        if total - sink - recent < 0:
-            raise ValueError(f"budget_fraction={frac} gives {total} total tokens at context_length="
-                             f"{cfg.task.context_length}, fewer than sink_tokens + recent_tokens "
-                             f"({sink} + {recent}); lower them")
-        engine["budget"] = total - sink - recent
+        what = f"budget_fraction={frac} gives {total} total tokens at context_length={cfg.task.context_length},"
+    elif total is not None:
+        if int(total) != total or int(total) < 1:
+            raise ValueError(f"total_budget={total!r}: must be a positive number of tokens")
+        total, what = int(total), f"total_budget={total} is"
+    else:
+        return engine
+    sink, recent = int(engine.get("sink_tokens", 64)), int(engine.get("recent_tokens", 512))
+    if get_spec(engine.get("sparse_method", "vanilla")).budget_knob == "recent_tokens":
+        if total < sink:
+            raise ValueError(f"{what} fewer than sink_tokens ({sink}); lower it")
+        engine["recent_tokens"], engine["budget"] = total - sink, 0
+        return engine
+    if total - sink - recent < 0:
+        raise ValueError(f"{what} fewer than sink_tokens + recent_tokens ({sink} + {recent}); lower them")
+    engine["budget"] = total - sink - recent
     return engine
 
 

@@ -86,10 +86,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--provider", default="triton")
     ap.add_argument("--bandwidth-gbps", type=float, default=None, help="default: measured here")
+    ap.add_argument("--merge-in-split-kernel", action="store_true",
+                    help="split-K decode: merge the splits in the split kernel (default: a second kernel)")
     ap.add_argument("--commit", default="")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     from experiments.throughput import roofline
+    from sparseengine.kernels import paged_decode
+
+    paged_decode.MERGE_IN_SPLIT_KERNEL = args.merge_in_split_kernel
 
     kw = dict(model=args.model, load_format="dummy", dtype="bfloat16", sparse_method=args.method,
               attention_provider=args.provider, max_num_seqs=max(8, args.batch), sink_tokens=64, recent_tokens=512,
@@ -98,7 +103,7 @@ def main() -> None:
     bw = args.bandwidth_gbps or roofline.measure_copy_bandwidth(torch.device("cuda"))
     out = {"model": args.model, "method": args.method, "batch": args.batch, "prompt_len": args.prompt_len,
            "provider": args.provider, "device": torch.cuda.get_device_name(), "commit": args.commit,
-           "torch": torch.__version__, "bandwidth_gbps": bw}
+           "torch": torch.__version__, "bandwidth_gbps": bw, "merge_in_split_kernel": args.merge_in_split_kernel}
     with LLM(**kw) as llm:
         out["graph_step_ms"] = 1e3 * step_time(llm, prompts, 64)
         out["graph_steps_used"] = llm.runner.graph_steps > 0

@@ -36,6 +36,11 @@ MODE_DENSE, MODE_TOKENS, MODE_PAGES = 0, 1, 2
 # last program merges, or the output itself (one split).
 _PARTIALS, _LAST_MERGES, _DIRECT = 0, 1, 2
 MAX_SPLIT_COUNTERS = 1 << 16
+# Auto merge of several splits: in the split kernel (last program of a row) or in a second
+# kernel. The engine's H200 profile of vanilla b=1 at 128K (a CUDA graph, commit 76ec1d0):
+# split kernel with the merge 4.60 ms per step against 4.03 + 0.20 ms for the two kernels
+# (session 2's profile), so the second kernel is the default; one split writes directly.
+MERGE_IN_SPLIT_KERNEL = False
 _split_counters: dict[torch.device, torch.Tensor] = {}
 
 
@@ -105,7 +110,8 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
     `logits [B, Hq, L]` fp32 (optional, DENSE only) receives the log2-domain scaled scores.
     `block_n`, `num_warps`, `num_stages`: launch tuning (bench_gpu sweeps them).
     `fused_combine`: True merges in the split kernel, False launches the combine kernel,
-    None (auto) fuses unless there are more (request, KV head) rows than counters.
+    None (auto): ``MERGE_IN_SPLIT_KERNEL`` (if rows <= counters); one split always writes the
+    output directly.
     `row_splits`: each row cuts its own length into this many chunks (default: `split_plan`).
     """
     B, Hq, d = q.shape
@@ -159,6 +165,8 @@ def _combine_mode(fused_combine: bool | None, num_splits: int, rows: int) -> int
         return _PARTIALS
     if num_splits == 1:
         return _DIRECT
+    if fused_combine is None and not MERGE_IN_SPLIT_KERNEL:
+        return _PARTIALS
     if rows <= MAX_SPLIT_COUNTERS:
         return _LAST_MERGES
     if fused_combine:

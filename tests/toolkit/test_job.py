@@ -86,3 +86,18 @@ class BrokenLogger:
 
     def finish(self, record):
         raise RuntimeError("logger down")
+
+
+def test_total_budget_in_tokens(tmp_path) -> None:
+    """``total_budget`` sets the same knobs as a fraction, in tokens (the 128K decode
+    benchmark's total 2048 for every method, StreamingLLM included)."""
+    engine = resolve_engine(_cfg(tmp_path, "total_budget=2048"))
+    assert (engine["sink_tokens"], engine["budget"], engine["recent_tokens"]) == (64, 2048 - 64 - 512, 512)
+    engine = resolve_engine(_cfg(tmp_path, "sparse_method=streamingllm", "total_budget=2048"))
+    assert (engine["recent_tokens"], engine["budget"]) == (2048 - 64, 0)
+    with pytest.raises(ValueError, match="not both"):
+        resolve_engine(_cfg(tmp_path, "total_budget=2048", "budget_fraction=0.5"))
+    with pytest.raises(ValueError, match=r"total_budget=100 is fewer than sink_tokens \+ recent_tokens"):
+        resolve_engine(_cfg(tmp_path, "total_budget=100"))
+    with pytest.raises(ValueError, match="positive number of tokens"):
+        resolve_engine(_cfg(tmp_path, "total_budget=0"))
