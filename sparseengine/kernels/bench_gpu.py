@@ -198,6 +198,33 @@ def bench_decode_splits(out_path, B, L, capacity):
                              "max_abs_diff_vs_fixed_two_kernel": err})
 
 
+def bench_quest_select(out_path, B=6, P=8320, n=131072):
+    """Quest's page selection at the 128K decode benchmark's shape (the graph's page table
+    is 8320 pages wide), per launch in a CUDA graph of 30 launches (no launch overhead):
+    radix 1, 2, 4 bits per pass, the row in one block (keys in registers) or re-read in
+    blocks of 8192 pages (session 3's kernel: radix 1, 8192)."""
+    from sparseengine.kernels import quest_select_pages_triton
+    from sparseengine.methods.quest import select_pages_batched
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    scores = torch.randn(B, HKV, P, generator=gen, device="cuda").to(torch.bfloat16).float()
+    kv_lens = torch.full((B,), n, dtype=torch.int32, device="cuda")
+    args = (scores, kv_lens, PS, 64, 512, 1472)
+    want = select_pages_batched(*args)
+    for radix_bits, block_p in ((1, 8192), (1, 16384), (2, 8192), (2, 16384), (4, 16384)):
+        fn = lambda: quest_select_pages_triton(*args, block_p=block_p, radix_bits=radix_bits)  # noqa: E731
+        same = all(torch.equal(g, w) for g, w in zip(fn(), want))
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(30):
+                fn()
+        median, _ = _time_cuda(graph.replay, iters=20)
+        _emit(out_path, {"kind": "quest_select", "batch": B, "hkv": HKV, "pages": P, "kv_len": n,
+                         "radix_bits": radix_bits, "block_p": block_p, "us_per_launch": 1e3 * median / 30,
+                         "equals_torch_path": same})
+
+
 def _time_cuda(fn, iters=50, warmup=5):
     """(median, mean) ms of `fn` on the GPU, one CUDA event pair per call."""
     for _ in range(warmup):
@@ -326,10 +353,15 @@ def main(argv=None):
                         help="run only the Triton vs FlashInfer decode side by side")
     parser.add_argument("--splits", action="store_true",
                         help="run only the decode split strategies side by side (per-row vs fixed chunks)")
+    parser.add_argument("--quest-select", action="store_true",
+                        help="run only Quest's page selection variants side by side")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu needs a CUDA GPU")
     _emit(args.out, {"kind": "meta", **_meta()})
+    if args.quest_select:
+        bench_quest_select(args.out)
+        return
     if args.splits:
         for B, L, capacity in ((1, 131072, 133120), (6, 131072, 133120), (32, 32768, 32768), (183, 2304, 133120)):
             bench_decode_splits(args.out, B, L, capacity)

@@ -15,9 +15,9 @@ to `torch.topk`. The Triton kernel casts q to the metadata dtype and computes th
 
 Triton update: tokens are appended in order, so a page's metadata after this step is
 the max/min over its cached offsets 0..o, o = the largest offset written to it now. One
-program per slot; only the program holding that largest offset recomputes the page from
-the cache (up to page_size tokens), so there are no races and no atomics, whatever the
-order of `slot_mapping`. The check scans `slot_mapping` (O(T) per slot, trivial for
+program per (slot, KV head); only the programs holding that largest offset recompute the
+page from the cache (up to page_size tokens), so there are no races and no atomics,
+whatever the order of `slot_mapping`. The check scans `slot_mapping` (O(T) per slot, trivial for
 decode; for a prefill chunk the next slot usually answers it at once).
 """
 from __future__ import annotations
@@ -75,7 +75,7 @@ def update_page_minmax_triton(k_cache, slot_mapping, kmax, kmin) -> None:
     if T == 0:
         return
     check_launch(k_cache, slot_mapping, kmax, kmin)
-    _minmax_kernel[(T,)](
+    _minmax_kernel[(T, Hkv)](
         k_cache, slot_mapping, kmax, kmin, T,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), Hkv,
         PAGE_SIZE=page_size, BLOCK_O=next_pow2(page_size), HEAD_DIM=d, BLOCK_D=next_pow2(d),
@@ -158,14 +158,14 @@ def _minmax_kernel(
             offs_o = tl.arange(0, BLOCK_O)
             offs_d = tl.arange(0, BLOCK_D)
             mask = (offs_o <= off)[:, None] & (offs_d < HEAD_DIM)[None, :]
-            for h in range(0, HKV):
-                ptrs = k_ptr + page * stride_kp + offs_o[:, None] * stride_ko + h * stride_kh + offs_d[None, :]
-                k = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-                hi = tl.max(tl.where(mask, k, float("-inf")), 0)
-                lo = tl.min(tl.where(mask, k, float("inf")), 0)
-                meta = (page * HKV + h) * HEAD_DIM + offs_d
-                tl.store(kmax_ptr + meta, hi.to(kmax_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
-                tl.store(kmin_ptr + meta, lo.to(kmin_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+            h = tl.program_id(1)  # one KV head per program: the heads' loads run in parallel
+            ptrs = k_ptr + page * stride_kp + offs_o[:, None] * stride_ko + h * stride_kh + offs_d[None, :]
+            k = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+            hi = tl.max(tl.where(mask, k, float("-inf")), 0)
+            lo = tl.min(tl.where(mask, k, float("inf")), 0)
+            meta = (page * HKV + h) * HEAD_DIM + offs_d
+            tl.store(kmax_ptr + meta, hi.to(kmax_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+            tl.store(kmin_ptr + meta, lo.to(kmin_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
 @lazy_jit

@@ -13,15 +13,17 @@ sink_pages)` by score, `top = max(3, budget // page_size)`; ties go to the earli
 (METHODS.md, `quest_select_pages`), which `torch.topk` does not promise.
 
 How: a score's fp32 bits map to an int32 key with the same order (negative floats flip
-their low 31 bits; -0.0 counts as +0.0). A bisection over the 32 key bits finds the m-th
-largest key t: each pass counts the middle keys `>= lo + 2^bit` and keeps the bit when at
-least m are. Then one pass counts the keys `> t`, and the last pass takes those plus the
-earliest keys equal to t until m are taken, writing each chosen page at its rank among
-the chosen ones (an exclusive `tl.cumsum`, carried across blocks), so the output is
-ascending with no sort. Sink and recent slots are written by arithmetic. Rows are read in
-blocks of `block_p` pages, 34 times over the middle range (the row stays in L2). Fixed
-shapes, no host sync: CUDA-graph capturable. `kv_lens` past P pages is an invalid input;
-the kernel then stays in bounds, its choice unspecified.
+their low 31 bits; -0.0 counts as +0.0). A radix search over the 32 key bits, `radix_bits`
+at a time, finds the m-th largest key t: each pass counts the middle keys `>= lo + j *
+step` for every digit j at once (one block reduction of 2^radix_bits counts) and keeps the
+largest j with at least m. Then one pass counts the keys `> t`, and the last pass takes
+those plus the earliest keys equal to t until m are taken, writing each chosen page at its
+rank among the chosen ones (an exclusive `tl.cumsum`, carried across blocks), so the output
+is ascending with no sort. Sink and recent slots are written by arithmetic. When one block
+of `block_p` pages covers the row (the default up to 16384 pages), its keys are loaded once
+and stay in registers through the search; otherwise every pass re-reads the row in blocks
+(it stays in L2). Fixed shapes, no host sync: CUDA-graph capturable. `kv_lens` past P pages
+is an invalid input; the kernel then stays in bounds, its choice unspecified.
 """
 from __future__ import annotations
 
@@ -36,9 +38,10 @@ if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing need
 
 
 def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_tokens, budget, *,
-                              block_p: int = 8192, num_warps: int | None = None):
+                              block_p: int = 16384, num_warps: int | None = None, radix_bits: int = 2):
     """`block_p`: pages per block (a power of two; capped at P's); `num_warps`: default
-    one warp per 512 pages of the block, 1 to 16."""
+    one warp per 512 pages of the block, 1 to 16; `radix_bits`: key bits the search settles
+    per pass (1, 2 or 4: 32, 16 or 8 passes of 2, 4 or 16 counts)."""
     # methods.quest imports this package: read its width rule at call time
     from sparseengine.methods.quest import selection_width
 
@@ -59,6 +62,8 @@ def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_to
     block_p = int_arg("block_p", block_p, 16)
     if block_p & (block_p - 1):
         raise ValueError(f"block_p must be a power of two, got {block_p}")
+    if radix_bits not in (1, 2, 4):
+        raise ValueError(f"radix_bits must be 1, 2 or 4, got {radix_bits!r}")
     device = check_launch(scores, kv_lens)
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
@@ -74,6 +79,7 @@ def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_to
         scores, kv_lens, pages, counts, scores.stride(0), scores.stride(1), H, P, K,
         PAGE_SIZE=ps, SINK_PAGES=cdiv(sink, ps), RECENT=recent, TOTAL=sink + budget + recent,
         TOP=max(3, budget // ps), BLOCK_P=block_p, BLOCK_K=min(1024, max(16, next_pow2(K))),
+        ONE_BLOCK=block_p >= P, RADIX_BITS=radix_bits,
         num_warps=num_warps or min(16, max(1, block_p // 512)),
     )
     return pages, counts
@@ -103,7 +109,8 @@ def _page_keys(row, offs, P):
 def _select_kernel(
     scores_ptr, kv_lens_ptr, pages_ptr, counts_ptr, stride_sb, stride_sh, HKV, P, K,
     PAGE_SIZE: tl.constexpr, SINK_PAGES: tl.constexpr, RECENT: tl.constexpr, TOTAL: tl.constexpr,
-    TOP: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+    TOP: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, ONE_BLOCK: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // HKV
@@ -132,19 +139,30 @@ def _select_kernel(
         # The middle pages are [SINK_PAGES, mid_end). Blocks start at multiples of BLOCK_P,
         # so the loads stay aligned (vectorised); `ok` masks the sink pages of block 0.
         mid_end = tl.minimum(recent_first, P)  # == recent_first for a valid kv_len
-        # lo: the m-th largest middle key, bit by bit (int64 scalars: lo + step may reach 2^31).
+        if ONE_BLOCK:  # the whole row in one block: its keys stay in registers
+            offs0 = tl.arange(0, BLOCK_P)
+            ok0 = (offs0 >= SINK_PAGES) & (offs0 < mid_end)
+            key0 = _page_keys(row, offs0, P)
+        # lo: the m-th largest middle key, RADIX_BITS bits a pass (int64: lo + j * step may
+        # pass 2^31, and then no key reaches it).
         lo = tl.full([], -2147483648, tl.int64)
         if recent_first - SINK_PAGES > TOP:  # else every middle page is taken: lo stays the minimum
-            step = tl.full([], 2147483648, tl.int64)
-            for _ in range(32):
-                cand = (lo + step).to(tl.int32)
-                ge = tl.zeros([BLOCK_P], tl.int32)
+            digit = tl.arange(0, 1 << RADIX_BITS).to(tl.int64)
+            step = tl.full([], 1 << (32 - RADIX_BITS), tl.int64)
+            for _ in range(32 // RADIX_BITS):
+                cand = lo + digit * step  # [2^RADIX_BITS]
+                cnt = tl.zeros([1 << RADIX_BITS], tl.int32)
                 for p0 in range(0, mid_end, BLOCK_P):
-                    offs = p0 + tl.arange(0, BLOCK_P)
-                    ok = (offs >= SINK_PAGES) & (offs < mid_end)
-                    ge += (ok & (_page_keys(row, offs, P) >= cand)).to(tl.int32)
-                lo = tl.where(tl.sum(ge, 0) >= m, lo + step, lo)
-                step = step // 2
+                    if ONE_BLOCK:
+                        ok, key = ok0, key0
+                    else:
+                        offs = p0 + tl.arange(0, BLOCK_P)
+                        ok = (offs >= SINK_PAGES) & (offs < mid_end)
+                        key = _page_keys(row, offs, P)
+                    ge = ok[:, None] & (key.to(tl.int64)[:, None] >= cand[None, :])
+                    cnt += tl.sum(ge.to(tl.int32), 0)
+                lo = lo + tl.max(tl.where(cnt >= m, digit, 0), 0) * step  # digit 0 always qualifies
+                step = step >> RADIX_BITS
         t = lo.to(tl.int32)
         gt = tl.zeros([BLOCK_P], tl.int32)
         for p0 in range(0, mid_end, BLOCK_P):

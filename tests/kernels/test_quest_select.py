@@ -47,13 +47,14 @@ def _scores(values: torch.Tensor, kv_lens, ps) -> torch.Tensor:
     return values.masked_fill(torch.arange(P)[None, None, :] >= n_pages[:, None, None], float("nan"))
 
 
+@pytest.mark.parametrize("radix_bits", [1, 2, 4])
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_equals_torch_path_on_distinct_scores(case, gen, device):
+def test_equals_torch_path_on_distinct_scores(case, radix_bits, gen, device):
     lens, hkv, P, ps, sink, budget, recent, block = case
     scores = _scores(torch.randn(len(lens), hkv, P, generator=gen), lens, ps).to(device)
     kv_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     args = (scores, kv_lens, ps, sink, recent, budget)
-    pages, counts = quest_select_pages_triton(*args, block_p=block)
+    pages, counts = quest_select_pages_triton(*args, block_p=block, radix_bits=radix_bits)
     want_pages, want_counts = select_pages_batched(*args)
     assert pages.dtype == torch.int64 and counts.dtype == torch.int32
     assert torch.equal(counts, want_counts)
@@ -83,14 +84,15 @@ def test_ties_go_to_the_earlier_page(dtype, gen, device):
     values[1, 2] = 0.5  # one value: the earliest pages of the middle win
     scores = _scores(values, lens, ps).to(dtype).to(device)
     kv_lens = torch.tensor(lens, dtype=torch.int32, device=device)
-    for block in (16, 128):
-        pages, counts = quest_select_pages_triton(scores, kv_lens, ps, sink, recent, budget, block_p=block)
+    for block, radix_bits in ((16, 2), (128, 1), (128, 4)):  # 128 >= P: one block
+        pages, counts = quest_select_pages_triton(scores, kv_lens, ps, sink, recent, budget, block_p=block,
+                                                  radix_bits=radix_bits)
         for b, n in enumerate(lens):
             bounds = scores[b, :, : -(-n // ps)].cpu()
             want = quest_select_pages(bounds, n, ps, sink, recent, budget)
             for h in range(hkv):
                 count = int(counts[b, h])
-                where = f"block {block}, request {b} (n={n}), head {h}"
+                where = f"block {block}, radix {radix_bits}, request {b} (n={n}), head {h}"
                 assert count == want.shape[1], where
                 assert pages[b, h, :count].tolist() == want[h].tolist(), where
                 assert (pages[b, h, count:] == -1).all(), where
@@ -111,6 +113,8 @@ def test_bad_inputs_name_the_value(device):
         quest_select_pages_triton(scores, lens, 4, 4, 4, -1)
     with pytest.raises(ValueError, match="block_p must be a power of two, got 48"):
         quest_select_pages_triton(scores, lens, 4, 4, 4, 8, block_p=48)
+    with pytest.raises(ValueError, match="radix_bits must be 1, 2 or 4, got 3"):
+        quest_select_pages_triton(scores, lens, 4, 4, 4, 8, radix_bits=3)
 
 
 @pytest.mark.gpu
@@ -120,10 +124,10 @@ def test_gpu_128k_batch6_and_cuda_graph(gen):
     scores = _scores(torch.randn(len(lens), hkv, P, generator=gen), lens, ps).cuda()
     kv_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     args = (scores, kv_lens, ps, sink, recent, budget)
-    for block in (1024, 4096, 8192):
-        got = quest_select_pages_triton(*args, block_p=block)
+    for block, radix_bits in ((1024, 2), (4096, 1), (8192, 1), (8192, 2), (8192, 4)):
+        got = quest_select_pages_triton(*args, block_p=block, radix_bits=radix_bits)
         for g, w in zip(got, select_pages_batched(*args)):
-            assert torch.equal(g, w), block
+            assert torch.equal(g, w), (block, radix_bits)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
