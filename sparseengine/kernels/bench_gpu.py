@@ -201,8 +201,8 @@ def bench_decode_splits(out_path, B, L, capacity):
 def bench_quest_select(out_path, B=6, P=8320, n=131072):
     """Quest's page selection at the 128K decode benchmark's shape (the graph's page table
     is 8320 pages wide), per launch in a CUDA graph of 30 launches (no launch overhead):
-    radix 1, 2, 4 bits per pass, the row in one block (keys in registers) or re-read in
-    blocks of 8192 pages (session 3's kernel: radix 1, 8192)."""
+    radix 1, 2, 4 bits per pass, blocks of 8192 or 16384 pages (session 3's kernel:
+    radix 1, 8192)."""
     from sparseengine.kernels import quest_select_pages_triton
     from sparseengine.methods.quest import select_pages_batched
 

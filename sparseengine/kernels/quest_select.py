@@ -19,11 +19,15 @@ step` for every digit j at once (one block reduction of 2^radix_bits counts) and
 largest j with at least m. Then one pass counts the keys `> t`, and the last pass takes
 those plus the earliest keys equal to t until m are taken, writing each chosen page at its
 rank among the chosen ones (an exclusive `tl.cumsum`, carried across blocks), so the output
-is ascending with no sort. Sink and recent slots are written by arithmetic. When one block
-of `block_p` pages covers the row (the default up to 16384 pages), its keys are loaded once
-and stay in registers through the search; otherwise every pass re-reads the row in blocks
-(it stays in L2). Fixed shapes, no host sync: CUDA-graph capturable. `kv_lens` past P pages
-is an invalid input; the kernel then stays in bounds, its choice unspecified.
+is ascending with no sort. Sink and recent slots are written by arithmetic. Rows are read
+in blocks of `block_p` pages, once per pass over the middle range (the row stays in L2).
+Measured on the H200 at the 128K benchmark's shape (B=6, Hkv=8, 8320 pages, in a CUDA
+graph; `bench_gpu --quest-select`): radix 2 in blocks of 8192 pages 54 us per launch,
+radix 1 65 us. A variant that held the row's keys in registers through the search (one
+16384-page block, commit e8e8c56, since removed) ran slower: radix 1 98 us, 2 144 us, 4
+770 us. Fixed shapes, no host sync:
+CUDA-graph capturable. `kv_lens` past P pages is an invalid input; the kernel then stays
+in bounds, its choice unspecified.
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing need
 
 
 def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_tokens, budget, *,
-                              block_p: int = 16384, num_warps: int | None = None, radix_bits: int = 2):
+                              block_p: int = 8192, num_warps: int | None = None, radix_bits: int = 2):
     """`block_p`: pages per block (a power of two; capped at P's); `num_warps`: default
     one warp per 512 pages of the block, 1 to 16; `radix_bits`: key bits the search settles
     per pass (1, 2 or 4: 32, 16 or 8 passes of 2, 4 or 16 counts)."""
@@ -79,7 +83,7 @@ def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_to
         scores, kv_lens, pages, counts, scores.stride(0), scores.stride(1), H, P, K,
         PAGE_SIZE=ps, SINK_PAGES=cdiv(sink, ps), RECENT=recent, TOTAL=sink + budget + recent,
         TOP=max(3, budget // ps), BLOCK_P=block_p, BLOCK_K=min(1024, max(16, next_pow2(K))),
-        ONE_BLOCK=block_p >= P, RADIX_BITS=radix_bits,
+        RADIX_BITS=radix_bits,
         num_warps=num_warps or min(16, max(1, block_p // 512)),
     )
     return pages, counts
@@ -109,8 +113,7 @@ def _page_keys(row, offs, P):
 def _select_kernel(
     scores_ptr, kv_lens_ptr, pages_ptr, counts_ptr, stride_sb, stride_sh, HKV, P, K,
     PAGE_SIZE: tl.constexpr, SINK_PAGES: tl.constexpr, RECENT: tl.constexpr, TOTAL: tl.constexpr,
-    TOP: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, ONE_BLOCK: tl.constexpr,
-    RADIX_BITS: tl.constexpr,
+    TOP: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, RADIX_BITS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // HKV
@@ -139,10 +142,6 @@ def _select_kernel(
         # The middle pages are [SINK_PAGES, mid_end). Blocks start at multiples of BLOCK_P,
         # so the loads stay aligned (vectorised); `ok` masks the sink pages of block 0.
         mid_end = tl.minimum(recent_first, P)  # == recent_first for a valid kv_len
-        if ONE_BLOCK:  # the whole row in one block: its keys stay in registers
-            offs0 = tl.arange(0, BLOCK_P)
-            ok0 = (offs0 >= SINK_PAGES) & (offs0 < mid_end)
-            key0 = _page_keys(row, offs0, P)
         # lo: the m-th largest middle key, RADIX_BITS bits a pass (int64: lo + j * step may
         # pass 2^31, and then no key reaches it).
         lo = tl.full([], -2147483648, tl.int64)
@@ -153,12 +152,9 @@ def _select_kernel(
                 cand = lo + digit * step  # [2^RADIX_BITS]
                 cnt = tl.zeros([1 << RADIX_BITS], tl.int32)
                 for p0 in range(0, mid_end, BLOCK_P):
-                    if ONE_BLOCK:
-                        ok, key = ok0, key0
-                    else:
-                        offs = p0 + tl.arange(0, BLOCK_P)
-                        ok = (offs >= SINK_PAGES) & (offs < mid_end)
-                        key = _page_keys(row, offs, P)
+                    offs = p0 + tl.arange(0, BLOCK_P)
+                    ok = (offs >= SINK_PAGES) & (offs < mid_end)
+                    key = _page_keys(row, offs, P)
                     ge = ok[:, None] & (key.to(tl.int64)[:, None] >= cand[None, :])
                     cnt += tl.sum(ge.to(tl.int32), 0)
                 lo = lo + tl.max(tl.where(cnt >= m, digit, 0), 0) * step  # digit 0 always qualifies
