@@ -37,9 +37,10 @@ MODE_DENSE, MODE_TOKENS, MODE_PAGES = 0, 1, 2
 _PARTIALS, _LAST_MERGES, _DIRECT = 0, 1, 2
 MAX_SPLIT_COUNTERS = 1 << 16
 # Auto merge of several splits: in the split kernel (last program of a row) or in a second
-# kernel. The engine's H200 profile of vanilla b=1 at 128K (a CUDA graph, commit 76ec1d0):
-# split kernel with the merge 4.60 ms per step against 4.03 + 0.20 ms for the two kernels
-# (session 2's profile), so the second kernel is the default; one split writes directly.
+# kernel. Side by side on the H200, vanilla b=1 at 128K in a CUDA graph (commit 1272974,
+# results/profile_vanilla_b1{,_merge}_h200.json): two kernels 4.03 + 0.20 ms per step, graph
+# step 8.84 ms; merged in the split kernel 4.60 ms, step 9.30 ms. So the second kernel is
+# the default; one split writes the output directly.
 MERGE_IN_SPLIT_KERNEL = False
 _split_counters: dict[torch.device, torch.Tensor] = {}
 

@@ -25,9 +25,8 @@ Measured on the H200 at the 128K benchmark's shape (B=6, Hkv=8, 8320 pages, in a
 graph; `bench_gpu --quest-select`): radix 2 in blocks of 8192 pages 54 us per launch,
 radix 1 65 us. A variant that held the row's keys in registers through the search (one
 16384-page block, commit e8e8c56, since removed) ran slower: radix 1 98 us, 2 144 us, 4
-770 us. Fixed shapes, no host sync:
-CUDA-graph capturable. `kv_lens` past P pages is an invalid input; the kernel then stays
-in bounds, its choice unspecified.
+770 us. Fixed shapes, no host sync: CUDA-graph capturable. `kv_lens` past P pages is an
+invalid input; the kernel then stays in bounds, its choice unspecified.
 """
 from __future__ import annotations
 

@@ -61,6 +61,7 @@ class StreamingLLM(SparseMethodRuntime):
     def finish_step(self, batch) -> None:
         sink, recent = self.config.sink_tokens, self.config.recent_tokens
         src, dst = [], []  # one token per request moves (every layer) on the ring path
+        evicted = []
         for seq in batch.seqs:
             n = seq.layer_lens[0]
             if n <= self.total:
@@ -79,9 +80,11 @@ class StreamingLLM(SparseMethodRuntime):
                 st[RING_KEY] = 0
                 if self.rerotate:
                     self._rerotate(seq, streaming_keep(n, sink, recent))
-            self.cache.trim_pages(seq)
+            evicted.append(seq)
         if src:
             self.cache.move_tokens(torch.tensor(src), torch.tensor(dst))
+        for seq in evicted:  # after the moves: a moved token's page may be past the kept ones
+            self.cache.trim_pages(seq)
 
     def _slot(self, seq, index: int) -> int:
         ps = self.cache.page_size
