@@ -66,6 +66,14 @@ throughput)
     cp results/decode_throughput_128k_records.jsonl runs/decode_throughput_128k/records.jsonl; }
   [ -n "${SKIP_TESTS:-}" ] || timeout "${TEST_TIMEOUT:-90}" python -m pytest tests/kernels tests/methods tests/attention -q -m gpu \
     -k "not flashinfer" -p no:cacheprovider -rs 2>&1 | tail -12 | tee -a "$OUT/gpu_tests.log"
+  # DeltaKV's Down/Up for the dummy-weight shape: fitted on that model's own KV for seeded
+  # random token ids (when the sweep names no methods, or names deltakv)
+  if [[ "$*" != *sparse_method=* || "$*" == *deltakv* ]]; then
+    dk=/tmp/deltakv_llama_dummy.safetensors
+    [ -f $dk ] || python -m sparseengine.methods.deltakv_calibrate --model llama-3.1-8b --load-format dummy \
+      --random-tokens 8192 --out $dk --device cuda --dtype bfloat16 2>&1 | tail -1
+    set -- "$@" deltakv_checkpoint=$dk
+  fi
   # THROUGHPUT_TIMEOUT (s) bounds the sweep so that what it recorded still comes back
   timeout "${THROUGHPUT_TIMEOUT:-480}" python run.py -m experiment=decode_throughput_128k "$@" 2>&1 \
     | grep -v -E "^\s*$|it/s\]|s/it\]" | tail -40

@@ -147,7 +147,13 @@ def main(argv: list[str] | None = None) -> CalibrationResult:
     ap = argparse.ArgumentParser(description="Fit DeltaKV Down/Up on a model's own KV and write the checkpoint "
                                              "(deltakv_checkpoint_path).")
     ap.add_argument("--model", required=True, help="engine model name or HF folder (as LLM(model=...))")
-    ap.add_argument("--text", required=True, nargs="+", help="text file(s), concatenated")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--text", nargs="+", help="text file(s), concatenated")
+    src.add_argument("--random-tokens", type=int, metavar="N",
+                     help="N seeded random token ids instead of text: for a model shape with dummy weights "
+                          "(--load-format dummy, the decode benchmarks), whose KV no text makes more real")
+    ap.add_argument("--seed", type=int, default=0, help="seed of --random-tokens")
+    ap.add_argument("--load-format", default="auto", help="as LLM(load_format=...): dummy for random weights")
     ap.add_argument("--out", required=True, help="checkpoint path (.safetensors)")
     ap.add_argument("--latent-dim", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=8192,
@@ -159,11 +165,22 @@ def main(argv: list[str] | None = None) -> CalibrationResult:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args(argv)
-    text = "\n\n".join(Path(p).read_text(encoding="utf-8") for p in args.text)
-    result = calibrate(args.model, text=text, out=args.out, latent_dim=args.latent_dim,
-                       center_ratio=args.center_ratio, neighbors=args.neighbors, sink_tokens=args.sink_tokens,
-                       max_tokens=args.max_tokens or None, segment_tokens=args.segment_tokens,
-                       sources=",".join(Path(p).name for p in args.text), device=args.device, dtype=args.dtype)
+    if args.text:
+        source = dict(text="\n\n".join(Path(p).read_text(encoding="utf-8") for p in args.text),
+                      sources=",".join(Path(p).name for p in args.text))
+    else:
+        if args.random_tokens < 1:
+            ap.error(f"--random-tokens must be positive, got {args.random_tokens}")
+        from sparseengine.models.loader import resolve
+
+        vocab = resolve(args.model, args.load_format).model_config.vocab_size
+        gen = torch.Generator().manual_seed(args.seed)
+        ids = torch.randint(3, vocab, (args.random_tokens,), generator=gen).tolist()
+        source = dict(token_ids=ids, sources=f"random token ids (seed {args.seed}, vocab {vocab})")
+    result = calibrate(args.model, out=args.out, latent_dim=args.latent_dim, center_ratio=args.center_ratio,
+                       neighbors=args.neighbors, sink_tokens=args.sink_tokens, max_tokens=args.max_tokens or None,
+                       segment_tokens=args.segment_tokens, device=args.device, dtype=args.dtype,
+                       load_format=args.load_format, **source)
     kept = result.energy_kept
     print(f"wrote {result.path}: {result.tokens} tokens in {result.meta['segments']} segments, "
           f"{len(result.layers)} layers, latent_dim={args.latent_dim}, residual energy kept "
