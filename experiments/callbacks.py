@@ -1,5 +1,7 @@
 """Hydra callbacks: at the end of a sweep, print its records as a table and, when asked,
-write the aggregated CSV and figures (a figure = one experiment + this one call)."""
+write the aggregated CSV and figures (a figure = one experiment + this one call). A sweep
+whose ``records_path`` is set on the command line writes them beside its records
+(``<records folder>/summary``), never over the experiment's ``results_dir``."""
 
 from __future__ import annotations
 
@@ -44,6 +46,10 @@ class SweepSummary(Callback):
             return
         ok = df[df["status"] == "ok"]
         out = Path(self.results_dir)
+        if any(str(o).lstrip("+").startswith("records_path=") for o in config.hydra.overrides.task):
+            # a sweep into its own records file must not overwrite the experiment's results
+            out = Path(self.records_path).parent / "summary"
+            print(f"records_path was set on the command line: the summary goes to {out}, not {self.results_dir}")
         acc, tp = aggregate.accuracy_table(ok), aggregate.throughput_table(ok)
         if self.csv_name:
             table = acc if not acc.empty else tp

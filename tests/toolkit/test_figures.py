@@ -60,3 +60,30 @@ def test_accuracy_figure_from_records(tmp_path) -> None:
     assert sorted(titles) == ["ruler", "ruler/cwe", "ruler/vt"]
     labels = fig.axes[0].get_legend_handles_labels()[1]
     assert labels == ["vanilla 2048", "lane_x 2048"]
+
+
+def test_sweep_summary_never_overwrites_results_from_a_redirected_sweep(tmp_path) -> None:
+    """An experiment's summary writes its CSV and figure into ``results_dir``; a sweep whose
+    ``records_path`` was set on the command line writes them beside its records instead."""
+    from omegaconf import OmegaConf
+
+    from experiments.callbacks import SweepSummary
+
+    path = tmp_path / "runs" / "records.jsonl"
+    path.parent.mkdir()
+    path.write_text(json.dumps(_throughput("vanilla", {1: 13.0, 6: 60.0})) + "\n")
+    results = tmp_path / "results"
+
+    def summarise(overrides):
+        summary = SweepSummary(str(path), results_dir=str(results), csv_name="t.csv",
+                               figures=["decode_throughput:t"], scope="records")
+        summary.on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)},
+                                                            "overrides": {"task": overrides}}}))
+
+    summarise(["sparse_method=vanilla"])
+    assert (results / "t.csv").exists() and (results / "figures" / "t.png").exists()
+    stamps = {p: p.stat().st_mtime_ns for p in (results / "t.csv", results / "figures" / "t.png")}
+    summarise(["sparse_method=vanilla", f"records_path={path}"])
+    redirected = path.parent / "summary"
+    assert (redirected / "t.csv").exists() and (redirected / "figures" / "t.png").exists()
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps  # the results were not written again
