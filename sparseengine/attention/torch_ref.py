@@ -110,19 +110,20 @@ class TorchAttentionProvider(AttentionProvider):
         """-> out [q_len, Hq, d], probs [Hq, q_len, length] (float32). ``allowed [Hkv, length]``:
         a selection shared by the rows; ``row_allowed [Hq, q_len, length]``: a per-row mask."""
         q_len, hq, d = q.shape
-        g = hq // k.shape[1]
-        kk = k.float().repeat_interleave(g, dim=1)  # [L, Hq, d]
-        vv = v.float().repeat_interleave(g, dim=1)
-        s = torch.einsum("qhd,lhd->hql", q.float(), kk) * d ** -0.5
+        hkv = k.shape[1]
+        g = hq // hkv
+        # grouped batched matmuls: each KV head once for its g query heads (no repeated K/V)
+        qg = q.float().permute(1, 0, 2).reshape(hkv, g, q_len, d)
+        s = torch.matmul(qg, k.float().permute(1, 2, 0)[:, None]).mul_(d ** -0.5).view(hq, q_len, length)
         mask = self._causal_mask(q_len, length, q.device)[None]
         if allowed is not None:
             mask = mask & allowed.repeat_interleave(g, dim=0)[:, None, :]
         if row_allowed is not None:
             mask = mask & row_allowed
-        s = s.masked_fill(~mask, float("-inf"))
+        s.masked_fill_(~mask, float("-inf"))
         p = torch.softmax(s, dim=-1)
-        o = torch.einsum("hql,lhd->qhd", p, vv)
-        return o.to(q.dtype), p
+        o = torch.matmul(p.view(hkv, g, q_len, length), v.float().permute(1, 0, 2)[:, None])  # [Hkv, g, q, d]
+        return o.reshape(hq, q_len, d).permute(1, 0, 2).to(q.dtype), p
 
     @staticmethod
     def _decode_batched(q, k_cache, v_cache, view):
