@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import random
-import types
 
 import pytest
 import torch
@@ -92,25 +91,3 @@ def test_token_order_follows_the_ring(sink, recent, steps, extra):
     tokens = [slots[i] for i in order]
     assert tokens == sorted(tokens) and sorted(order) == list(range(total + extra))
 
-
-def test_graph_page_table_rows_follow_their_requests():
-    """The decode graph's host page table rewrites (and marks for upload) only the rows whose
-    request or pages changed; a row is zero past its pages."""
-    from sparseengine.engine.cuda_graphs import DecodeGraphs
-
-    model = types.SimpleNamespace(config=types.SimpleNamespace(num_layers=2))
-    g = DecodeGraphs(model, None, None, None, "cpu", max_batch=4, max_pages=6)
-    t = g.page_tables([7, 8], [[3, 4, 5], [1]])
-    assert t.tolist() == [[3, 4, 5, 0, 0, 0], [1, 0, 0, 0, 0, 0]] and g._dirty == (0, 2)
-    g.page_tables([7, 8], [[3, 4, 5], [1]])
-    assert g._dirty is None  # nothing changed: nothing travels
-    t = g.page_tables([7, 8], [[3, 4], [1, 9]])  # a trim and an append
-    assert t.tolist() == [[3, 4, 0, 0, 0, 0], [1, 9, 0, 0, 0, 0]] and g._dirty == (0, 2)
-    t = g.page_tables([8], [[1, 9]])  # request 7 finished: row 0 now holds request 8
-    assert t.tolist() == [[1, 9, 0, 0, 0, 0]] and g._dirty == (0, 1)
-    g.page_tables([8, 11], [[1, 9], [2, 2, 2, 2, 2, 2]])
-    assert g._dirty == (1, 2) and g.host_table[1].tolist() == [2] * 6
-    pages = [1, 9]
-    g.page_tables([8, 11], [pages, [2] * 6])
-    pages[1] = 5  # the same list object, changed in place: compared by value
-    assert g.page_tables([8, 11], [pages, [2] * 6])[0].tolist()[:2] == [1, 5] and g._dirty == (0, 1)

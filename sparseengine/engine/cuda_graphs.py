@@ -24,16 +24,33 @@ def buckets(max_batch: int) -> list[int]:
     return sizes
 
 
+def _input_buffers(top: int, layers: int, device, pinned: bool):
+    """One byte buffer and its views: ids [top], positions [top], slots [layers, top] (int64),
+    lens [layers, top] (int32)."""
+    n64, n32 = 2 * top + layers * top, layers * top
+    buf = torch.zeros(8 * n64 + 4 * n32, dtype=torch.uint8, device=device)
+    if pinned:
+        buf = buf.pin_memory()
+    longs, ints = buf[: 8 * n64].view(torch.int64), buf[8 * n64:].view(torch.int32)
+    return buf, (longs[:top], longs[top:2 * top], longs[2 * top:].view(layers, top), ints.view(layers, top))
+
+
 class DecodeGraphs:
     def __init__(self, model, kv_cache, provider, method, device, max_batch: int, max_pages: int) -> None:
         self.model, self.kv_cache, self.provider, self.method = model, kv_cache, provider, method
         self.device = device
         self.sizes = buckets(max_batch)
         top, layers = self.sizes[-1], model.config.num_layers
-        self.ids = torch.zeros(top, dtype=torch.long, device=device)
-        self.positions = torch.zeros(top, dtype=torch.long, device=device)
-        self.slots = torch.full((layers, top), -1, dtype=torch.long, device=device)
-        self.lens = torch.ones((layers, top), dtype=torch.int32, device=device)
+        pinned = torch.device(device).type == "cuda"
+        # The step's inputs (ids, positions, slots, lens) live in one byte buffer on each
+        # side, the graph reading views of the device one: a step fills the pinned host
+        # buffer and sends it in one copy.
+        self._in_host, (h_ids, h_pos, h_slots, h_lens) = _input_buffers(top, layers, "cpu", pinned)
+        self._in_dev, (self.ids, self.positions, self.slots, self.lens) = _input_buffers(top, layers, device, False)
+        self._in = tuple(t.numpy() for t in (h_ids, h_pos, h_slots, h_lens))
+        self._in[2][:] = -1  # padding rows write nowhere and read one token
+        self._in[3][:] = 1
+        self._in_dev.copy_(self._in_host)
         self.table = torch.zeros((top, max_pages), dtype=torch.int32, device=device)
         self.cu = torch.arange(top + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -41,7 +58,7 @@ class DecodeGraphs:
         # host mirror of ``table`` (pinned: its rows go up without a staging copy); per row,
         # the (request id, page list) it holds, so a step re-sends only the rows that changed
         self._host = torch.zeros((top, max_pages), dtype=torch.int32)
-        if torch.device(device).type == "cuda":
+        if pinned:
             self._host = self._host.pin_memory()
         self.host_table = self._host.numpy()  # the same memory, written row by row
         self._row_of: list[tuple[int, list[int]] | None] = [None] * top
@@ -90,16 +107,22 @@ class DecodeGraphs:
         self._dirty = None if lo is None else (lo, hi)
         return self.host_table[: len(tables)]
 
+    def stage_inputs(self, ids: list[int], positions: list[int], slots: np.ndarray, lens: np.ndarray,
+                     size: int) -> None:
+        """Rows ``[0, B)`` from the step, rows ``[B, size)`` padding (slot -1, length 1), all
+        sent to the graph's input buffers in one copy."""
+        batch = len(ids)
+        h_ids, h_pos, h_slots, h_lens = self._in
+        h_ids[:batch], h_pos[:batch] = ids, positions
+        h_slots[:, :batch], h_lens[:, :batch] = slots, lens
+        h_slots[:, batch:size], h_lens[:, batch:size] = -1, 1
+        self._in_dev.copy_(self._in_host, non_blocking=True)
+
     def run(self, ids: list[int], positions: list[int], slots: np.ndarray, lens: np.ndarray) -> torch.Tensor:
         """slots/lens [L, B] (page tables from ``page_tables`` this step) -> logits [B, V]."""
         batch = len(ids)
         size = self.bucket(batch)
-        self.slots[:, batch:size] = -1
-        self.lens[:, batch:size] = 1
-        self.ids[:batch].copy_(torch.from_numpy(np.asarray(ids, dtype=np.int64)), non_blocking=True)
-        self.positions[:batch].copy_(torch.from_numpy(np.asarray(positions, dtype=np.int64)), non_blocking=True)
-        self.slots[:, :batch].copy_(torch.from_numpy(slots), non_blocking=True)
-        self.lens[:, :batch].copy_(torch.from_numpy(lens), non_blocking=True)
+        self.stage_inputs(ids, positions, slots, lens, size)
         if self._dirty is not None:
             lo, hi = self._dirty
             self.table[lo:hi].copy_(self._host[lo:hi], non_blocking=True)
