@@ -1,5 +1,5 @@
-"""The cache manager's batched compaction and token moves against the per-layer
-``compact`` and plain indexing, on random caches; StreamingLLM's ring order."""
+"""The cache manager's compaction and token moves against plain indexing on random
+caches; StreamingLLM's ring order."""
 
 from __future__ import annotations
 
@@ -33,34 +33,43 @@ def make_seq(n: int, pages: list[int]) -> Sequence:
     return seq
 
 
+def compacted(cache: torch.Tensor, pages: list[int], keep: dict[int, torch.Tensor]) -> torch.Tensor:
+    """Plain reference: in each layer of ``keep`` ({layer: [Hkv, count]}), head h's i-th
+    slot receives the token at cache index ``keep[layer][h, i]``, read before any write."""
+    out = cache.clone()
+    for layer, kept in keep.items():
+        for h in range(HKV):
+            for i, j in enumerate(kept[h].tolist()):
+                out[layer, pages[i // PAGE], i % PAGE, h] = cache[layer, pages[j // PAGE], j % PAGE, h]
+    return out
+
+
 @pytest.mark.parametrize("seed", range(4))
-def test_compact_layers_equals_compact_per_layer(seed):
+def test_compact_layers_against_plain_indexing(seed):
     rng = random.Random(seed)
     n, count = 14, 9
     pages = rng.sample(range(PAGES), 4)
     keep = torch.stack([torch.stack([torch.tensor(sorted(rng.sample(range(n), count))) for _ in range(HKV)])
                         for _ in range(LAYERS)])  # [L, Hkv, count], a different set per layer and head
-    a, b = make_cache(seed), make_cache(seed)
-    sa, sb = make_seq(n, pages), make_seq(n, pages)
-    for layer in range(LAYERS):
-        a.compact(sa, layer, keep[layer])
-    b.compact_layers(sb, keep)
-    assert sa.layer_lens == sb.layer_lens == [count] * LAYERS
-    assert torch.equal(a.kv.k, b.kv.k) and torch.equal(a.kv.v, b.kv.v)
+    c, seq = make_cache(seed), make_seq(n, pages)
+    want_k, want_v = (compacted(t, pages, dict(enumerate(keep))) for t in (c.kv.k, c.kv.v))
+    c.compact_layers(seq, keep)
+    assert seq.layer_lens == [count] * LAYERS
+    assert torch.equal(c.kv.k, want_k) and torch.equal(c.kv.v, want_v)
 
 
-def test_compact_layers_shared_keep_and_subset_of_layers():
+def test_compact_one_layer_and_a_subset_of_layers():
     n, pages = 11, [5, 2, 9]
-    keep = torch.tensor([[0, 1, 7, 8, 10], [0, 1, 7, 8, 10]])
-    a, b = make_cache(7), make_cache(7)
-    sa, sb = make_seq(n, pages), make_seq(n, pages)
-    for layer in (0, 2):
-        a.compact(sa, layer, keep)
-    b.compact_layers(sb, keep, layers=[0, 2])
-    assert sb.layer_lens == [5, n, 5] == sa.layer_lens
-    assert torch.equal(a.kv.k, b.kv.k) and torch.equal(a.kv.v, b.kv.v)
+    keep = torch.tensor([[0, 1, 7, 8, 10], [0, 2, 3, 8, 10]])
+    c, seq = make_cache(7), make_seq(n, pages)
+    want_k = compacted(c.kv.k, pages, {0: keep, 2: keep})
+    c.compact_layers(seq, keep, layers=[0, 2])
+    assert seq.layer_lens == [5, n, 5] and torch.equal(c.kv.k, want_k)
+    c, seq = make_cache(7), make_seq(n, pages)
+    c.compact(seq, 1, keep)
+    assert seq.layer_lens == [n, 5, n] and torch.equal(c.kv.k, compacted(make_cache(7).kv.k, pages, {1: keep}))
     with pytest.raises(ValueError, match="keep must be"):
-        b.compact_layers(sb, torch.zeros(3, 4, dtype=torch.long))
+        c.compact_layers(seq, torch.zeros(3, 4, dtype=torch.long))
 
 
 def test_move_tokens_copies_every_layer_and_head():

@@ -24,13 +24,16 @@ def buckets(max_batch: int) -> list[int]:
     return sizes
 
 
+def _zeros(shape, dtype, device, pinned: bool) -> torch.Tensor:
+    t = torch.zeros(shape, dtype=dtype, device=device)
+    return t.pin_memory() if pinned else t
+
+
 def _input_buffers(top: int, layers: int, device, pinned: bool):
     """One byte buffer and its views: ids [top], positions [top], slots [layers, top] (int64),
     lens [layers, top] (int32)."""
     n64, n32 = 2 * top + layers * top, layers * top
-    buf = torch.zeros(8 * n64 + 4 * n32, dtype=torch.uint8, device=device)
-    if pinned:
-        buf = buf.pin_memory()
+    buf = _zeros(8 * n64 + 4 * n32, torch.uint8, device, pinned)
     longs, ints = buf[: 8 * n64].view(torch.int64), buf[8 * n64:].view(torch.int32)
     return buf, (longs[:top], longs[top:2 * top], longs[2 * top:].view(layers, top), ints.view(layers, top))
 
@@ -57,9 +60,7 @@ class DecodeGraphs:
         self.pool = None
         # host mirror of ``table`` (pinned: its rows go up without a staging copy); per row,
         # the (request id, page list) it holds, so a step re-sends only the rows that changed
-        self._host = torch.zeros((top, max_pages), dtype=torch.int32)
-        if pinned:
-            self._host = self._host.pin_memory()
+        self._host = _zeros((top, max_pages), torch.int32, "cpu", pinned)
         self.host_table = self._host.numpy()  # the same memory, written row by row
         self._row_of: list[tuple[int, list[int]] | None] = [None] * top
         self._dirty: tuple[int, int] | None = None

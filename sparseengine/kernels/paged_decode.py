@@ -3,21 +3,21 @@
 Triton path: split-K flash decoding. Each request's KV range is cut into chunks; one
 program per (request, KV head, chunk) loads the g query heads of the group (GQA: K/V are
 read once for the whole group), runs an online softmax over the chunk in fp32 and writes a
-partial (normalised output, log-sum-exp). The last program of a (request, KV head) row to
-finish merges the row's partials: each program with items counts itself in on the row's
-int32 counter (an acq_rel atomic, after a barrier so that all of the program's partial
-stores come first); the one that sees `n_active - 1` merges and zeros the counter for the
-next launch. The counters live in one buffer per device, allocated once (a fixed address
-that CUDA-graph replays reuse), so launches must not run concurrently on two streams of
-one device. One chunk writes the output directly; with more rows than counters (or
-`fused_combine=False`) a second kernel merges the partials per (request, query head).
+partial (normalised output, log-sum-exp). One chunk writes the output directly; several
+are merged per (request, query head) by a second kernel (the default, see
+`MERGE_IN_SPLIT_KERNEL`) or by the last program of the row to finish: each program with
+items counts itself in on the row's int32 counter (an acq_rel atomic, after a barrier so
+that all of its partial stores come first); the one that sees `n_active - 1` merges and
+zeros the counter for the next launch. The counters live in one buffer per device,
+allocated once (a fixed address that CUDA-graph replays reuse), so such launches must not
+run concurrently on two streams of one device.
 
 The grid depends only on static shapes, so the launch is CUDA-graph safe. `split_plan`
 picks fixed chunks (the grid covers the page table's capacity) for few rows, and for rows
 that fill the GPU on their own, one program per row over the row's own length (read on
-the device), so a short row in a wide page table costs no empty programs. The same split kernel serves the sparse variants
-(`sparse_decode.py`: token or page selections) and the H2O column sums
-(`attention_colsum.py`: it can store logits).
+the device), so a short row in a wide page table costs no empty programs. The same split
+kernel serves the sparse variants (`sparse_decode.py`: token or page selections) and the
+H2O column sums (`attention_colsum.py`: it can store logits).
 """
 from __future__ import annotations
 

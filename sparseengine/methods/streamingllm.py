@@ -70,25 +70,22 @@ class StreamingLLM(SparseMethodRuntime):
             ring = st.get(RING_KEY, 0)
             if n == self.total + 1 and recent > 0 and not self.rerotate:
                 # the newest token (slot `total`) takes the oldest recent token's slot
-                src.append(self._slot(seq, self.total))
-                dst.append(self._slot(seq, sink + ring))
+                src.append(self.cache.slot(seq, self.total))
+                dst.append(self.cache.slot(seq, sink + ring))
                 st[RING_KEY] = (ring + 1) % recent
                 seq.layer_lens = [self.total] * len(seq.layer_lens)
             else:
-                keep = token_order(n, sink, recent, ring)[streaming_keep(n, sink, recent)]
-                self.cache.compact_layers(seq, keep.expand(self.model.num_kv_heads, -1))
+                kept = streaming_keep(n, sink, recent)  # token indices; cache indices below
+                self.cache.compact_layers(seq, token_order(n, sink, recent, ring)[kept].expand(
+                    self.model.num_kv_heads, -1))
                 st[RING_KEY] = 0
-                if self.rerotate:
-                    self._rerotate(seq, streaming_keep(n, sink, recent))
+                if self.rerotate:  # never on the ring: token index = cache index here
+                    self._rerotate(seq, kept)
             evicted.append(seq)
         if src:
             self.cache.move_tokens(torch.tensor(src), torch.tensor(dst))
         for seq in evicted:  # after the moves: a moved token's page may be past the kept ones
             self.cache.trim_pages(seq)
-
-    def _slot(self, seq, index: int) -> int:
-        ps = self.cache.page_size
-        return seq.page_table[index // ps] * ps + index % ps
 
     def _rerotate(self, seq, kept: torch.Tensor) -> None:
         """Move each kept key (every layer) from position kept[i] to position i: rotate by
@@ -97,14 +94,13 @@ class StreamingLLM(SparseMethodRuntime):
         idx = torch.nonzero(delta != 0).flatten()
         if idx.numel() == 0:
             return
-        kv = self.cache.kv
-        flat = kv.k.view(-1, *kv.k.shape[3:])  # [L * pages * page, Hkv, d]
-        layers = torch.arange(kv.k.shape[0], device=flat.device)[:, None] * (kv.num_pages * self.cache.page_size)
-        slots = (self.cache.slots(seq, idx.to(flat.device))[None, :] + layers).flatten()  # [L * m]
+        k = self.cache.kv.k
+        flat = self.cache.rows(k)
+        slots = self.cache.flat(range(k.shape[0]), self.cache.slots(seq, idx.to(k.device))[None, :]).flatten()
         freqs = delta[idx].double()[:, None] * self.inv_freq.double()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(flat.device, flat.dtype), emb.sin().to(flat.device, flat.dtype)
-        cos, sin = cos.repeat(kv.k.shape[0], 1), sin.repeat(kv.k.shape[0], 1)
+        cos, sin = emb.cos().to(k.device, k.dtype), emb.sin().to(k.device, k.dtype)
+        cos, sin = cos.repeat(k.shape[0], 1), sin.repeat(k.shape[0], 1)  # the same rotation in every layer
         flat[slots] = apply_rotary(flat[slots], cos, sin)
 
     def kv_tokens(self, seq) -> float:

@@ -326,19 +326,13 @@ def ref_h2o_prefill(events, prompt_len, hkv, g, d, sink, recent, budget, window,
 def test_h2o_prefill_kept_sets_match_reference(tiny_llama, monkeypatch, window, decode):
     folder, _ = tiny_llama
     events = []
-    forward, compact = Attention.forward, CacheManager.compact
+    forward, compact_layers = Attention.forward, CacheManager.compact_layers
 
     def spy_forward(self, q, k, v):
         events.append(("attn", self.layer_id, q.clone(), k.clone()))
         return forward(self, q, k, v)
 
-    def spy_compact(self, seq, layer, keep):
-        events.append(("compact", layer, keep.clone()))
-        return compact(self, seq, layer, keep)
-
-    compact_layers = CacheManager.compact_layers
-
-    def spy_compact_layers(self, seq, keep, layers=None):  # recorded layer by layer
+    def spy_compact_layers(self, seq, keep, layers=None):  # every compaction; recorded layer by layer
         layers = range(len(seq.layer_lens)) if layers is None else layers
         per_layer = keep if keep.dim() == 3 else keep.expand(len(layers), *keep.shape)
         for layer, k in zip(layers, per_layer):
@@ -346,7 +340,6 @@ def test_h2o_prefill_kept_sets_match_reference(tiny_llama, monkeypatch, window, 
         return compact_layers(self, seq, keep, layers)
 
     monkeypatch.setattr(Attention, "forward", spy_forward)
-    monkeypatch.setattr(CacheManager, "compact", spy_compact)
     monkeypatch.setattr(CacheManager, "compact_layers", spy_compact_layers)
     sink, recent, budget = 4, 8, 40
     h2o_budget = 20  # h2o pairing: its total 32 < 40
