@@ -16,22 +16,21 @@ from torch in the last bit there (bfloat16 rounding hides it nearly always).
 The model uses `rms_norm`, `add_rms_norm`, `rotary_qk` and `silu_mul`: the kernels on CUDA
 tensors, the torch references (the code the model always ran, which matches Hugging
 Face token for token) on CPU. `forced` switches either way, for tests.
+
+This module holds that dispatch, the torch references and the launch wrappers; the Triton
+kernels themselves are in `fused_ops_kernels`.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from . import _common
-from ._common import LazyKernel, cdiv, check_launch, interpreting, next_pow2
-
-if TYPE_CHECKING:  # bound at first launch (`_bind_jit_helpers`): importing needs no Triton
-    import triton.language as tl
-    from triton.language.extra.cuda import libdevice
+from ._common import cdiv, check_launch, interpreting, next_pow2
+from .fused_ops_kernels import _rms_norm_kernel, _rotary_qk_kernel, _silu_mul_kernel
 
 OPS = ("rms_norm", "rotary_qk", "silu_mul")
 _forced: dict[str, bool] = {}
@@ -231,211 +230,3 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
 # No FMA contraction (torch rounds every product), and libdevice's non-FTZ functions,
 # which are what nvcc (so torch) compiles expf/rsqrtf/division to.
 _EXACT = dict(enable_fp_fusion=False, enable_reflect_ftz=False)
-
-
-# ------------------------------------------------------------------------- kernels
-
-
-class _Kernel(LazyKernel):
-    def __getitem__(self, grid):
-        _bind_jit_helpers()
-        return super().__getitem__(grid)
-
-
-_helpers_jitted = False
-_JIT_HELPERS = ("_round_to", "_load_h", "_sumsq_cuda_order", "_sumsq_cpu_order", "_rotate_heads")
-
-
-def _bind_jit_helpers() -> None:
-    """Compiled kernels can call only jitted functions: jit the helpers (and bind `tl`,
-    libdevice) at the first launch, as LazyKernel does the kernels. The interpreter runs
-    them as plain Python (jitted, each call would re-patch `tl`: twice as slow)."""
-    g = globals()
-    if g["_helpers_jitted"]:
-        return
-    import triton
-    import triton.language
-    from triton.language.extra.cuda import libdevice as cuda_libdevice
-
-    g["tl"], g["libdevice"] = triton.language, cuda_libdevice
-    if not interpreting():
-        for name in _JIT_HELPERS:
-            g[name] = triton.jit(g[name])
-    g["_helpers_jitted"] = True
-
-
-def _round_to(v, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
-    """float32 v rounded (to nearest even) to DTYPE, as float32."""
-    if DTYPE == tl.float32:
-        return v
-    elif INTERPRET and DTYPE == tl.bfloat16:  # the interpreter truncates float32 -> bf16
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        return tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
-    else:
-        return v.to(DTYPE).to(tl.float32)
-
-
-def _load_h(x_row, r_row, offs, mask, HAS_RESIDUAL: tl.constexpr, INTERPRET: tl.constexpr):
-    """The normed row's values as float32: x, or x + residual rounded to x's dtype."""
-    h = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        r = tl.load(r_row + offs, mask=mask, other=0.0).to(tl.float32)
-        h = _round_to(h + r, x_row.dtype.element_ty, INTERPRET)
-    return h
-
-
-def _sumsq_cuda_order(x_row, r_row, N: tl.constexpr, HAS_RESIDUAL: tl.constexpr, VEC: tl.constexpr,
-                      LOG_BW: tl.constexpr, LOG_YS: tl.constexpr, INTERPRET: tl.constexpr):
-    """sum(h * h) in ATen's CUDA order (`_cuda_mean_plan`)."""
-    BW: tl.constexpr = 1 << LOG_BW
-    YS: tl.constexpr = 1 << LOG_YS
-    S: tl.constexpr = BW * YS
-    t = tl.arange(0, S)[:, None]
-    i = tl.arange(0, 4)[None, :]
-    if VEC == 4:
-        lane = t * 4 + i  # thread t's vector, lane i
-    else:
-        lane = t + i * S  # thread t's i-th strided element
-    acc = tl.zeros([S, 4], dtype=tl.float32)
-    for start in range(0, N, 4 * S):
-        offs = start + lane
-        h = _load_h(x_row, r_row, offs, offs < N, HAS_RESIDUAL, INTERPRET)
-        acc += h * h
-    even, odd = tl.split(tl.reshape(acc, [S, 2, 2]))
-    a0, a2 = tl.split(even)
-    a1, a3 = tl.split(odd)
-    v = tl.reshape(((a0 + a1) + a2) + a3, [YS, BW])
-    for _ in tl.static_range(LOG_BW):  # a size-2 sum is one add, in any order
-        v = tl.sum(tl.reshape(v, [YS, 2, v.shape[1] // 2]), axis=1)
-    v = tl.reshape(v, [YS])
-    for _ in tl.static_range(LOG_YS):
-        v = tl.sum(tl.reshape(v, [2, v.shape[0] // 2]), axis=0)
-    return tl.sum(v, axis=0)
-
-
-def _sumsq_cpu_order(x_row, r_row, N: tl.constexpr, HAS_RESIDUAL: tl.constexpr, LANES: tl.constexpr,
-                     INTERPRET: tl.constexpr):
-    """sum(h * h) in ATen's CPU order (SumKernel.cpp: cascade_sum -> vectorized_inner_sum,
-    LANES = 8, the AVX2 kernel, which AVX512 machines run too; LANES = 1 is
-    scalar_inner_sum): groups of four vectors summed into four accumulators, cascaded up a
-    level every 16 groups; leftover vectors into the first; the four left to right; then
-    the scalar tail and the lanes, left to right. Interpreter only: CPU tensors."""
-    VECS: tl.constexpr = N // LANES
-    GROUPS: tl.constexpr = VECS // 4
-    k = tl.arange(0, 4)[:, None]
-    lanes = tl.arange(0, LANES)
-    zero = tl.zeros([4, LANES], dtype=tl.float32)
-    acc0, acc1, acc2, acc3 = zero, zero, zero, zero
-    for g in tl.static_range(GROUPS):  # level step 16 (level power max(4, ceil_log2(GROUPS) // 4))
-        h = _load_h(x_row, r_row, g * 4 * LANES + k * LANES + lanes[None, :], k < 4, HAS_RESIDUAL, INTERPRET)
-        acc0 = acc0 + h * h
-        if (g + 1) % 16 == 0:
-            acc1, acc0 = acc1 + acc0, zero
-            if (g + 1) % 256 == 0:
-                acc2, acc1 = acc2 + acc1, zero
-                if (g + 1) % 4096 == 0:
-                    acc3, acc2 = acc3 + acc2, zero
-    even, odd = tl.split(tl.reshape(tl.trans(((acc0 + acc1) + acc2) + acc3), [LANES, 2, 2]))
-    p0, p2 = tl.split(even)
-    p1, p3 = tl.split(odd)
-    for v in tl.static_range(GROUPS * 4, VECS):
-        h = _load_h(x_row, r_row, v * LANES + lanes, lanes < LANES, HAS_RESIDUAL, INTERPRET)
-        p0 = p0 + h * h
-    p0 = ((p0 + p1) + p2) + p3
-    one = tl.arange(0, 1)
-    tail = tl.zeros([1], dtype=tl.float32)
-    for e in tl.static_range(VECS * LANES, N):
-        h = _load_h(x_row, r_row, e + one, one < 1, HAS_RESIDUAL, INTERPRET)
-        tail = tail + h * h
-    p0 = tl.where(lanes == 0, p0 + tail, p0)
-    # the interpreter's cumsum is numpy's: left to right
-    return tl.sum(tl.where(lanes == LANES - 1, tl.cumsum(p0, axis=0), 0.0), axis=0)
-
-
-@_Kernel
-def _rms_norm_kernel(
-    x_ptr, r_ptr, w_ptr, out_ptr, r_out_ptr, B,
-    stride_xa, stride_xb, stride_ra, stride_rb, eps, mean_scale,
-    N: tl.constexpr, HAS_RESIDUAL: tl.constexpr, CUDA_ORDER: tl.constexpr, VEC: tl.constexpr,
-    LOG_BW: tl.constexpr, LOG_YS: tl.constexpr, CPU_LANES: tl.constexpr, BLOCK_N: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):
-    row = tl.program_id(0)
-    a, b = (row // B).to(tl.int64), (row % B).to(tl.int64)
-    x_row = x_ptr + a * stride_xa + b * stride_xb
-    r_row = r_ptr + a * stride_ra + b * stride_rb
-    if CUDA_ORDER:
-        var = _sumsq_cuda_order(x_row, r_row, N, HAS_RESIDUAL, VEC, LOG_BW, LOG_YS, INTERPRET) * mean_scale
-    else:
-        var = _sumsq_cpu_order(x_row, r_row, N, HAS_RESIDUAL, CPU_LANES, INTERPRET) / N
-    if INTERPRET:
-        inv = tl.math.rsqrt(var + eps)  # 1 / sqrt, as torch's CPU rsqrt
-    else:
-        inv = libdevice.rsqrt(var + eps)
-    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
-    OUT: tl.constexpr = out_ptr.dtype.element_ty
-    row_out = row.to(tl.int64) * N
-    for start in range(0, N, BLOCK_N):
-        offs = start + tl.arange(0, BLOCK_N)
-        mask = offs < N
-        h = _load_h(x_row, r_row, offs, mask, HAS_RESIDUAL, INTERPRET)
-        if HAS_RESIDUAL:
-            tl.store(r_out_ptr + row_out + offs, h.to(DTYPE), mask=mask)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        y = _round_to(w * _round_to(h * inv, DTYPE, INTERPRET), OUT, INTERPRET)
-        tl.store(out_ptr + row_out + offs, y.to(OUT), mask=mask)
-
-
-def _rotate_heads(x_ptr, out_ptr, stride_h, H, c1, c2, s1, s2, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                  BLOCK_HALF: tl.constexpr, INTERPRET: tl.constexpr):
-    """One token's heads: out = x * cos + rotate_half(x) * sin, each product and the sum
-    rounded to the dtype."""
-    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
-    h = tl.arange(0, BLOCK_H)[:, None]
-    j = tl.arange(0, BLOCK_HALF)[None, :]
-    mask = (h < H) & (j < HALF)
-    src = x_ptr + h * stride_h + j
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    o1 = _round_to(_round_to(x1 * c1, DTYPE, INTERPRET) + _round_to(-x2 * s1, DTYPE, INTERPRET), DTYPE, INTERPRET)
-    o2 = _round_to(_round_to(x2 * c2, DTYPE, INTERPRET) + _round_to(x1 * s2, DTYPE, INTERPRET), DTYPE, INTERPRET)
-    dst = out_ptr + h * (2 * HALF) + j
-    tl.store(dst, o1.to(DTYPE), mask=mask)
-    tl.store(dst + HALF, o2.to(DTYPE), mask=mask)
-
-
-@_Kernel
-def _rotary_qk_kernel(
-    q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st, HQ, HKV,
-    HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    j = tl.arange(0, BLOCK_HALF)[None, :]
-    mask = j < HALF
-    c1 = tl.load(cos_ptr + t * stride_ct + j, mask=mask, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + t * stride_ct + HALF + j, mask=mask, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + t * stride_st + j, mask=mask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + t * stride_st + HALF + j, mask=mask, other=0.0).to(tl.float32)
-    _rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * HQ * 2 * HALF, stride_qh, HQ, c1, c2, s1, s2,
-                  HALF, BLOCK_HQ, BLOCK_HALF, INTERPRET)
-    _rotate_heads(k_ptr + t * stride_kt, k_out_ptr + t * HKV * 2 * HALF, stride_kh, HKV, c1, c2, s1, s2,
-                  HALF, BLOCK_HKV, BLOCK_HALF, INTERPRET)
-
-
-@_Kernel
-def _silu_mul_kernel(gu_ptr, out_ptr, stride_t, I, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < I
-    DTYPE: tl.constexpr = gu_ptr.dtype.element_ty
-    gate = tl.load(gu_ptr + t * stride_t + offs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gu_ptr + t * stride_t + I + offs, mask=mask, other=0.0).to(tl.float32)
-    if INTERPRET:
-        silu = tl.math.div_rn(gate, 1.0 + tl.exp(-gate))
-    else:  # torch: x / (1 + expf(-x)), IEEE division
-        silu = libdevice.div_rn(gate, 1.0 + libdevice.exp(-gate))
-    y = _round_to(_round_to(silu, DTYPE, INTERPRET) * up, DTYPE, INTERPRET)
-    tl.store(out_ptr + t * I + offs, y.to(DTYPE), mask=mask)

@@ -41,7 +41,7 @@ With ``budget`` covering the prompt (and the outputs) nothing is ever compressed
 method is exactly dense.
 
 Checkpoint. ``Down``/``Up`` per layer from ``deltakv_checkpoint_path`` (safetensors,
-``deltakv_codec.save_checkpoint``), written by
+``deltakv_fit.save_checkpoint``), written by
 ``python -m sparseengine.methods.deltakv_calibrate``. Its model, center ratio and neighbour
 count must match; ``deltakv_latent_dim`` may be smaller than the checkpoint's (PCA
 components are ordered, so the first r columns are the best rank-r pair).
@@ -50,18 +50,18 @@ components are ordered, so the first r columns are the best rank-r pair).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from sparseengine.config import ConfigError
 from sparseengine.engine.step_context import Selection
-from sparseengine.layers.rotary import apply_rotary, rope_inv_freq
+from sparseengine.layers.rotary import rope_inv_freq
 from sparseengine.method_registry import MethodSpec
 from sparseengine.methods import deltakv_codec as codec
 from sparseengine.methods.base import SparseMethodRuntime
+from sparseengine.methods.deltakv_bytes import DeltaKVBytes
+from sparseengine.methods.deltakv_fit import load_down_up
 from sparseengine.methods.omnikv import FILTER_LAYERS, choose_tokens, filter_layers_for
-from sparseengine.models.names import canonical
 
 # The full layers choose tokens exactly as OmniKV's filter layers do: same per-model table.
 FULL_LAYERS = FILTER_LAYERS
@@ -69,33 +69,6 @@ FULL_LAYERS = FILTER_LAYERS
 # (amortises the compaction; those tokens stay exact meanwhile).
 FLUSH_TOKENS = 64
 STATE_KEY = "deltakv"
-
-
-def calibrate_hint(model_name: str) -> str:
-    return (f"python -m sparseengine.methods.deltakv_calibrate --model {model_name} "
-            f"--text FILE.txt --out deltakv_{model_name}.safetensors")
-
-
-# ------------------------------------------------------------------------------ rope
-
-
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 ``cos, sin [n, d]`` of ``positions``, computed as the model computes them."""
-    freqs = positions.float()[:, None] * inv_freq.float().to(positions.device)[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def rotate_keys(k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Apply RoPE at ``positions`` to ``k [n, Hkv, d]`` (float32 result)."""
-    cos, sin = rope_cos_sin(inv_freq, positions)
-    return apply_rotary(k.float(), cos, sin)
-
-
-def unrotate_keys(k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Pre-RoPE keys of cached (rotated) ``k [n, Hkv, d]``: rotate by ``-position``."""
-    cos, sin = rope_cos_sin(inv_freq, positions)
-    return apply_rotary(k.float(), cos, -sin)
 
 
 # --------------------------------------------------------------------------- layers
@@ -111,7 +84,7 @@ def layer_roles(model, given: str) -> tuple[list[int], list[int], list[int]]:
     return filters, full, sparse
 
 
-# ------------------------------------------------------------------------ state/bytes
+# ----------------------------------------------------------------------------- state
 
 
 @dataclass
@@ -119,35 +92,6 @@ class _SeqState:
     hist_end: int  # first token of the raw tail; tokens [sink, hist_end) are compressed
     compressed: bool = False  # scratch slots exist in the sparse layers
     enc: dict[int, codec.DeltaKVEncoded] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class DeltaKVBytes:
-    """Bytes one request keeps, from the tensors held, against dense K+V of all layers."""
-
-    tokens: int  # tokens with KV (the full layers' length)
-    dense: int  # tokens x layers x 2 x Hkv x d x element size
-    full_layers: int  # raw KV of the full layers
-    raw_sparse: int  # raw sink + scratch + tail slots of the sparse layers
-    centers: int
-    latents: int  # latents (+ int4 scales and mins)
-    indices: int  # neighbour indices
-    pool: int  # bytes of the pool pages its page table pins (all layers)
-
-    @property
-    def stored(self) -> int:
-        return self.full_layers + self.raw_sparse + self.centers + self.latents + self.indices
-
-    @property
-    def ratio(self) -> float:
-        return self.stored / self.dense if self.dense else 1.0
-
-    @property
-    def per_token(self) -> float:
-        return self.stored / self.tokens if self.tokens else 0.0
-
-    def as_dict(self) -> dict:
-        return {**self.__dict__, "stored": self.stored, "ratio": self.ratio, "per_token": self.per_token}
 
 
 # --------------------------------------------------------------------------- runtime
@@ -176,55 +120,13 @@ class DeltaKV(SparseMethodRuntime):
                               f"{codec.QUANT_GROUP} with deltakv_latent_bits=4")
         self.device = cache.kv.k.device
         self.path = str(self.knob("deltakv_checkpoint_path"))
-        self.down, self.up = self._load(self.path)
+        self.down, self.up, self.checkpoint_meta = load_down_up(
+            self.path, model, self.sparse, ratio=self.ratio, stride=self.stride, neighbors=self.neighbors,
+            latent_dim=self.latent_dim, device=self.device)
         self.inv_freq = rope_inv_freq(model.head_dim, model.rope_theta, model.rope_scaling).float().to(self.device)
         self.token_bytes = 2 * model.num_kv_heads * model.head_dim * cache.kv.k.element_size()
         self.bytes_at_end: dict[int, DeltaKVBytes] = {}  # seq_id -> stored_bytes when it finished
         self._chosen: list[torch.Tensor | None] | None = None
-
-    # ---- checkpoint ---------------------------------------------------------------------
-    def _load(self, path: str):
-        name = self.model.name
-        if not path:
-            raise ConfigError(f"sparse_method=deltakv needs deltakv_checkpoint_path (Down/Up per layer, safetensors). "
-                              f"Make one from any text with the calibration command: {calibrate_hint(name)}")
-        if not Path(path).is_file():
-            raise ConfigError(f"deltakv_checkpoint_path={path!r} does not exist. Make it with: {calibrate_hint(name)}")
-        try:
-            layers, meta = codec.load_checkpoint(path, self.device)
-        except Exception as e:  # noqa: BLE001 - any unreadable file is a config problem
-            raise ConfigError(f"deltakv_checkpoint_path={path!r} is not a DeltaKV checkpoint ({e}). "
-                              f"Make one with: {calibrate_hint(name)}") from None
-        redo = f"recalibrate: {calibrate_hint(name)}"
-        if canonical(meta["model_name"]) != canonical(name):
-            raise ConfigError(f"deltakv_checkpoint_path={path!r} was fitted on model {meta['model_name']!r}, "
-                              f"not {name!r}; {redo}")
-        if codec.center_stride(meta["center_ratio"]) != self.stride:
-            raise ConfigError(f"deltakv_checkpoint_path={path!r} was fitted with deltakv_center_ratio="
-                              f"{meta['center_ratio']}, the engine runs {self.ratio}; set it or {redo} "
-                              f"--center-ratio {self.ratio}")
-        if meta["neighbors"] != self.neighbors:
-            raise ConfigError(f"deltakv_checkpoint_path={path!r} was fitted with deltakv_neighbors="
-                              f"{meta['neighbors']}, the engine runs {self.neighbors}; set it or {redo} "
-                              f"--neighbors {self.neighbors}")
-        if self.latent_dim > meta["latent_dim"]:
-            raise ConfigError(f"deltakv_latent_dim={self.latent_dim} exceeds the checkpoint's latent dim "
-                              f"{meta['latent_dim']} ({path!r}); set deltakv_latent_dim<={meta['latent_dim']} "
-                              f"or {redo} --latent-dim {self.latent_dim}")
-        dim = 2 * self.model.num_kv_heads * self.model.head_dim
-        missing = [layer for layer in self.sparse if layer not in layers]
-        if missing:
-            raise ConfigError(f"deltakv_checkpoint_path={path!r} has no Down/Up for sparse layers {missing}; {redo}")
-        down, up = {}, {}
-        for layer in self.sparse:
-            d_, u_ = layers[layer]
-            if d_.shape[0] != dim:
-                raise ConfigError(f"deltakv_checkpoint_path={path!r}: layer {layer} Down is {tuple(d_.shape)}, "
-                                  f"the model's K|V dim is {dim}; {redo}")
-            down[layer] = d_[:, : self.latent_dim].contiguous()
-            up[layer] = u_[: self.latent_dim].contiguous()
-        self.checkpoint_meta = meta
-        return down, up
 
     # ---- engine hooks ---------------------------------------------------------------------
     @classmethod
@@ -350,7 +252,7 @@ class DeltaKV(SparseMethodRuntime):
         enc = self._state(seq).enc[layer]
         kv = codec.decode(enc, self.up[layer], tokens.long() - self.config.sink_tokens)
         k, v = codec.split_kv(kv, self.model.num_kv_heads, self.model.head_dim)
-        return rotate_keys(k, tokens, self.inv_freq), v
+        return codec.rotate_keys(k, tokens, self.inv_freq), v
 
     def finish_step(self, batch) -> None:
         for seq in self.prefill_ending + self.decoding:
@@ -375,7 +277,7 @@ class DeltaKV(SparseMethodRuntime):
             if held != want:
                 raise RuntimeError(f"deltakv: layer {layer} holds {held} tokens, expected {want}")
             k, v = self.cache.gather(seq, layer, base + count, start=base)
-            kv = codec.concat_kv(unrotate_keys(k, positions, self.inv_freq).to(k.dtype), v)
+            kv = codec.concat_kv(codec.unrotate_keys(k, positions, self.inv_freq).to(k.dtype), v)
             enc = st.enc.get(layer)
             st.enc[layer] = (codec.encode(kv, self.down[layer], center_ratio=self.ratio, neighbors=self.neighbors,
                                           latent_bits=self.bits)

@@ -11,7 +11,7 @@ pre-RoPE, concatenated with values (``K|V``), the first ``--sink-tokens`` are dr
 here are exactly those the runtime encodes), and the residuals against the nearest
 earlier centers (``deltakv_codec.residuals``) are summed into a float64 Gram matrix.
 ``Down``/``Up`` are its top ``--latent-dim`` eigenvectors (PCA, the least-squares optimal
-linear pair; ``deltakv_codec.fit_down_up_from_gram``). Every layer is fitted, so one
+linear pair; ``deltakv_fit.fit_down_up_from_gram``). Every layer is fitted, so one
 checkpoint serves any ``deltakv_full_layers``. Metadata: model, latent dim, center ratio,
 neighbours (checked by the runtime), and sink tokens, tokens, segments, sources and the
 per-layer fraction of residual energy kept (informational).
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from sparseengine.methods import deltakv_codec as codec
-from sparseengine.methods.deltakv import unrotate_keys
+from sparseengine.methods import deltakv_fit
 
 
 @dataclass
@@ -73,7 +73,7 @@ def prefill_kv(llm, token_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tens
 def layer_kv(k: torch.Tensor, v: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """Pre-RoPE ``K|V [n, D]`` of a cached segment whose token i sits at position i."""
     positions = torch.arange(k.shape[0], device=k.device)
-    return codec.concat_kv(unrotate_keys(k, positions, inv_freq).to(k.dtype), v)
+    return codec.concat_kv(codec.unrotate_keys(k, positions, inv_freq).to(k.dtype), v)
 
 
 def calibrate(model: str, *, text: str | None = None, token_ids: list[int] | None = None,
@@ -121,7 +121,7 @@ def calibrate(model: str, *, text: str | None = None, token_ids: list[int] | Non
             for layer, (k, v) in enumerate(prefill_kv(llm, seg)):
                 kv = layer_kv(k, v, inv_freq)[sink_tokens:]
                 res, _ = codec.residuals(kv, center_ratio, neighbors)
-                grams[layer] += codec.residual_gram(res)
+                grams[layer] += deltakv_fit.residual_gram(res)
             rows += res.shape[0]
             if bar is not None:
                 bar.update(len(seg))
@@ -129,7 +129,7 @@ def calibrate(model: str, *, text: str | None = None, token_ids: list[int] | Non
             bar.close()
         layers, kept = {}, []
         for layer, gram in enumerate(grams):
-            layers[layer] = codec.fit_down_up_from_gram(gram, latent_dim)
+            layers[layer] = deltakv_fit.fit_down_up_from_gram(gram, latent_dim)
             eig = torch.linalg.eigvalsh((gram + gram.T) / 2).clamp(min=0)
             kept.append(float(eig[-latent_dim:].sum() / eig.sum().clamp(min=1e-300)))
         meta = {"model_name": mc.name, "latent_dim": latent_dim, "center_ratio": center_ratio,
@@ -139,7 +139,7 @@ def calibrate(model: str, *, text: str | None = None, token_ids: list[int] | Non
     if out is not None:
         out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        codec.save_checkpoint(out, layers, meta)
+        deltakv_fit.save_checkpoint(out, layers, meta)
     return CalibrationResult(out, layers, meta, meta["tokens"], rows, kept, time.perf_counter() - t0)
 
 

@@ -1,7 +1,8 @@
 """DeltaKV codec: residual compression of one layer's KV history (METHODS.md, deltakv).
 
 A token's vector is ``kv = [K | V]``, its pre-RoPE keys and values flattened and
-concatenated: ``D = 2 * Hkv * d`` (:func:`concat_kv` / :func:`split_kv`).
+concatenated: ``D = 2 * Hkv * d`` (:func:`concat_kv` / :func:`split_kv`; cached keys are
+rotated, :func:`unrotate_keys` / :func:`rotate_keys` take them to pre-RoPE and back).
 
 - Centers: every ``s = round(1 / center_ratio)``-th token, positions ``0, s, 2s, ...``,
   stored raw in the input dtype.
@@ -15,18 +16,21 @@ concatenated: ``D = 2 * Hkv * d`` (:func:`concat_kv` / :func:`split_kv`).
 
 Error bound (what the tests check). Let R ``[N, D]`` be the residuals, ``R = U S W^T``
 its SVD with singular values ``s_1 >= s_2 >= ...``, and ``Down = W_r`` (top-r right
-singular vectors), ``Up = W_r^T`` (:func:`fit_down_up`). Then ``R Down Up = R W_r W_r^T``
-is the orthogonal projection of each row onto span(W_r), and by Eckart-Young
-``||R - R W_r W_r^T||_F^2 = sum_{i>r} s_i^2``, the least error any rank-r linear
-Down/Up pair can reach. With ``r = D`` that sum is zero: reconstruction is exact up to
-float error. Storing ``z`` lossily adds ``dz``; since Up has orthonormal rows,
-``||dz Up||_F = ||dz||_F`` and by the triangle inequality
+singular vectors), ``Up = W_r^T`` (``deltakv_fit.fit_down_up``). Then
+``R Down Up = R W_r W_r^T`` is the orthogonal projection of each row onto span(W_r),
+and by Eckart-Young ``||R - R W_r W_r^T||_F^2 = sum_{i>r} s_i^2``, the least error any
+rank-r linear Down/Up pair can reach. With ``r = D`` that sum is zero: reconstruction
+is exact up to float error. Storing ``z`` lossily adds ``dz``; since Up has orthonormal
+rows, ``||dz Up||_F = ||dz||_F`` and by the triangle inequality
 ``||R - R_hat||_F <= sqrt(sum_{i>r} s_i^2) + ||dz||_F``, where
 ``|dz| <= 2^-11 |z|`` elementwise for float16 and ``|dz| <= step / 2`` for int4 (step =
 the group's scale; codes are ``round((z - min) / step)`` with min rounded down and step
 rounded up to float16, so every z of the group lies in ``[min, min + 15 step]``).
 Centers contribute no error. Decoded kv error equals residual error exactly, because
 encode and decode take the mean of the same stored centers.
+
+Fitting Down/Up and the checkpoint file that carries them: ``deltakv_fit``; what the codec
+stores, in bytes: ``deltakv_bytes``.
 """
 
 from __future__ import annotations
@@ -36,10 +40,10 @@ from dataclasses import dataclass
 
 import torch
 
+from sparseengine.layers.rotary import apply_rotary
+
 QUANT_GROUP = 32
 LATENT_BITS = (4, 16)
-CHECKPOINT_FORMAT = "sparseengine-deltakv-v1"
-_META_TYPES = {"model_name": str, "latent_dim": int, "center_ratio": float, "neighbors": int}
 
 
 # ----------------------------------------------------------------------------- checks
@@ -100,6 +104,28 @@ def split_kv(kv: torch.Tensor, num_kv_heads: int, head_dim: int):
     return k.reshape(-1, hkv, d), v.reshape(-1, hkv, d)
 
 
+# ------------------------------------------------------------------------------ rope
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``cos, sin [n, d]`` of ``positions``, computed as the model computes them."""
+    freqs = positions.float()[:, None] * inv_freq.float().to(positions.device)[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotate_keys(k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Apply RoPE at ``positions`` to ``k [n, Hkv, d]`` (float32 result)."""
+    cos, sin = rope_cos_sin(inv_freq, positions)
+    return apply_rotary(k.float(), cos, sin)
+
+
+def unrotate_keys(k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Pre-RoPE keys of cached (rotated) ``k [n, Hkv, d]``: rotate by ``-position``."""
+    cos, sin = rope_cos_sin(inv_freq, positions)
+    return apply_rotary(k.float(), cos, -sin)
+
+
 # ---------------------------------------------------------------------- neighbourhood
 
 
@@ -135,7 +161,7 @@ def _neighbor_mean(centers: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 def residuals(kv: torch.Tensor, center_ratio: float, neighbors: int):
     """``(res [N, D] float32, idx [N, neighbors])`` for the non-center tokens of ``kv``
-    in order: the calibration input of :func:`fit_down_up`."""
+    in order: the calibration input of ``deltakv_fit.fit_down_up``."""
     _matrix_arg("kv", kv, "[n, D]")
     stride = center_stride(center_ratio)
     k = _int_arg("deltakv_neighbors", neighbors, minimum=1)
@@ -300,154 +326,3 @@ def decode(enc: DeltaKVEncoded, up: torch.Tensor, positions: torch.Tensor | None
         z = enc.latents[row].float()
     out[~is_center] = z @ up.float() + _neighbor_mean(enc.centers, enc.neighbors[row])
     return out
-
-
-# ------------------------------------------------------------------------------ bytes
-
-
-@dataclass(frozen=True)
-class ByteAccount:
-    """Bytes of one layer's history of ``n`` tokens, compressed and dense."""
-
-    n: int
-    centers: int
-    center_bytes: int  # raw centers
-    latent_bytes: int  # latents (+ int4 scales and mins)
-    index_bytes: int  # neighbour indices
-    dense_bytes: int
-
-    @property
-    def stored_bytes(self) -> int:
-        return self.center_bytes + self.latent_bytes + self.index_bytes
-
-    @property
-    def stored_per_token(self) -> float:
-        return self.stored_bytes / self.n
-
-    @property
-    def dense_per_token(self) -> float:
-        return self.dense_bytes / self.n
-
-    @property
-    def ratio(self) -> float:
-        return self.stored_bytes / self.dense_bytes
-
-
-def stored_bytes_per_token(n: int, num_kv_heads: int, head_dim: int, latent_dim: int,
-                           center_ratio: float, neighbors: int, latent_bits: int,
-                           kv_bytes: int = 2) -> ByteAccount:
-    """What :func:`encode` stores for ``n`` tokens (matches ``DeltaKVEncoded.nbytes``)
-    against dense K and V of ``kv_bytes`` per element."""
-    n = _int_arg("n", n, minimum=1)
-    dim = 2 * _int_arg("num_kv_heads", num_kv_heads, 1) * _int_arg("head_dim", head_dim, 1)
-    r = _int_arg("deltakv_latent_dim", latent_dim, minimum=1)
-    k = _int_arg("deltakv_neighbors", neighbors, minimum=1)
-    bits = _latent_bits_arg(latent_bits)
-    kv_bytes = _int_arg("kv_bytes", kv_bytes, minimum=1)
-    c = num_centers(n, center_stride(center_ratio))
-    if bits == 4:
-        if r % QUANT_GROUP:
-            raise ValueError(f"deltakv_latent_dim must be a multiple of {QUANT_GROUP} for int4, got {r}")
-        per_latent = r // 2 + (r // QUANT_GROUP) * 2 * 2  # codes + f16 scale + f16 min
-    else:
-        per_latent = 2 * r
-    idx_bytes = torch.tensor([], dtype=_index_dtype(c)).element_size()
-    return ByteAccount(
-        n=n, centers=c, center_bytes=c * dim * kv_bytes, latent_bytes=(n - c) * per_latent,
-        index_bytes=(n - c) * k * idx_bytes, dense_bytes=n * dim * kv_bytes,
-    )
-
-
-# ---------------------------------------------------------------------------- fitting
-
-
-def residual_gram(res: torch.Tensor) -> torch.Tensor:
-    """``R^T R`` in float64 ``[D, D]``; sum these over calibration batches."""
-    _matrix_arg("residuals", res, "[N, D]")
-    r64 = res.double()
-    return r64.T @ r64
-
-
-def fit_down_up_from_gram(gram: torch.Tensor, latent_dim: int):
-    """Down/Up from an accumulated Gram matrix: its top-r eigenvectors are the top-r
-    right singular vectors of the stacked residuals (see :func:`fit_down_up`)."""
-    _matrix_arg("gram", gram, "[D, D]")
-    dim = gram.shape[0]
-    if gram.shape[1] != dim:
-        raise ValueError(f"gram must be square [D, D], got {tuple(gram.shape)}")
-    r = _int_arg("deltakv_latent_dim", latent_dim, minimum=1)
-    if r > dim:
-        raise ValueError(f"deltakv_latent_dim={r} exceeds the kv dim D={dim}")
-    g = gram.double()
-    _, vecs = torch.linalg.eigh((g + g.T) / 2)  # ascending eigenvalues
-    down = vecs[:, -r:].flip(-1).float().contiguous()  # [D, r], largest first
-    return down, down.T.contiguous()
-
-
-def fit_down_up(residuals: torch.Tensor, latent_dim: int):
-    """Fit ``Down [D, r]``, ``Up [r, D]`` (float32) minimising ``||R - R Down Up||_F``.
-
-    PCA/SVD of the residuals is the optimal linear solution (Eckart-Young): with
-    ``R = U S W^T``, ``Down = W_r`` (top-r right singular vectors) and ``Up = W_r^T``
-    reach the minimum ``sum_{i>r} s_i^2`` (uncentred: the codec has no bias term).
-    Computed from the float64 Gram ``R^T R``, which has the same eigenvectors.
-    """
-    return fit_down_up_from_gram(residual_gram(residuals), latent_dim)
-
-
-# ------------------------------------------------------------------------- checkpoint
-
-
-def save_checkpoint(path, layers: dict, meta: dict) -> None:
-    """Write ``{layer: (down, up)}`` to safetensors with metadata ``model_name``,
-    ``latent_dim``, ``center_ratio``, ``neighbors`` (other keys kept as strings)."""
-    from safetensors.torch import save_file
-
-    missing = [key for key in _META_TYPES if key not in meta]
-    if missing:
-        raise ValueError(f"checkpoint meta lacks {missing}; needs {list(_META_TYPES)}")
-    if not layers:
-        raise ValueError("layers is empty: nothing to save")
-    r = _int_arg("latent_dim", meta["latent_dim"], minimum=1)
-    tensors = {}
-    for layer, pair in layers.items():
-        layer = _int_arg("layer", layer)
-        down, up = pair
-        _matrix_arg(f"layer {layer} down", down, "[D, r]")
-        _matrix_arg(f"layer {layer} up", up, "[r, D]")
-        if down.shape[1] != r or tuple(up.shape) != (r, down.shape[0]):
-            raise ValueError(
-                f"layer {layer}: down {tuple(down.shape)} / up {tuple(up.shape)} do not "
-                f"match latent_dim={r}"
-            )
-        tensors[f"layers.{layer}.down"] = down.detach().float().contiguous().cpu()
-        tensors[f"layers.{layer}.up"] = up.detach().float().contiguous().cpu()
-    text = {str(key): str(value) for key, value in meta.items()}
-    text["format"] = CHECKPOINT_FORMAT
-    save_file(tensors, str(path), metadata=text)
-
-
-def load_checkpoint(path, device="cpu"):
-    """``({layer: (down, up)}, meta)`` with ``latent_dim``/``neighbors`` as int and
-    ``center_ratio`` as float."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt", device=str(device)) as f:
-        meta = dict(f.metadata() or {})
-        names = list(f.keys())
-        tensors = {name: f.get_tensor(name) for name in names}
-    if meta.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path}: not a DeltaKV checkpoint (format={meta.get('format')!r})")
-    for key, kind in _META_TYPES.items():
-        if key not in meta:
-            raise ValueError(f"{path}: metadata lacks {key!r}")
-        meta[key] = kind(meta[key])
-    layers = {}
-    for name in names:
-        prefix, layer, part = name.split(".")
-        if part == "down":
-            layers[int(layer)] = (tensors[name], tensors[f"{prefix}.{layer}.up"])
-    for layer, (down, up) in layers.items():
-        if down.shape[1] != meta["latent_dim"]:
-            raise ValueError(f"{path}: layer {layer} latent dim {down.shape[1]} != {meta['latent_dim']}")
-    return dict(sorted(layers.items())), meta

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from sparseengine.methods import deltakv_bytes, deltakv_fit
 from sparseengine.methods import deltakv_codec as dk
 
 
@@ -77,7 +78,7 @@ def test_concat_split_round_trip():
 @pytest.mark.parametrize("bits", [16, 4])
 def test_centers_decode_exactly(dtype, bits):
     kv = clustered_kv(70, 64, seed=3).to(dtype)
-    down, up = dk.fit_down_up(dk.residuals(kv, 0.1, 2)[0], 32)
+    down, up = deltakv_fit.fit_down_up(dk.residuals(kv, 0.1, 2)[0], 32)
     enc = dk.encode(kv, down, center_ratio=0.1, neighbors=2, latent_bits=bits)
     centers = torch.arange(0, 70, 10)
     assert torch.equal(dk.decode(enc, up, centers), kv[centers].float())
@@ -87,7 +88,7 @@ def test_centers_decode_exactly(dtype, bits):
 def test_full_rank_16bit_round_trip_is_exact_to_float16():
     kv = clustered_kv(90, 48, seed=4)
     res, _ = dk.residuals(kv, 0.1, 3)
-    down, up = dk.fit_down_up(res, 48)
+    down, up = deltakv_fit.fit_down_up(res, 48)
     enc = dk.encode(kv, down, center_ratio=0.1, neighbors=3, latent_bits=16)
     out = dk.decode(enc, up)
     z = res @ down
@@ -101,7 +102,7 @@ def test_full_rank_16bit_round_trip_is_exact_to_float16():
 def test_truncated_error_within_dropped_singular_energy(r):
     kv = clustered_kv(120, 48, seed=r)
     res, _ = dk.residuals(kv, 0.2, 2)
-    down, up = dk.fit_down_up(res, r)
+    down, up = deltakv_fit.fit_down_up(res, r)
     assert down.dtype == up.dtype == torch.float32 and down.shape == (48, r) and up.shape == (r, 48)
     torch.testing.assert_close(up @ down, torch.eye(r), rtol=0, atol=1e-5)
     dropped = dropped_energy(res, r)
@@ -123,7 +124,7 @@ def test_truncated_error_within_dropped_singular_energy(r):
 def test_int4_error_bounded_by_quantisation_step(r):
     kv = clustered_kv(150, 96, seed=r + 1)
     res, _ = dk.residuals(kv, 0.1, 2)
-    down, up = dk.fit_down_up(res, r)
+    down, up = deltakv_fit.fit_down_up(res, r)
     enc = dk.encode(kv, down, center_ratio=0.1, neighbors=2, latent_bits=4)
     assert enc.latents.dtype == torch.uint8 and enc.latents.shape == (150 - 15, r // 2)
     z = res @ down
@@ -148,7 +149,7 @@ def test_int4_quantiser_edges():
 @pytest.mark.parametrize("bits", [4, 16])
 def test_decode_subset_and_extend(bits):
     kv = clustered_kv(77, 64, seed=7)
-    down, up = dk.fit_down_up(dk.residuals(kv, 0.125, 3)[0], 32)
+    down, up = deltakv_fit.fit_down_up(dk.residuals(kv, 0.125, 3)[0], 32)
     whole = dk.encode(kv, down, center_ratio=0.125, neighbors=3, latent_bits=bits)
     parts = dk.extend(dk.encode(kv[:29], down, center_ratio=0.125, neighbors=3, latent_bits=bits), kv[29:], down)
     for name in ("centers", "neighbors", "latents", "scales", "zeros"):
@@ -166,7 +167,7 @@ def test_byte_accounting_hand_count():
     # n=20, stride 4: centers 0,4,8,12,16 (5), 15 others. D = 2*2*16 = 64, bf16.
     # center: 64 * 2 = 128 B; other: 32 int4 codes = 16 B + one group's f16 scale and
     # min = 4 B + 2 int16 neighbour indices = 4 B -> 24 B. 5*128 + 15*24 = 1000 B.
-    acct = dk.stored_bytes_per_token(20, 2, 16, 32, 0.25, 2, 4, kv_bytes=2)
+    acct = deltakv_bytes.stored_bytes_per_token(20, 2, 16, 32, 0.25, 2, 4, kv_bytes=2)
     assert (acct.centers, acct.center_bytes, acct.latent_bytes, acct.index_bytes) == (5, 640, 300, 60)
     assert acct.stored_bytes == 1000 and acct.dense_bytes == 20 * 128
     assert acct.stored_per_token == 50.0 and acct.dense_per_token == 128.0
@@ -175,12 +176,12 @@ def test_byte_accounting_hand_count():
     down = torch.linalg.qr(rand(64, 32, seed=1))[0]
     assert dk.encode(kv, down, center_ratio=0.25, neighbors=2, latent_bits=4).nbytes() == 1000
     # 16-bit latents: other = 32 * 2 + 4 = 68 B -> 640 + 15 * 68 = 1660 B
-    assert dk.stored_bytes_per_token(20, 2, 16, 32, 0.25, 2, 16).stored_bytes == 1660
+    assert deltakv_bytes.stored_bytes_per_token(20, 2, 16, 32, 0.25, 2, 16).stored_bytes == 1660
     assert dk.encode(kv, down, center_ratio=0.25, neighbors=2, latent_bits=16).nbytes() == 1660
 
 
 def test_byte_accounting_default_shape_is_well_below_dense():
-    acct = dk.stored_bytes_per_token(131072, 8, 128, 256, 0.1, 4, 4)
+    acct = deltakv_bytes.stored_bytes_per_token(131072, 8, 128, 256, 0.1, 4, 4)
     assert acct.dense_per_token == 2 * 8 * 128 * 2
     assert 0.1 < acct.ratio < 0.2
 
@@ -189,11 +190,12 @@ def test_byte_accounting_default_shape_is_well_below_dense():
 
 
 def test_checkpoint_round_trip(tmp_path):
-    layers = {0: dk.fit_down_up(rand(50, 16, seed=1), 8), 3: dk.fit_down_up(rand(50, 16, seed=2), 8)}
+    layers = {0: deltakv_fit.fit_down_up(rand(50, 16, seed=1), 8),
+              3: deltakv_fit.fit_down_up(rand(50, 16, seed=2), 8)}
     meta = {"model_name": "tiny-llama", "latent_dim": 8, "center_ratio": 0.1, "neighbors": 4, "text": "calib.txt"}
     path = tmp_path / "deltakv.safetensors"
-    dk.save_checkpoint(path, layers, meta)
-    got, got_meta = dk.load_checkpoint(path)
+    deltakv_fit.save_checkpoint(path, layers, meta)
+    got, got_meta = deltakv_fit.load_checkpoint(path)
     assert list(got) == [0, 3]
     for layer, (down, up) in layers.items():
         assert torch.equal(got[layer][0], down) and torch.equal(got[layer][1], up)
@@ -202,16 +204,16 @@ def test_checkpoint_round_trip(tmp_path):
 
 
 def test_checkpoint_errors(tmp_path):
-    pair = dk.fit_down_up(rand(20, 16, seed=1), 8)
+    pair = deltakv_fit.fit_down_up(rand(20, 16, seed=1), 8)
     with pytest.raises(ValueError, match="neighbors"):
-        dk.save_checkpoint(tmp_path / "a.safetensors", {0: pair}, {"model_name": "m", "latent_dim": 8, "center_ratio": 0.1})
+        deltakv_fit.save_checkpoint(tmp_path / "a.safetensors", {0: pair}, {"model_name": "m", "latent_dim": 8, "center_ratio": 0.1})
     with pytest.raises(ValueError, match="latent_dim=4"):
-        dk.save_checkpoint(tmp_path / "a.safetensors", {0: pair}, {"model_name": "m", "latent_dim": 4, "center_ratio": 0.1, "neighbors": 2})
+        deltakv_fit.save_checkpoint(tmp_path / "a.safetensors", {0: pair}, {"model_name": "m", "latent_dim": 4, "center_ratio": 0.1, "neighbors": 2})
     from safetensors.torch import save_file
 
     save_file({"x": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(ValueError, match="not a DeltaKV checkpoint"):
-        dk.load_checkpoint(tmp_path / "other.safetensors")
+        deltakv_fit.load_checkpoint(tmp_path / "other.safetensors")
 
 
 # ---------------------------------------------------------------------------- errors
@@ -224,9 +226,9 @@ def test_checkpoint_errors(tmp_path):
         (lambda: dk.encode(rand(10, 64, seed=0), rand(64, 20, seed=0), center_ratio=0.1, neighbors=2, latent_bits=4), "multiple of 32"),
         (lambda: dk.encode(rand(10, 64, seed=0), rand(48, 32, seed=0), center_ratio=0.1, neighbors=2), r"down must be \[D=64"),
         (lambda: dk.encode(rand(10, 64, seed=0), rand(64, 32, seed=0), center_ratio=0.1, neighbors=0), "deltakv_neighbors"),
-        (lambda: dk.fit_down_up(rand(10, 16, seed=0), 17), "deltakv_latent_dim=17"),
+        (lambda: deltakv_fit.fit_down_up(rand(10, 16, seed=0), 17), "deltakv_latent_dim=17"),
         (lambda: dk.split_kv(rand(3, 10, seed=0), 2, 4), r"\[n, 16\]"),
-        (lambda: dk.stored_bytes_per_token(0, 2, 4, 32, 0.1, 2, 4), "n must be"),
+        (lambda: deltakv_bytes.stored_bytes_per_token(0, 2, 4, 32, 0.1, 2, 4), "n must be"),
     ],
 )
 def test_bad_input_raises_naming_the_value(call, match):
@@ -236,7 +238,7 @@ def test_bad_input_raises_naming_the_value(call, match):
 
 def test_decode_rejects_bad_positions():
     kv = rand(30, 64, seed=0)
-    down, up = dk.fit_down_up(dk.residuals(kv, 0.1, 2)[0], 32)
+    down, up = deltakv_fit.fit_down_up(dk.residuals(kv, 0.1, 2)[0], 32)
     enc = dk.encode(kv, down, center_ratio=0.1, neighbors=2)
     with pytest.raises(ValueError, match="n=30"):
         dk.decode(enc, up, torch.tensor([30]))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from sparseengine import LLM, SamplingParams
-from sparseengine.methods import deltakv_codec as codec
+from sparseengine.methods import deltakv_fit
 from sparseengine.methods.deltakv_calibrate import main
 
 
@@ -19,7 +19,7 @@ def test_random_token_checkpoint_for_a_dummy_shape(tmp_path):
 
     out = tmp_path / "tiny_dummy.safetensors"
     result = main(args(out))
-    layers, meta = codec.load_checkpoint(out)
+    layers, meta = deltakv_fit.load_checkpoint(out)
     assert meta["model_name"] == "tiny-llama" and int(meta["tokens"]) == 1500 and int(meta["segments"]) == 3
     assert meta["sources"] == "random token ids (seed 3, vocab 512)"
     assert sorted(layers) == [0, 1, 2, 3] and all(d.shape == (64, 32) for d, _ in layers.values())

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from sparseengine import LLM, ConfigError, SamplingParams
+from sparseengine.methods import deltakv_bytes, deltakv_fit
 from sparseengine.methods import deltakv_codec as codec
 from sparseengine.methods.deltakv_calibrate import calibrate, layer_kv, prefill_kv
 
@@ -87,7 +88,7 @@ def _greedy(n):
 
 def test_calibration_writes_a_checkpoint_the_codec_reloads(ckpt64, ckpt32, folder):
     for result, r in ((ckpt64, DIM), (ckpt32, 32)):
-        layers, meta = codec.load_checkpoint(result.path)
+        layers, meta = deltakv_fit.load_checkpoint(result.path)
         assert sorted(layers) == [0, 1, 2, 3]  # every layer: any deltakv_full_layers works
         assert meta["latent_dim"] == r and meta["neighbors"] == 4 and meta["center_ratio"] == 0.1
         assert meta["model_name"] == LLM(folder, device="cpu", num_kv_pages=4).model_config.name
@@ -248,7 +249,7 @@ def test_stored_bytes_against_a_hand_count(folder, ckpt32):
     assert got.centers == 2 * centers * DIM * 4
     assert got.latents == 2 * others * per_latent
     assert got.indices == 2 * others * 4 * 2  # 4 int16 neighbour indices
-    acct = codec.stored_bytes_per_token(hist, HKV, HEAD_DIM, 32, 0.1, 4, 4, kv_bytes=4)
+    acct = deltakv_bytes.stored_bytes_per_token(hist, HKV, HEAD_DIM, 32, 0.1, 4, 4, kv_bytes=4)
     assert got.centers + got.latents + got.indices == 2 * acct.stored_bytes
     assert got.pool == -(-tokens // 16) * 16 * 4 * tb
     assert got.stored == got.full_layers + got.raw_sparse + got.centers + got.latents + got.indices
