@@ -100,3 +100,54 @@ def test_token_order_follows_the_ring(sink, recent, steps, extra):
     tokens = [slots[i] for i in order]
     assert tokens == sorted(tokens) and sorted(order) == list(range(total + extra))
 
+
+
+def test_token_pools_travel_with_compaction_and_moves():
+    c, seq = make_cache(5), make_seq(10, [3, 7, 1])
+    pool = c.token_pool("p", torch.float32)
+    assert pool.shape == (LAYERS, PAGES, PAGE, HKV) and c.token_pool("p", torch.float32) is pool
+    pool.copy_(torch.randn(pool.shape, generator=torch.Generator().manual_seed(1)))
+    keep = torch.tensor([[0, 2, 5, 9], [1, 2, 3, 8]])
+    # K rows are unique random vectors: the pool must end where its token's K row ends
+    src_k, src_pool = c.kv.k.clone(), pool.clone()
+    c.compact_layers(seq, keep)
+    want = compacted(src_pool[..., None], seq.page_table, {l: keep for l in range(LAYERS)})[..., 0]
+    assert torch.equal(pool, want) and torch.equal(c.kv.k, compacted(src_k, seq.page_table,
+                                                                     {l: keep for l in range(LAYERS)}))
+    before = pool.clone()
+    c.move_tokens(torch.tensor([5, 17]), torch.tensor([8, 2]))
+    flat = before.view(LAYERS, PAGES * PAGE, HKV).clone()
+    flat[:, [8, 2]] = flat[:, [5, 17]]
+    assert torch.equal(pool.view(LAYERS, PAGES * PAGE, HKV), flat)
+
+
+@pytest.mark.parametrize("seed,total,k", [(0, 9, 1), (1, 9, 3), (2, 4, 7), (3, 6, 2)])
+def test_evict_to_refills_freed_slots_with_the_kept_tail(seed, total, k):
+    """Two requests, two of the three layers, distinct victims per (request, layer, head):
+    after ``evict_to`` each row holds its kept tokens at indices [0, total), the kept ones
+    past the total moved into the freed indices in order; other layers and the pool agree."""
+    rng = random.Random(seed)
+    n, layers = total + k, [2, 0]
+    per = -(-n // PAGE)
+    pages = rng.sample(range(PAGES), 2 * per)
+    tables = [pages[:per], pages[per:]]  # two requests own disjoint pages
+    c = make_cache(seed)
+    pool = c.token_pool("score", torch.float32)
+    pool.copy_(torch.arange(pool.numel(), dtype=torch.float32).view(pool.shape))  # a distinct tag per entry
+    victims = torch.tensor([[[rng.sample(range(n), k) for _ in range(HKV)] for _ in layers] for _ in tables])
+    k_before, pool_before = c.kv.k.clone(), pool.clone()
+    c.evict_to(torch.tensor(tables), layers, victims, total)
+    for g, pages in enumerate(tables):
+        for li, layer in enumerate(layers):
+            for h in range(HKV):
+                gone = set(victims[g, li, h].tolist())
+                freed = sorted(v for v in gone if v < total)
+                tail = [i for i in range(total, n) if i not in gone]
+                row = list(range(total))  # cache index -> the index its token came from
+                for f, t in zip(freed, tail, strict=True):
+                    row[f] = t
+                at = lambda i: (pages[i // PAGE], i % PAGE)  # noqa: E731
+                for i, j in enumerate(row):
+                    assert torch.equal(c.kv.k[(layer, *at(i), h)], k_before[(layer, *at(j), h)])
+                    assert pool[(layer, *at(i), h)] == pool_before[(layer, *at(j), h)]
+    assert torch.equal(c.kv.k[1], k_before[1])  # a layer not named

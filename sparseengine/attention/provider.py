@@ -38,9 +38,20 @@ class AttentionProvider:
                view: "LayerView", selection: "Selection | None",
                score_rows: "ScoreRows | None", block_mask: "BlockMask | None" = None,
                ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-        """-> (out [T, Hq, d], per request [Hkv, kv_len] column sums, or None). ``block_mask``
-        (passed only when a method asks for one): block-sparse causal prefill rows."""
+        """-> (out [T, Hq, d], per request [Hkv, kv_len] column sums (one padded tensor when
+        ``score_rows.max_kv_len`` is set), or None). ``block_mask`` (passed only when a method
+        asks for one): block-sparse causal prefill rows."""
         raise NotImplementedError
+
+
+def padded_colsum_width(score_rows: "ScoreRows", view: "LayerView") -> int | None:
+    """``score_rows.max_kv_len`` (the decode column sums come back as one padded tensor that
+    wide), checked against the rows' lengths where the host knows them; None: one tensor
+    per request. A CUDA graph's views carry placeholder host lengths of 1."""
+    bound = score_rows.max_kv_len
+    if bound is not None and max(view.kv_lens_list) > bound:
+        raise ValueError(f"ScoreRows.max_kv_len={bound} is below a row's cache length {max(view.kv_lens_list)}")
+    return bound
 
 
 def make_provider(name: str, device: torch.device) -> AttentionProvider:

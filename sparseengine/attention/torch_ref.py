@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sparseengine.attention.provider import AttentionProvider
+from sparseengine.attention.provider import AttentionProvider, padded_colsum_width
 from sparseengine.engine.step_context import BlockMask, LayerView, ScoreRows, Selection, StepContext
 
 
@@ -76,6 +76,9 @@ class TorchAttentionProvider(AttentionProvider):
                     cs = p[:, q_len - rows:, :].sum(1) if rows else p.new_zeros(p.shape[0], length)
                     colsums.append(cs.view(k.shape[1], g, length).mean(1))
             start += q_len
+        bound = None if score_rows is None or not ctx.is_decode else padded_colsum_width(score_rows, view)
+        if bound:
+            colsums = torch.stack([F.pad(c, (0, bound - c.shape[-1])) for c in colsums])
         return out, colsums
 
     @staticmethod

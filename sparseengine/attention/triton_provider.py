@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from sparseengine import kernels
-from sparseengine.attention.provider import AttentionProvider
+from sparseengine.attention.provider import AttentionProvider, padded_colsum_width
 from sparseengine.engine.step_context import LayerView, ScoreRows, Selection, StepContext
 
 
@@ -26,8 +26,10 @@ class TritonAttentionProvider(AttentionProvider):
         max_len = max(view.kv_lens_list)
         if ctx.is_decode:
             if score_rows is not None:
-                out, colsum = kernels.decode_colsum_triton(q, k_cache, v_cache, table, lens, max_kv_len=max_len)
-                colsums = [colsum[b, :, :n] for b, n in enumerate(view.kv_lens_list)]
+                bound = padded_colsum_width(score_rows, view)
+                out, colsum = kernels.decode_colsum_triton(q, k_cache, v_cache, table, lens,
+                                                           max_kv_len=bound or max_len)
+                colsums = colsum if bound else [colsum[b, :, :n] for b, n in enumerate(view.kv_lens_list)]
             else:
                 out, colsums = None, None
             if selection is not None:

@@ -1,5 +1,8 @@
-"""Persistent cache state: the paged KV tensors, per-request method state, and the
-compaction that lets eviction methods return whole pages to the pool."""
+"""Persistent cache state: the paged KV tensors, per-token method state that lives beside
+them (``token_pool``), per-request method state, and the compaction and token moves that
+let eviction methods return whole pages to the pool. Every move of a token's K/V moves
+its entries in every token pool too, so method state never falls out of step with the
+cache, whoever moves the token."""
 
 from __future__ import annotations
 
@@ -18,6 +21,23 @@ class CacheManager:
         self.scheduler = scheduler
         self.page_size = kv.page_size
         self._state: dict[int, dict[str, Any]] = {}
+        self._pools: dict[str, torch.Tensor] = {}
+
+    def token_pool(self, name: str, dtype: torch.dtype, fill=0) -> torch.Tensor:
+        """A per-(layer, token slot, KV head) tensor ``[L, pages, page, Hkv]`` beside the KV
+        pool (made on first use, filled with ``fill``), e.g. H2O's accumulated scores: it
+        shares the KV pool's slot indexing (``rows``, ``flat``) and travels with every
+        compaction and token move."""
+        pool = self._pools.get(name)
+        if pool is None:
+            with torch.inference_mode(False):  # a normal tensor, like the KV pool: moves run outside the forward
+                pool = torch.full(self.kv.k.shape[:4], fill, dtype=dtype, device=self.kv.k.device)
+            self._pools[name] = pool
+        return pool
+
+    def _tensors(self) -> list[torch.Tensor]:
+        """Everything a token move carries: K, V and every token pool."""
+        return [self.kv.k, self.kv.v, *self._pools.values()]
 
     def state(self, seq: Sequence) -> dict[str, Any]:
         """Per-request method state (scores, page metadata, latents, ...)."""
@@ -37,7 +57,8 @@ class CacheManager:
 
     @staticmethod
     def rows(cache: torch.Tensor) -> torch.Tensor:
-        """The pool ``[L, pages, page, Hkv, d]`` as ``[L * pages * page, Hkv, d]`` (a view)."""
+        """The pool ``[L, pages, page, Hkv, d]`` as ``[L * pages * page, Hkv, d]`` (a view); a
+        token pool ``[L, pages, page, Hkv]`` as ``[L * pages * page, Hkv]``."""
         return cache.view(-1, *cache.shape[3:])
 
     def flat(self, layers, slots: torch.Tensor) -> torch.Tensor:
@@ -60,7 +81,7 @@ class CacheManager:
         self.compact_layers(seq, keep, [layer])
 
     def compact_layers(self, seq: Sequence, keep: torch.Tensor, layers: list[int] | None = None) -> None:
-        """``compact`` of many layers at once (one gather, one scatter for K and for V):
+        """``compact`` of many layers at once (one gather, one scatter for K, V and each pool):
         ``keep [Hkv, count]`` (the same cache indices in every layer) or ``[len(layers),
         Hkv, count]``; ``layers`` defaults to all."""
         kv = self.kv
@@ -77,21 +98,54 @@ class CacheManager:
                              f"got {tuple(keep.shape)}")
         src = self.flat(layers, self.slots(seq, keep))  # [nl, Hkv, count]
         dst = self.flat(layers, self.slots(seq, torch.arange(count, device=device))[None, None]).expand(nl, hkv, count)
-        heads = torch.arange(hkv, device=device)[None, :, None]
-        for cache in (kv.k, kv.v):
-            flat = self.rows(cache)
-            flat[dst, heads] = flat[src, heads]
+        self.move_entries(src, dst, torch.arange(hkv, device=device)[None, :, None])
         for layer in layers:
             seq.layer_lens[layer] = count
 
     def move_tokens(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy every layer's K and V (all heads) of the physical cache slots ``src [N]``
-        to the slots ``dst [N]`` (one gather and one scatter, whatever the batch)."""
+        """Copy every layer's K and V (all heads, and the token pools) of the physical
+        cache slots ``src [N]`` to the slots ``dst [N]`` (one gather and one scatter, whatever
+        the batch)."""
         device, layers = self.kv.k.device, range(self.kv.k.shape[0])
         src, dst = (self.flat(layers, t.to(device)[None, :]).flatten() for t in (src, dst))  # [L * N]
-        for cache in (self.kv.k, self.kv.v):
+        for cache in self._tensors():
             flat = self.rows(cache)
             flat[dst] = flat[src]
+
+    def move_entries(self, src: torch.Tensor, dst: torch.Tensor, heads: torch.Tensor) -> None:
+        """Per KV head moves: entry ``(src[i], heads[i])`` of ``rows(...)`` (``flat``
+        indices) goes to ``(dst[i], heads[i])``, in K, V and every token pool; the shapes
+        broadcast. Every source is read before any write; two moves into one destination
+        must carry the same token."""
+        for cache in self._tensors():
+            flat = self.rows(cache)
+            flat[dst, heads] = flat[src, heads]
+
+    def evict_to(self, table: torch.Tensor, layers, victims: torch.Tensor, total: int) -> None:
+        """Rows of G requests (page tables ``table [G, P]``) in ``layers [nl]``, each holding
+        ``n = total + k`` tokens per KV head, drop the cache indices ``victims [G, nl, Hkv,
+        k]`` (distinct per row). The kept tokens at indices ``>= total`` move into the freed
+        indices below it, so every row ends with its kept tokens at ``[0, total)`` in no
+        particular order; at most ``min(k, total)`` tokens move per row (no compaction)."""
+        g, nl, hkv, k = victims.shape
+        device = victims.device
+        n, m = total + k, min(k, total)
+        none = n  # sorts after every cache index
+        freed = torch.where(victims < total, victims, none).sort(dim=-1).values[..., :m]
+        dropped = torch.zeros_like(victims).scatter_add_(-1, (victims - total).clamp(min=0),
+                                                         (victims >= total).long())
+        tail = torch.arange(total, n, device=device).expand_as(victims)
+        kept_tail = torch.where(dropped > 0, none, tail).sort(dim=-1).values[..., :m]
+        moves = freed < none  # as many freed indices below total as kept tokens past it
+        spare = torch.arange(total, total + m, device=device).expand_as(freed)  # unused: a self-copy past the row
+        src, dst = torch.where(moves, kept_tail, spare), torch.where(moves, freed, spare)
+        ps = self.page_size
+        rows = torch.arange(g, device=device)[:, None, None, None]
+        table = table.to(device).long()
+        src, dst = ((table[rows, i // ps] * ps + i % ps).flatten(1) for i in (src, dst))  # [G, nl * Hkv * m]
+        src, dst = (self.flat(layers, t.view(g, nl, hkv * m).transpose(0, 1)) for t in (src, dst))
+        heads = torch.arange(hkv, device=device).repeat_interleave(m).view(1, 1, hkv * m)
+        self.move_entries(src, dst, heads)
 
     def trim_pages(self, seq: Sequence) -> int:
         return self.scheduler.trim_pages(seq)

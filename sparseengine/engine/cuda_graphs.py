@@ -77,6 +77,13 @@ class DecodeGraphs:
                            positions=self.positions[:size])
 
     def _capture(self, size: int) -> None:
+        """Capture the bucket's graph. The warm-up runs execute for real, so they see only
+        padding rows (no cache or method state is written: a method's in-graph update, such
+        as H2O's score sums, must count once); the step's staged inputs return after."""
+        staged = self._in_host.clone()
+        self._in[2][:] = -1
+        self._in[3][:] = 1
+        self._in_dev.copy_(self._in_host)
         ctx = self._context(size)
         set_step_context(ctx)
         try:
@@ -89,6 +96,8 @@ class DecodeGraphs:
             self.pool = graph.pool()
         finally:
             set_step_context(None)
+            self._in_host.copy_(staged)
+            self._in_dev.copy_(self._in_host)
         self.graphs[size] = (graph, logits)
 
     def page_tables(self, seq_ids: list[int], tables: list[list[int]]) -> np.ndarray:

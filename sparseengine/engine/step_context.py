@@ -78,9 +78,15 @@ class Selection:
 
 @dataclass(frozen=True)
 class ScoreRows:
-    """rows[b]: report column sums over the last rows[b] query rows of request b."""
+    """rows[b]: report column sums over the last rows[b] query rows of request b.
+
+    The provider returns them as one ``[Hkv, kv_len]`` tensor per request; with
+    ``max_kv_len`` set (decode steps only, a bound on every row's cache length) as one
+    ``[B, Hkv, max_kv_len]`` tensor, zero past each row's length: a static shape, so a
+    CUDA graph can capture the step."""
 
     rows: tuple[int, ...]
+    max_kv_len: int | None = None
 
 
 @dataclass(frozen=True)

@@ -172,7 +172,9 @@ class MethodStack(SparseMethodRuntime):
         asks = [r for r in (p.score_rows(layer, ctx) for p in self.parts) if r is not None]
         if not asks:
             return None
-        return ScoreRows(tuple(max(col) for col in zip(*(a.rows for a in asks))))
+        bounds = [a.max_kv_len for a in asks]
+        return ScoreRows(tuple(max(col) for col in zip(*(a.rows for a in asks))),
+                         max_kv_len=None if None in bounds else max(bounds))
 
     def observe(self, layer, q, colsums, ctx):
         for p in self.parts:

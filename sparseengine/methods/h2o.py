@@ -4,23 +4,42 @@ received from every query row so far (column sums emitted by the attention itsel
 averaged over the query heads of its KV head). When a row exceeds the total, keep sink +
 the last ``recent_tokens`` + the top-``budget`` others by accumulated score, carrying
 their scores forward. Evicts at the end of prefill and every ``h2o_decode_interval``
-decode steps."""
+decode steps.
+
+Layout: the scores and each token's position live per cache slot in two token pools
+beside the KV pool (``CacheManager.token_pool``), so they follow every token move. The
+attention's column sums are added in place (a kernel, inside the decode CUDA graph); an
+eviction picks its victims from the pools (``selection.h2o_victims``) for every request
+and layer of the step at once, and moves the kept tokens past the total into the freed
+slots (``CacheManager.evict_to``): a decode step moves at most one token per (layer, KV
+head), and a row's slots are in no particular token order.
+"""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
+from sparseengine import kernels
 from sparseengine.engine.step_context import ScoreRows
+from sparseengine.kernels.h2o_scores import h2o_scores_accumulate_torch
 from sparseengine.method_registry import MethodSpec
 from sparseengine.methods.base import SparseMethodRuntime
-from sparseengine.methods.selection import h2o_keep
+from sparseengine.methods.selection import h2o_victims
+
+SCORES, POSITIONS = "h2o_scores", "h2o_positions"  # token pools
+ROWS_PER_PICK = 1 << 24  # (layer, KV head, token) entries one batched victim pick reads at most
 
 
 class H2O(SparseMethodRuntime):
     def __init__(self, config, model, cache) -> None:
         super().__init__(config, model, cache)
         self.interval = int(self.knob("h2o_decode_interval"))
-        self._rows: ScoreRows | None = None
+
+    @classmethod
+    def bytes_per_pool_page(cls, config, model, elem_bytes: int) -> int:
+        return model.num_layers * config.page_size * model.num_kv_heads * (4 + 4)  # score + position
 
     def cache_lens_after_prefill(self, n: int) -> list[int]:
         return [min(n, self.total)] * self.model.num_layers
@@ -28,31 +47,43 @@ class H2O(SparseMethodRuntime):
     def max_cache_tokens(self, n: int, output_tokens: int) -> int:
         return min(n + output_tokens, self.total + self.interval)
 
-    def init_synthetic(self, seq) -> None:
-        k_cache, _ = self.cache.kv.layer(0)
-        self.cache.state(seq)["h2o_acc"] = {
-            l: torch.rand(self.model.num_kv_heads, n, device=k_cache.device)
-            for l, n in enumerate(seq.layer_lens)}
-        self.cache.state(seq)["decode_steps"] = 0
+    def graph_capturable(self) -> bool:
+        return True
 
-    def begin_step(self, ctx) -> None:
-        super().begin_step(ctx)
-        self._rows = ScoreRows(tuple(ctx.q_lens))
+    def metadata_bytes_read(self, seq, kv_bytes_per_token_layer: int) -> int:
+        """Per cached token and KV head: its score read and written back (the column sums
+        added), then its score and position read by the eviction."""
+        return sum(seq.layer_lens) * self.model.num_kv_heads * (4 + 4 + 4 + 4)
 
+    def _pools(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self.cache.token_pool(SCORES, torch.float32),
+                self.cache.token_pool(POSITIONS, torch.int32, fill=-1))
+
+    # ---- scores: column sums added into the pools ----------------------------------------
     def score_rows(self, layer, ctx):
-        return self._rows
+        if ctx.is_decode:  # one padded tensor of a static width: what a CUDA graph captures
+            return ScoreRows(tuple(ctx.q_lens), max_kv_len=self.total + self.interval)
+        return ScoreRows(tuple(ctx.q_lens))
 
     def observe(self, layer, q, colsums, ctx) -> None:
-        for seq, cs in zip(ctx.seqs, colsums):
-            acc = self.cache.state(seq).setdefault("h2o_acc", {})
-            prev = acc.get(layer)
-            cs = cs.float()
-            if prev is not None:
-                cs = cs + torch.nn.functional.pad(prev, (0, cs.shape[1] - prev.shape[1]))
-            acc[layer] = cs
+        view = ctx.views[layer]
+        if isinstance(colsums, torch.Tensor):  # decode: [B, Hkv, M], one new token per row
+            lens = torch.where(view.slot_mapping >= 0, view.kv_lens, 0)  # graph padding rows: none
+            first, pos0 = lens - 1, ctx.positions
+        else:
+            width = max(c.shape[-1] for c in colsums)
+            colsums = torch.stack([F.pad(c.float(), (0, width - c.shape[-1])) for c in colsums])
+            lens = view.kv_lens
+            first = lens - torch.tensor(ctx.q_lens, dtype=lens.dtype, device=lens.device)
+            pos0 = ctx.positions[ctx.cu_q_lens[:-1].long()]
+        scores, positions = self._pools()
+        add = kernels.h2o_scores_accumulate_triton if ctx.provider.triton_kernels else h2o_scores_accumulate_torch
+        add(scores[layer], positions[layer], colsums, view.page_table, lens, first, pos0)
 
+    # ---- eviction ------------------------------------------------------------------------
     def finish_step(self, batch) -> None:
         ending, decoding = set(map(id, self.prefill_ending)), set(map(id, self.decoding))
+        due = []
         for seq in batch.seqs:
             st = self.cache.state(seq)
             if id(seq) in ending:
@@ -63,26 +94,68 @@ class H2O(SparseMethodRuntime):
                     continue
             else:
                 continue  # mid-prefill: the cache grows until the prompt ends
-            self.evict(seq, st["h2o_acc"], self.config.budget)
+            if max(seq.layer_lens) > self.total:
+                due.append(seq)
+        if due:
+            self.evict(due)
 
-    def evict(self, seq, acc: dict[int, torch.Tensor], budget: int) -> None:
-        """Evict every layer past the total; layers of one length in one batched pick and
-        one compaction."""
-        cfg = self.config
-        groups: dict[int, list[int]] = {}
-        for layer, n in enumerate(seq.layer_lens):
-            if n > cfg.sink_tokens + budget + cfg.recent_tokens:
-                groups.setdefault(n, []).append(layer)
-        for layers in groups.values():
-            scores = torch.stack([acc[layer] for layer in layers])  # [G, Hkv, n]
-            g, hkv, _ = scores.shape
-            keep = h2o_keep(scores.flatten(0, 1), cfg.sink_tokens, budget, cfg.recent_tokens).view(g, hkv, -1)
-            kept = scores.gather(2, keep.to(scores.device))
-            for i, layer in enumerate(layers):
-                acc[layer] = kept[i]
-            self.cache.compact_layers(seq, keep, layers)
-        if groups:
+    def evict(self, seqs) -> None:
+        """Every layer past the total back to it: rows of one length in batched picks."""
+        groups: dict[int, list[tuple]] = {}
+        for seq in seqs:
+            for layer, n in enumerate(seq.layer_lens):
+                if n > self.total:
+                    groups.setdefault(n, []).append((seq, layer))
+        for n, rows in groups.items():
+            by_layers: dict[tuple[int, ...], list] = {}
+            for seq in dict.fromkeys(s for s, _ in rows):  # requests of this length, in order
+                key = tuple(layer for s, layer in rows if s is seq)
+                by_layers.setdefault(key, []).append(seq)
+            for layers, group in by_layers.items():
+                self._evict_rows(group, list(layers), n)
+        for seq in seqs:
             self.cache.trim_pages(seq)
+
+    def _evict_rows(self, seqs, layers: list[int], n: int) -> None:
+        """``n``-token rows of ``seqs`` in ``layers`` down to the total (batched over both)."""
+        cfg, ps = self.config, self.cache.page_size
+        scores, positions = self._pools()
+        device = scores.device
+        pages = -(-n // ps)
+        table = torch.from_numpy(np.array([s.page_table[:pages] for s in seqs], dtype=np.int64)).to(device)
+        idx = torch.arange(n, device=device)
+        slots = table[:, idx // ps] * ps + idx % ps  # [G, n]
+        tokens = torch.tensor([s.num_computed_tokens for s in seqs], device=device)
+        hkv = scores.shape[-1]
+        step = max(1, ROWS_PER_PICK // max(1, len(seqs) * hkv * n))
+        for i in range(0, len(layers), step):
+            chunk = layers[i:i + step]
+            flat = self.cache.flat(chunk, slots[None])  # [nl, G, n]
+            s, p = (self.cache.rows(t)[flat].permute(1, 0, 3, 2) for t in (scores, positions))  # [G, nl, Hkv, n]
+            victims = h2o_victims(s, p, tokens[:, None, None].expand(s.shape[:-1]), cfg.sink_tokens,
+                                  cfg.recent_tokens, n - self.total)
+            self.cache.evict_to(table, chunk, victims, self.total)
+        for seq in seqs:
+            for layer in layers:
+                seq.layer_lens[layer] = self.total
+
+    # ---- decode benchmarks: the state a 128K prefill would leave --------------------------
+    def init_synthetic(self, seq) -> None:
+        """Random scores; positions: the sink, the middle spread evenly, the recent window."""
+        scores, positions = self._pools()
+        cfg, device = self.config, scores.device
+        T = seq.num_computed_tokens
+        for layer, n in enumerate(seq.layer_lens):
+            if n >= T:
+                pos = torch.arange(n)
+            else:
+                middle = n - cfg.sink_tokens - cfg.recent_tokens
+                pos = torch.cat([torch.arange(cfg.sink_tokens),
+                                 torch.linspace(cfg.sink_tokens, T - cfg.recent_tokens - 1, middle).long(),
+                                 torch.arange(T - cfg.recent_tokens, T)])
+            flat = self.cache.flat([layer], self.cache.slots(seq, torch.arange(n, device=device))[None])[0]
+            self.cache.rows(scores)[flat] = torch.rand(n, scores.shape[-1], device=device)
+            self.cache.rows(positions)[flat] = pos.to(device, torch.int32)[:, None].expand(-1, positions.shape[-1])
 
 
 SPEC = MethodSpec(

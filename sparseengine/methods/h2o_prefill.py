@@ -19,7 +19,7 @@ Definition (METHODS.md "h2o_prefill", with the choices it leaves open fixed here
 - Keys keep their original RoPE positions. A prompt of at most ``h2o_prefill_budget``
   tokens is never touched (exactly dense prefill).
 - Decode: paired with ``vanilla`` the cache keeps what prefill left and grows by one token
-  a step; paired with ``h2o`` its scores (indexed by cache slot, like ours) follow each
+  a step; paired with ``h2o`` its scores (token pools beside the cache) move with each
   compaction, and h2o evicts to its own total at prefill end and during decode.
 Admission: a prompt needs at most ``h2o_prefill_budget + chunk`` cache slots
 (``cache_tokens_needed``), whatever its length.
@@ -34,7 +34,6 @@ from sparseengine.methods.base import SparseMethodRuntime
 from sparseengine.methods.selection import h2o_accumulate_colsums, h2o_keep
 
 ACC = "h2o_prefill_acc"  # per request: {layer: [Hkv, layer_len] accumulated scores}
-H2O_DECODE_ACC = "h2o_acc"  # the h2o decode runtime's scores, indexed by cache slot like ours
 
 
 class H2OPrefill(SparseMethodRuntime):
@@ -90,7 +89,6 @@ class H2OPrefill(SparseMethodRuntime):
                 continue
             acc = self.cache.state(seq).setdefault(ACC, {})
             prev = acc.get(layer)
-            # always a new tensor: the same column sums also go to a stacked decode method
             acc[layer] = cs.float().clone() if prev is None else h2o_accumulate_colsums(prev, cs)
 
     # ---- compaction after each chunk ----------------------------------------------------
@@ -100,7 +98,6 @@ class H2OPrefill(SparseMethodRuntime):
             acc = st.get(ACC)
             if acc is None:
                 continue
-            other = st.get(H2O_DECODE_ACC)
             changed = False
             for layer in range(self.model.num_layers):
                 length = seq.layer_lens[layer]
@@ -111,11 +108,6 @@ class H2OPrefill(SparseMethodRuntime):
                                        f"the cache holds {length}")
                 keep = h2o_keep(acc[layer], self.config.sink_tokens, self.middle, self.config.recent_tokens)
                 acc[layer] = acc[layer].gather(1, keep)
-                if other is not None and layer in other:
-                    if other[layer].shape[1] != length:
-                        raise RuntimeError(f"h2o scores cover {other[layer].shape[1]} tokens of layer {layer}, "
-                                           f"the cache holds {length}")
-                    other[layer] = other[layer].gather(1, keep.to(other[layer].device))
                 self.cache.compact(seq, layer, keep)
                 changed = True
             if changed:

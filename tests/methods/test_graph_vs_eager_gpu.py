@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-CAPTURED = ["vanilla", "snapkv", "pyramidkv", "quest", "omnikv", "streamingllm"]
+CAPTURED = ["vanilla", "snapkv", "pyramidkv", "quest", "omnikv", "streamingllm", "h2o"]
 
 
 def eager_and_graph(folder, method, knobs, prompts, params):
@@ -38,7 +38,7 @@ def test_graph_replay_tokens_equal_eager(method, tiny_llama, tiny_method_knobs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["vanilla", "streamingllm", "quest"])
+@pytest.mark.parametrize("method", ["vanilla", "streamingllm", "quest", "h2o"])
 def test_graph_rows_follow_requests_that_finish(method, tiny_llama, tiny_method_knobs):
     """Requests of different lengths; two finish early, so the graph's rows then hold other
     requests (batch 4, then 2: bucket sizes, no padding). The page-table rows a replay reads
@@ -51,3 +51,28 @@ def test_graph_rows_follow_requests_that_finish(method, tiny_llama, tiny_method_
     out = eager_and_graph(tiny_llama[0], method, tiny_method_knobs, prompts, params)
     assert out[True][1] == 0 and out[False][1] >= 40, out
     assert out[False][0] == out[True][0]
+
+
+@pytest.mark.gpu
+def test_h2o_scores_summed_in_the_graph_equal_eager(tiny_llama):
+    """H2O adds the column sums into its score pool inside the graph. After the same run,
+    the score and position pools hold what the eager run's hold (a capture's warm-up runs
+    must not add the step it captures twice), and the tokens agree."""
+    from sparseengine import LLM, SamplingParams
+    from sparseengine.methods.h2o import POSITIONS, SCORES
+
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (150, 90, 40, 120)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    out = {}
+    for eager in (True, False):
+        with LLM(str(tiny_llama[0]), device="cuda", dtype="float32", sparse_method="h2o", sink_tokens=4,
+                 budget=24, recent_tokens=8, num_kv_pages=256, enforce_eager=eager) as llm:
+            tokens = [o.token_ids for o in llm.generate(prompts, params)]
+            pools = (llm.cache.token_pool(SCORES, torch.float32).clone(),
+                     llm.cache.token_pool(POSITIONS, torch.int32).clone())
+            out[eager] = (tokens, pools, llm.runner.graph_steps)
+    assert out[True][2] == 0 and out[False][2] >= 20
+    assert out[False][0] == out[True][0]
+    torch.testing.assert_close(out[False][1][0], out[True][1][0], rtol=1e-6, atol=1e-7)
+    assert torch.equal(out[False][1][1], out[True][1][1])

@@ -266,18 +266,32 @@ def test_flashprefill_short_prompt_runs_dense(tiny_llama):
 
 
 def ref_h2o_prefill(events, prompt_len, hkv, g, d, sink, recent, budget, window, decode_total=None):
-    """Replays the engine's q/k (by position) and its compactions; after every chunk the
-    engine's cache (as original positions, per layer and KV head) must equal this
+    """Replays the engine's q/k (by position), its compactions and its evictions; after every
+    chunk the engine's cache (as original positions, per layer and KV head) must equal this
     reference's kept list. ``decode_total``: paired with h2o (scores from every row), which
-    evicts to that total at prefill end and after every decode step. Returns the number
-    of comparisons."""
+    evicts to that total at prefill end and after every decode step, refilling freed slots
+    (so from its first eviction on the rows are compared as sets). Returns the number of
+    comparisons."""
     keys: dict[int, dict[int, torch.Tensor]] = {}
     kept: dict[int, list[list[int]]] = {}
     score: dict[int, list[dict[int, float]]] = {}
     engine: dict[int, list[list[int]]] = {}
     nxt: dict[int, int] = {}
     checks = 0
+    unordered = False
     for ev in events:
+        if ev[0] == "evict":  # CacheManager.evict_to: kept tokens past the total refill freed slots
+            _, layer, victims, total = ev
+            unordered = True
+            for h, row in enumerate(engine[layer]):
+                gone = set(victims[h].tolist())
+                freed = sorted(v for v in gone if v < total)
+                tail = [i for i in range(total, len(row)) if i not in gone]
+                new = row[:total]
+                for f, t in zip(freed, tail, strict=True):
+                    new[f] = row[t]
+                engine[layer][h] = new
+            continue
         if ev[0] == "compact":
             _, layer, keep = ev
             engine[layer] = [[engine[layer][h][i] for i in keep[h].tolist()] for h in range(hkv)]
@@ -287,7 +301,8 @@ def ref_h2o_prefill(events, prompt_len, hkv, g, d, sink, recent, budget, window,
         engine.setdefault(layer, [[] for _ in range(hkv)])
         score.setdefault(layer, [{} for _ in range(hkv)])
         keys.setdefault(layer, {})
-        assert engine[layer] == kept[layer], f"layer {layer} before position {nxt.get(layer, 0)}"
+        got = [sorted(r) for r in engine[layer]] if unordered else engine[layer]
+        assert got == kept[layer], f"layer {layer} before position {nxt.get(layer, 0)}"
         checks += 1
         start = nxt.get(layer, 0)
         n = q.shape[0]
@@ -326,7 +341,7 @@ def ref_h2o_prefill(events, prompt_len, hkv, g, d, sink, recent, budget, window,
 def test_h2o_prefill_kept_sets_match_reference(tiny_llama, monkeypatch, window, decode):
     folder, _ = tiny_llama
     events = []
-    forward, compact_layers = Attention.forward, CacheManager.compact_layers
+    forward, compact_layers, evict_to = Attention.forward, CacheManager.compact_layers, CacheManager.evict_to
 
     def spy_forward(self, q, k, v):
         events.append(("attn", self.layer_id, q.clone(), k.clone()))
@@ -339,8 +354,15 @@ def test_h2o_prefill_kept_sets_match_reference(tiny_llama, monkeypatch, window, 
             events.append(("compact", layer, k.clone()))
         return compact_layers(self, seq, keep, layers)
 
+    def spy_evict_to(self, table, layers, victims, total):  # h2o's evictions, layer by layer
+        assert victims.shape[0] == 1  # one request
+        for layer, v in zip(layers, victims[0]):
+            events.append(("evict", layer, v.clone(), total))
+        return evict_to(self, table, layers, victims, total)
+
     monkeypatch.setattr(Attention, "forward", spy_forward)
     monkeypatch.setattr(CacheManager, "compact_layers", spy_compact_layers)
+    monkeypatch.setattr(CacheManager, "evict_to", spy_evict_to)
     sink, recent, budget = 4, 8, 40
     h2o_budget = 20  # h2o pairing: its total 32 < 40
     extra = {"budget": h2o_budget} if decode == "h2o" else {}
