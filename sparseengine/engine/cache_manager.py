@@ -147,5 +147,5 @@ class CacheManager:
         heads = torch.arange(hkv, device=device).repeat_interleave(m).view(1, 1, hkv * m)
         self.move_entries(src, dst, heads)
 
-    def trim_pages(self, seq: Sequence) -> int:
-        return self.scheduler.trim_pages(seq)
+    def trim_pages(self, seq: Sequence, room: int = 0) -> int:
+        return self.scheduler.trim_pages(seq, room)

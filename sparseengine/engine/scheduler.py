@@ -172,9 +172,11 @@ class Scheduler:
             seq.num_computed_tokens += n
             seq.layer_lens = [x + n for x in seq.layer_lens]
 
-    def trim_pages(self, seq: Sequence) -> int:
-        """Return the pages past the longest layer to the pool (after an eviction)."""
-        keep = -(-seq.num_cached_tokens // self.config.page_size)
+    def trim_pages(self, seq: Sequence, room: int = 0) -> int:
+        """Return the pages past the longest layer to the pool (after an eviction), keeping
+        room for ``room`` tokens (a row that regrows before its next eviction keeps its
+        pages instead of trading them every step)."""
+        keep = -(-max(seq.num_cached_tokens, room) // self.config.page_size)
         extra = seq.page_table[keep:]
         if extra:
             del seq.page_table[keep:]

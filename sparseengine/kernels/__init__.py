@@ -11,7 +11,8 @@ from .block_sparse_prefill import block_sparse_prefill_ref, block_sparse_prefill
 from .deltakv_rebuild import deltakv_rebuild_ref, deltakv_rebuild_triton
 from .fused_ops import (add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton, rotary_qk_ref,
                         rotary_qk_triton, silu_mul_ref, silu_mul_triton)
-from .h2o_scores import h2o_scores_accumulate_ref, h2o_scores_accumulate_triton
+from .h2o_scores import (h2o_scores_accumulate_ref, h2o_scores_accumulate_triton, h2o_victim_ref,
+                         h2o_victim_triton)
 from .omnikv_scores import omnikv_scores_ref, omnikv_scores_triton
 from .paged_decode import paged_decode_ref, paged_decode_triton
 from .paged_kv_write import paged_kv_write_ref, paged_kv_write_triton
@@ -36,6 +37,8 @@ __all__ = [
     "deltakv_rebuild_triton",
     "h2o_scores_accumulate_ref",
     "h2o_scores_accumulate_triton",
+    "h2o_victim_ref",
+    "h2o_victim_triton",
     "omnikv_scores_ref",
     "omnikv_scores_triton",
     "paged_decode_ref",

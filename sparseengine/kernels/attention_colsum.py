@@ -1,6 +1,7 @@
 """Attention probability mass received per cached token (H2O and SnapKV scores).
 
-`decode_colsum_*`: decode attention that also returns `colsum [B, Hkv, max_kv_len]`,
+`decode_colsum_*`: decode attention that also returns `colsum [B, Hkv, max_kv_len]`
+(`max_kv_len`: at least every row's length; default the longest),
 the probability each token received at this step, averaged over the g query heads of its
 KV head (zeros past `kv_lens`). `prefill_window_colsum_*`: for the last `window` queries
 of each request in a packed prefill batch, per-token sums of the causal softmax rows
@@ -58,8 +59,9 @@ def decode_colsum_triton(q, k_cache, v_cache, page_table, kv_lens, max_kv_len=No
     device = check_launch(q, k_cache, v_cache, page_table, kv_lens)
     L = int(kv_lens.max()) if max_kv_len is None else max_kv_len
     logits = _common.empty((B, Hq, max(L, 1)), torch.float32, device)
+    capacity = min(page_table.shape[1] * page_size, max(L, 1))  # L bounds every row: no empty splits
     out, lse = split_k_decode(q, k_cache, v_cache, page_table, kv_lens, mode=MODE_DENSE,
-                              capacity=page_table.shape[1] * page_size, scale=scale, return_lse=True,
+                              capacity=capacity, scale=scale, return_lse=True,
                               kv_chunk=kv_chunk, logits=logits)
     colsum = _common.empty((B, Hkv, L), torch.float32, device)
     g = Hq // Hkv

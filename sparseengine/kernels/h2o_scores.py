@@ -13,6 +13,16 @@ j % page_size`:
 `_ref` is the plain loop (the oracle), `_torch` its vectorised twin (boolean indexing, so
 it syncs on CUDA), `_triton` one program per (request, KV head, block of tokens): no
 host sync, CUDA-graph capturable.
+
+`h2o_victim_*(scores, positions, table, layers, num_tokens, n, sink_tokens,
+recent_tokens)`: the decode eviction's pick, one victim per row. Whole pools `[L,
+num_pages, page_size, Hkv]`; G requests' page tables `table [G, P]`, each holding ``n``
+tokens in every layer of `layers [nl]` (slots in any token order) and ``num_tokens [G]``
+tokens so far. Returns `[G, nl, Hkv]` int64: the cache index of the unprotected token
+(position at or past `sink_tokens` and below `num_tokens - recent_tokens`) with the
+lowest score, ties to the later position: `selection.h2o_victims` with count 1, read
+straight from the pools (the Triton kernel: one program per (request, layer), all KV
+heads, no gathered copies).
 """
 from __future__ import annotations
 
@@ -20,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._common import cdiv, check_launch, lazy_jit
+from ._common import cdiv, check_launch, lazy_jit, next_pow2
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
@@ -109,3 +119,75 @@ def _accumulate_kernel(
     tl.store(scores_ptr + at, old + c, mask=mask)
     pos = tl.load(pos0_ptr + b).to(tl.int64) + offs - first
     tl.store(pos_ptr + at, pos.to(tl.int32), mask=mask & new)
+
+
+def h2o_victim_ref(scores, positions, table, layers, num_tokens, n, sink_tokens, recent_tokens):
+    page_size, hkv = scores.shape[2], scores.shape[3]
+    layers = [int(x) for x in layers]
+    out = torch.zeros(table.shape[0], len(layers), hkv, dtype=torch.long)
+    for g in range(table.shape[0]):
+        T = int(num_tokens[g])
+        for li, layer in enumerate(layers):
+            for h in range(hkv):
+                best = None
+                for j in range(n):
+                    page, off = int(table[g, j // page_size]), j % page_size
+                    p = int(positions[layer, page, off, h])
+                    if p < sink_tokens or p >= T - recent_tokens:
+                        continue
+                    key = (max(float(scores[layer, page, off, h]), 0.0), -p)
+                    if best is None or key < best[0]:
+                        best = (key, j)
+                out[g, li, h] = best[1]
+    return out.to(scores.device)
+
+
+def h2o_victim_triton(scores, positions, table, layers, num_tokens, n, sink_tokens, recent_tokens,
+                      *, block_n: int = 128):
+    if scores.dim() != 4 or positions.shape != scores.shape or not (scores.is_contiguous() and positions.is_contiguous()):
+        raise ValueError(f"scores and positions must be contiguous [L, num_pages, page_size, Hkv] pools, got "
+                         f"{tuple(scores.shape)} and {tuple(positions.shape)}")
+    device = check_launch(scores, positions, table, layers, num_tokens)
+    G, nl, hkv = table.shape[0], layers.shape[0], scores.shape[3]
+    out = torch.empty((G, nl, hkv), dtype=torch.long, device=device)
+    if G == 0 or nl == 0:
+        return out
+    _victim_kernel[(G, nl)](
+        scores, positions, table, layers, num_tokens, out, table.stride(0), scores.stride(0), nl, n,
+        sink_tokens, recent_tokens,
+        HKV=hkv, BLOCK_H=next_pow2(hkv), PAGE_SIZE=scores.shape[2], BLOCK_N=block_n, num_warps=4,
+    )
+    return out
+
+
+@lazy_jit
+def _victim_kernel(
+    scores_ptr, pos_ptr, table_ptr, layers_ptr, tokens_ptr, out_ptr, stride_tb, stride_layer, NL, n,
+    sink, recent,
+    HKV: tl.constexpr, BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    g = tl.program_id(0)
+    li = tl.program_id(1)
+    base = tl.load(layers_ptr + li).to(tl.int64) * stride_layer
+    last = tl.load(tokens_ptr + g).to(tl.int64) - recent  # positions from here on are recent
+    offs_h = tl.arange(0, BLOCK_H)
+    h_ok = offs_h < HKV
+    never = 9223372036854775807
+    best = tl.full([BLOCK_H], never, tl.int64)
+    best_j = tl.zeros([BLOCK_H], tl.int64)
+    for start in range(0, n, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        ok = (j < n)[:, None] & h_ok[None, :]
+        page = tl.load(table_ptr + g * stride_tb + j // PAGE_SIZE, mask=j < n, other=0).to(tl.int64)
+        at = base + (page * PAGE_SIZE + j % PAGE_SIZE)[:, None] * HKV + offs_h[None, :]
+        s = tl.load(scores_ptr + at, mask=ok, other=0.0)
+        p = tl.load(pos_ptr + at, mask=ok, other=0).to(tl.int64)
+        s = tl.where(s > 0.0, s, 0.0)  # scores are >= 0; -0.0 and 0.0 share one key
+        key = (s.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (2147483647 - p)
+        key = tl.where(ok & (p >= sink) & (p < last), key, never)
+        low = tl.min(key, axis=0)  # [BLOCK_H]; keys of unprotected tokens are distinct
+        at_low = tl.min(tl.where(key == low[None, :], j[:, None].to(tl.int64), never), axis=0)
+        better = low < best
+        best = tl.where(better, low, best)
+        best_j = tl.where(better, at_low, best_j)
+    tl.store(out_ptr + (g * NL + li) * HKV + offs_h, best_j, mask=h_ok)

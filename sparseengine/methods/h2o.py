@@ -36,6 +36,7 @@ class H2O(SparseMethodRuntime):
     def __init__(self, config, model, cache) -> None:
         super().__init__(config, model, cache)
         self.interval = int(self.knob("h2o_decode_interval"))
+        self._triton = False  # Triton kernels beside the provider (set at each observe)
 
     @classmethod
     def bytes_per_pool_page(cls, config, model, elem_bytes: int) -> int:
@@ -77,7 +78,8 @@ class H2O(SparseMethodRuntime):
             first = lens - torch.tensor(ctx.q_lens, dtype=lens.dtype, device=lens.device)
             pos0 = ctx.positions[ctx.cu_q_lens[:-1].long()]
         scores, positions = self._pools()
-        add = kernels.h2o_scores_accumulate_triton if ctx.provider.triton_kernels else h2o_scores_accumulate_torch
+        self._triton = ctx.provider.triton_kernels  # the eviction after the step uses the same kind
+        add = kernels.h2o_scores_accumulate_triton if self._triton else h2o_scores_accumulate_torch
         add(scores[layer], positions[layer], colsums, view.page_table, lens, first, pos0)
 
     # ---- eviction ------------------------------------------------------------------------
@@ -101,43 +103,54 @@ class H2O(SparseMethodRuntime):
 
     def evict(self, seqs) -> None:
         """Every layer past the total back to it: rows of one length in batched picks."""
-        groups: dict[int, list[tuple]] = {}
+        groups: dict[tuple[int, tuple[int, ...]], list] = {}
         for seq in seqs:
-            for layer, n in enumerate(seq.layer_lens):
+            lens = seq.layer_lens
+            if min(lens) == max(lens):  # the usual case: every layer alike
+                groups.setdefault((lens[0], tuple(range(len(lens)))), []).append(seq)
+                continue
+            by_len: dict[int, list[int]] = {}
+            for layer, n in enumerate(lens):
                 if n > self.total:
-                    groups.setdefault(n, []).append((seq, layer))
-        for n, rows in groups.items():
-            by_layers: dict[tuple[int, ...], list] = {}
-            for seq in dict.fromkeys(s for s, _ in rows):  # requests of this length, in order
-                key = tuple(layer for s, layer in rows if s is seq)
-                by_layers.setdefault(key, []).append(seq)
-            for layers, group in by_layers.items():
-                self._evict_rows(group, list(layers), n)
-        for seq in seqs:
-            self.cache.trim_pages(seq)
+                    by_len.setdefault(n, []).append(layer)
+            for n, layers in by_len.items():
+                groups.setdefault((n, tuple(layers)), []).append(seq)
+        for (n, layers), group in groups.items():
+            self._evict_rows(group, list(layers), n)
+        for seq in seqs:  # room for the tokens until the next eviction: no page churn
+            self.cache.trim_pages(seq, room=min(seq.num_tokens, self.total + self.interval))
 
     def _evict_rows(self, seqs, layers: list[int], n: int) -> None:
-        """``n``-token rows of ``seqs`` in ``layers`` down to the total (batched over both)."""
-        cfg, ps = self.config, self.cache.page_size
+        """``n``-token rows of ``seqs`` in ``layers`` down to the total (batched over both):
+        one victim per row (a decode step) straight from the pools in one Triton kernel,
+        more in gathered chunks."""
+        cfg, ps, total = self.config, self.cache.page_size, self.total
         scores, positions = self._pools()
         device = scores.device
         pages = -(-n // ps)
         table = torch.from_numpy(np.array([s.page_table[:pages] for s in seqs], dtype=np.int64)).to(device)
-        idx = torch.arange(n, device=device)
-        slots = table[:, idx // ps] * ps + idx % ps  # [G, n]
         tokens = torch.tensor([s.num_computed_tokens for s in seqs], device=device)
-        hkv = scores.shape[-1]
-        step = max(1, ROWS_PER_PICK // max(1, len(seqs) * hkv * n))
-        for i in range(0, len(layers), step):
-            chunk = layers[i:i + step]
-            flat = self.cache.flat(chunk, slots[None])  # [nl, G, n]
-            s, p = (self.cache.rows(t)[flat].permute(1, 0, 3, 2) for t in (scores, positions))  # [G, nl, Hkv, n]
-            victims = h2o_victims(s, p, tokens[:, None, None].expand(s.shape[:-1]), cfg.sink_tokens,
-                                  cfg.recent_tokens, n - self.total)
-            self.cache.evict_to(table, chunk, victims, self.total)
+        if n == total + 1 and self._triton:
+            victims = kernels.h2o_victim_triton(scores, positions, table, torch.tensor(layers, device=device),
+                                                tokens, n, cfg.sink_tokens, cfg.recent_tokens)
+            self.cache.evict_to(table, layers, victims[..., None], total)
+        else:
+            idx = torch.arange(n, device=device)
+            slots = table[:, idx // ps] * ps + idx % ps  # [G, n]
+            step = max(1, ROWS_PER_PICK // max(1, len(seqs) * scores.shape[-1] * n))
+            for i in range(0, len(layers), step):
+                chunk = layers[i:i + step]
+                flat = self.cache.flat(chunk, slots[None])  # [nl, G, n]
+                s, p = (self.cache.rows(t)[flat].permute(1, 0, 3, 2) for t in (scores, positions))  # [G, nl, Hkv, n]
+                victims = h2o_victims(s, p, tokens[:, None, None].expand(s.shape[:-1]), cfg.sink_tokens,
+                                      cfg.recent_tokens, n - total)
+                self.cache.evict_to(table, chunk, victims, total)
         for seq in seqs:
-            for layer in layers:
-                seq.layer_lens[layer] = self.total
+            if len(layers) == len(seq.layer_lens):
+                seq.layer_lens = [total] * len(layers)
+            else:
+                for layer in layers:
+                    seq.layer_lens[layer] = total
 
     # ---- decode benchmarks: the state a 128K prefill would leave --------------------------
     def init_synthetic(self, seq) -> None:

@@ -84,8 +84,8 @@ class StreamingLLM(SparseMethodRuntime):
             evicted.append(seq)
         if src:
             self.cache.move_tokens(torch.tensor(src), torch.tensor(dst))
-        for seq in evicted:  # after the moves: a moved token's page may be past the kept ones
-            self.cache.trim_pages(seq)
+        for seq in evicted:  # after the moves (a moved token's page may be past the kept ones);
+            self.cache.trim_pages(seq, room=self.total + 1)  # room for the next token: no page churn
 
     def _rerotate(self, seq, kept: torch.Tensor) -> None:
         """Move each kept key (every layer) from position kept[i] to position i: rotate by

@@ -53,3 +53,37 @@ def test_accumulate_rejects_bad_pools(gen):
         kernels.h2o_scores_accumulate_ref(scores.double(), positions, colsum, table, lens, first, pos0)
     with pytest.raises(ValueError, match="colsum"):
         kernels.h2o_scores_accumulate_triton(scores, positions, colsum[:, :2], table, lens, first, pos0)
+
+
+@pytest.mark.parametrize("n,sink,recent,ties", [(21, 2, 4, False), (37, 0, 5, True), (9, 3, 1, True)])
+def test_victim_kernel_matches_plain_loop_and_definition(gen, n, sink, recent, ties):
+    """Two requests, rows whose slots hold scattered positions in random order, two of the
+    three layers: the Triton pick, the plain loop and ``selection.h2o_victims`` agree."""
+    from sparseengine.methods.selection import h2o_victims
+
+    layers_n, G = 3, 2
+    scores = torch.rand(layers_n, PAGES, PAGE, HKV, generator=gen)
+    if ties:
+        scores = (scores * 3).floor() / 3  # few distinct values
+    positions = torch.full((layers_n, PAGES, PAGE, HKV), -7, dtype=torch.int32)
+    per = -(-n // PAGE)
+    table = torch.randperm(PAGES, generator=gen)[: G * per].view(G, per)
+    T = torch.tensor([5 * n, 3 * n])
+    for g in range(G):
+        for layer in range(layers_n):
+            for h in range(HKV):
+                mid = sink + torch.randperm(int(T[g]) - recent - sink, generator=gen)[: n - sink - recent]
+                pos = torch.cat([torch.arange(sink), mid, torch.arange(int(T[g]) - recent, int(T[g]))])
+                pos = pos[torch.randperm(n, generator=gen)]  # slot order is free
+                for j in range(n):
+                    positions[layer, table[g, j // PAGE], j % PAGE, h] = int(pos[j])
+    layers = torch.tensor([2, 0])
+    want = kernels.h2o_victim_ref(scores, positions, table, layers, T, n, sink, recent)
+    got = kernels.h2o_victim_triton(*(t.to(DEVICE) for t in (scores, positions, table, layers, T)), n, sink, recent)
+    assert torch.equal(got.cpu(), want)
+    idx = torch.arange(n)
+    slots = table[:, idx // PAGE] * PAGE + idx % PAGE  # [G, n]
+    s = scores.view(layers_n, -1, HKV)[layers][:, slots].permute(1, 0, 3, 2)  # [G, nl, Hkv, n]
+    p = positions.view(layers_n, -1, HKV)[layers][:, slots].permute(1, 0, 3, 2)
+    definition = h2o_victims(s, p, T[:, None, None].expand(s.shape[:-1]), sink, recent, 1)[..., 0]
+    assert torch.equal(definition, want)

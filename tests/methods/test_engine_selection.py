@@ -189,7 +189,7 @@ def make_select(ref: Reference, method: RefMethod, calls: dict, where: str):
 
 
 def run_engine_vs_reference(model, name, method, ids, *, sink, budget, recent, decode_steps,
-                            chunk=2048, ordered=True, **knobs):
+                            chunk=2048, ordered=True, provider="auto", **knobs):
     folder, hf = model(name)
     rerotate = bool(knobs.get("streamingllm_rerotate", False))
     ref = Reference(hf, rerotate=rerotate)
@@ -197,7 +197,7 @@ def run_engine_vs_reference(model, name, method, ids, *, sink, budget, recent, d
     llm = LLM(str(folder), dtype="float32", device="cpu", sparse_method=method, sink_tokens=sink,
               budget=budget, recent_tokens=recent, kv_cache_memory=0.01,
               page_size=knobs.get("quest_page_size", 16) if method == "quest" else 8,  # quest pages = cache pages
-              prefill_chunk_size=chunk, **knobs)
+              prefill_chunk_size=chunk, attention_provider=provider, **knobs)
     calls: dict[int, object] = {}
     real_select = llm.method.select
 
@@ -301,6 +301,8 @@ H2O = [  # name, n, sink, budget, recent, chunk, decode steps, knobs
     ("g4", 26, 4, 16, 8, 2048, 5, {}),  # n < total: decode steps grow the row past it
     ("g2", 49, 4, 12, 8, 2049, 6, dict(h2o_decode_interval=3)),
     ("g3", 12, 2, 6, 2, 2048, 14, {}),  # short prompt, many decode steps: decode rows decide
+    ("g2", 50, 4, 12, 8, 2048, 4, dict(provider="triton")),  # its kernels (interpreted on CPU)
+    ("g3", 12, 2, 6, 2, 2048, 9, dict(provider="triton")),
 ]
 
 
