@@ -46,6 +46,15 @@ class CacheManager:
     def drop(self, seq: Sequence) -> None:
         self._state.pop(seq.seq_id, None)
 
+    def upload(self, data, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """Host data (a list or numpy array) as a tensor on the pool's device, sent from
+        pinned memory without waiting: a plain copy of pageable memory first waits for all
+        the work already queued (the step's graph), so a method's bookkeeping after a step
+        would no longer overlap it."""
+        t = torch.as_tensor(data, dtype=dtype)
+        device = self.kv.k.device
+        return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
     def slots(self, seq: Sequence, positions: torch.Tensor) -> torch.Tensor:
         """Cache slots of the given logical cache indices (any shape)."""
         table = torch.tensor(seq.page_table, dtype=torch.long, device=positions.device)
@@ -64,8 +73,8 @@ class CacheManager:
     def flat(self, layers, slots: torch.Tensor) -> torch.Tensor:
         """Indices into ``rows(...)`` of physical ``slots`` in ``layers [nl]``: ``slots``
         has a leading dim of nl or 1, and the result ``[nl, ...]``."""
-        layers = torch.as_tensor(list(layers), device=slots.device)
-        return layers.view(-1, *([1] * (slots.dim() - 1))) * (self.kv.num_pages * self.page_size) + slots
+        layers = layers if isinstance(layers, torch.Tensor) else self.upload(list(layers))
+        return layers.to(slots.device).view(-1, *([1] * (slots.dim() - 1))) * (self.kv.num_pages * self.page_size) + slots
 
     def gather(self, seq: Sequence, layer: int, length: int | None = None,
                start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,15 +139,18 @@ class CacheManager:
         g, nl, hkv, k = victims.shape
         device = victims.device
         n, m = total + k, min(k, total)
-        none = n  # sorts after every cache index
-        freed = torch.where(victims < total, victims, none).sort(dim=-1).values[..., :m]
-        dropped = torch.zeros_like(victims).scatter_add_(-1, (victims - total).clamp(min=0),
-                                                         (victims >= total).long())
-        tail = torch.arange(total, n, device=device).expand_as(victims)
-        kept_tail = torch.where(dropped > 0, none, tail).sort(dim=-1).values[..., :m]
-        moves = freed < none  # as many freed indices below total as kept tokens past it
-        spare = torch.arange(total, total + m, device=device).expand_as(freed)  # unused: a self-copy past the row
-        src, dst = torch.where(moves, kept_tail, spare), torch.where(moves, freed, spare)
+        if k == 1:  # a decode step: the newest token takes the victim's slot (a self-copy if it is the victim)
+            src, dst = torch.full_like(victims, total), victims
+        else:
+            none = n  # sorts after every cache index
+            freed = torch.where(victims < total, victims, none).sort(dim=-1).values[..., :m]
+            dropped = torch.zeros_like(victims).scatter_add_(-1, (victims - total).clamp(min=0),
+                                                             (victims >= total).long())
+            tail = torch.arange(total, n, device=device).expand_as(victims)
+            kept_tail = torch.where(dropped > 0, none, tail).sort(dim=-1).values[..., :m]
+            moves = freed < none  # as many freed indices below total as kept tokens past it
+            spare = torch.arange(total, total + m, device=device).expand_as(freed)  # unused: a self-copy past the row
+            src, dst = torch.where(moves, kept_tail, spare), torch.where(moves, freed, spare)
         ps = self.page_size
         rows = torch.arange(g, device=device)[:, None, None, None]
         table = table.to(device).long()

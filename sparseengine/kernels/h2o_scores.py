@@ -11,8 +11,8 @@ j % page_size`:
   `scores = colsum[b, :, j]` and `positions = pos0[b] + j - first_new[b]`.
 
 `_ref` is the plain loop (the oracle), `_torch` its vectorised twin (boolean indexing, so
-it syncs on CUDA), `_triton` one program per (request, KV head, block of tokens): no
-host sync, CUDA-graph capturable.
+it syncs on CUDA), `_triton` one program per (request, block of tokens), every KV head:
+no host sync, CUDA-graph capturable.
 
 `h2o_victim_*(scores, positions, table, layers, num_tokens, n, sink_tokens,
 recent_tokens)`: the decode eviction's pick, one victim per row. Whole pools `[L,
@@ -84,7 +84,7 @@ def h2o_scores_accumulate_torch(scores, positions, colsum, page_table, kv_lens, 
 
 
 def h2o_scores_accumulate_triton(scores, positions, colsum, page_table, kv_lens, first_new, pos0,
-                                 *, block_n: int = 256) -> None:
+                                 *, block_n: int = 128) -> None:
     page_size, hkv = _check(scores, positions, colsum, page_table)
     if not (scores.is_contiguous() and positions.is_contiguous() and colsum.stride(-1) == 1):
         raise ValueError("scores and positions must be contiguous, colsum contiguous in its last dim")
@@ -92,33 +92,36 @@ def h2o_scores_accumulate_triton(scores, positions, colsum, page_table, kv_lens,
     B, _, M = colsum.shape
     if B == 0 or M == 0:
         return
-    _accumulate_kernel[(B, hkv, cdiv(M, block_n))](
+    _accumulate_kernel[(B, cdiv(M, block_n))](
         scores, positions, colsum, page_table, kv_lens, first_new, pos0,
-        colsum.stride(0), colsum.stride(1), page_table.stride(0), M, hkv,
-        PAGE_SIZE=page_size, BLOCK_N=block_n, num_warps=4,
+        colsum.stride(0), colsum.stride(1), page_table.stride(0), M,
+        HKV=hkv, BLOCK_H=next_pow2(hkv), PAGE_SIZE=page_size, BLOCK_N=block_n, num_warps=4,
     )
 
 
 @lazy_jit
 def _accumulate_kernel(
     scores_ptr, pos_ptr, colsum_ptr, table_ptr, lens_ptr, first_ptr, pos0_ptr,
-    stride_cb, stride_ch, stride_tb, M, HKV,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_cb, stride_ch, stride_tb, M,
+    HKV: tl.constexpr, BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
+    # one program per (request, block of tokens), every KV head: a slot's Hkv entries are
+    # adjacent in the pools, so the tile [BLOCK_N, Hkv] reads and writes whole sectors
     b = tl.program_id(0)
-    h = tl.program_id(1)
-    offs = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_h = tl.arange(0, BLOCK_H)
     n = tl.load(lens_ptr + b)
-    mask = (offs < n) & (offs < M)
-    page = tl.load(table_ptr + b * stride_tb + offs // PAGE_SIZE, mask=mask, other=0)
-    at = (page.to(tl.int64) * PAGE_SIZE + offs % PAGE_SIZE) * HKV + h
-    c = tl.load(colsum_ptr + b * stride_cb + h * stride_ch + offs, mask=mask, other=0.0)
+    tok = (offs < n) & (offs < M)
+    ok = tok[:, None] & (offs_h < HKV)[None, :]
+    page = tl.load(table_ptr + b * stride_tb + offs // PAGE_SIZE, mask=tok, other=0)
+    at = (page.to(tl.int64) * PAGE_SIZE + offs % PAGE_SIZE)[:, None] * HKV + offs_h[None, :]
+    c = tl.load(colsum_ptr + b * stride_cb + offs_h[None, :] * stride_ch + offs[:, None], mask=ok, other=0.0)
     first = tl.load(first_ptr + b)
-    new = offs >= first
-    old = tl.load(scores_ptr + at, mask=mask & (offs < first), other=0.0)
-    tl.store(scores_ptr + at, old + c, mask=mask)
+    new = (offs >= first)[:, None]
+    old = tl.load(scores_ptr + at, mask=ok & ~new, other=0.0)
+    tl.store(scores_ptr + at, old + c, mask=ok)
     pos = tl.load(pos0_ptr + b).to(tl.int64) + offs - first
-    tl.store(pos_ptr + at, pos.to(tl.int32), mask=mask & new)
+    tl.store(pos_ptr + at, tl.broadcast_to(pos.to(tl.int32)[:, None], (BLOCK_N, BLOCK_H)), mask=ok & new)
 
 
 def h2o_victim_ref(scores, positions, table, layers, num_tokens, n, sink_tokens, recent_tokens):

@@ -128,12 +128,14 @@ class H2O(SparseMethodRuntime):
         scores, positions = self._pools()
         device = scores.device
         pages = -(-n // ps)
-        table = torch.from_numpy(np.array([s.page_table[:pages] for s in seqs], dtype=np.int64)).to(device)
-        tokens = torch.tensor([s.num_computed_tokens for s in seqs], device=device)
+        up = self.cache.upload
+        table = up(np.array([s.page_table[:pages] for s in seqs], dtype=np.int64))
+        tokens = up([s.num_computed_tokens for s in seqs])
         if n == total + 1 and self._triton:
-            victims = kernels.h2o_victim_triton(scores, positions, table, torch.tensor(layers, device=device),
-                                                tokens, n, cfg.sink_tokens, cfg.recent_tokens)
-            self.cache.evict_to(table, layers, victims[..., None], total)
+            layers_t = up(layers)
+            victims = kernels.h2o_victim_triton(scores, positions, table, layers_t, tokens, n, cfg.sink_tokens,
+                                                cfg.recent_tokens)
+            self.cache.evict_to(table, layers_t, victims[..., None], total)
         else:
             idx = torch.arange(n, device=device)
             slots = table[:, idx // ps] * ps + idx % ps  # [G, n]

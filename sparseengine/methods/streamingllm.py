@@ -83,7 +83,7 @@ class StreamingLLM(SparseMethodRuntime):
                     self._rerotate(seq, kept)
             evicted.append(seq)
         if src:
-            self.cache.move_tokens(torch.tensor(src), torch.tensor(dst))
+            self.cache.move_tokens(self.cache.upload(src), self.cache.upload(dst))
         for seq in evicted:  # after the moves (a moved token's page may be past the kept ones);
             self.cache.trim_pages(seq, room=self.total + 1)  # room for the next token: no page churn
 
