@@ -6,6 +6,7 @@ from __future__ import annotations
 import types
 
 import numpy as np
+import pytest
 
 from sparseengine.engine.cuda_graphs import DecodeGraphs
 
@@ -47,3 +48,26 @@ def test_step_inputs_travel_in_one_buffer_with_padding_rows():
     assert g.slots[:, 3].tolist() == [-1] * 3 and g.lens[:, 3].tolist() == [1] * 3  # the bucket's padding row
     g.stage_inputs([9], [90], slots[:, :1], lens[:, :1], size=2)  # a smaller batch: row 1 is padding again
     assert g.ids[0] == 9 and g.slots[:, 1].tolist() == [-1] * 3 and g.lens[:, 1].tolist() == [1] * 3
+
+
+@pytest.mark.parametrize("method,knobs,want_rows", [
+    ("vanilla", {}, 1000), ("snapkv", {}, 1000),  # short prompts keep every token: any length
+    ("streamingllm", {}, 4 + 8 + 1),  # sink + recent + the step's new token
+    ("h2o", {}, 4 + 24 + 8 + 1), ("h2o", dict(h2o_decode_interval=5), 4 + 24 + 8 + 5),
+])
+def test_graph_table_width_follows_the_longest_row(tiny_llama, method, knobs, want_rows):
+    """The decode graph's page table is as wide as the method's longest row needs (plus one
+    token), not max_model_len, for eviction methods; a request past it runs eager."""
+    from sparseengine import LLM
+    from sparseengine.engine.cuda_graphs import table_pages
+    from sparseengine.engine.sequence import Sequence
+    from sparseengine.sampling_params import SamplingParams
+
+    with LLM(str(tiny_llama[0]), sparse_method=method, sink_tokens=4, budget=24, recent_tokens=8,
+             max_model_len=1000, page_size=8, kv_cache_memory=0.01, **knobs) as llm:
+        pages = table_pages(llm.method, 1000, 8)
+    assert pages == -(-(want_rows + 1) // 8)
+    g = graphs(max_pages=pages)
+    short, long = (Sequence([1], SamplingParams(), 1) for _ in range(2))
+    short.page_table, long.page_table = [0] * pages, [0] * (pages + 1)
+    assert g.fits([short]) and not g.fits([short, long])

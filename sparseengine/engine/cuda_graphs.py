@@ -5,7 +5,8 @@ per-layer hooks in the forward, or whose hooks are graph-capturable (tensor-only
 capture context has ``is_decode`` True and ``seqs = [None] * B``; the runner calls the
 method's ``begin_step_graph`` before every replay and capture). Inputs live in static
 buffers: token ids, positions, per-layer slot mappings and lengths, and a page table as
-wide as ``max_model_len`` needs, so a replay never depends on the batch's lengths.
+wide as the method's longest row needs (``table_pages``), so a replay never depends on
+the batch's lengths.
 Padding rows write nowhere (slot -1) and read one token of page 0.
 """
 
@@ -22,6 +23,16 @@ def buckets(max_batch: int) -> list[int]:
     if sizes[-1] != max_batch:
         sizes.append(max_batch)
     return sizes
+
+
+def table_pages(method, max_model_len: int, page_size: int) -> int:
+    """The graph's page-table width: pages of the longest row the method ever holds,
+    probed at short, middle and full-length prompts (an eviction method's rows stop at its
+    total, so its graph neither carries nor splits over a max_model_len-wide table). A row
+    longer than this runs eager (the runner checks), never wrong."""
+    rows = max(min(max_model_len, method.max_cache_tokens(p, max_model_len - p))
+               for p in (1, max(1, max_model_len // 2), max_model_len))
+    return -(-(rows + 1) // page_size)
 
 
 def _zeros(shape, dtype, device, pinned: bool) -> torch.Tensor:
@@ -64,6 +75,10 @@ class DecodeGraphs:
         self.host_table = self._host.numpy()  # the same memory, written row by row
         self._row_of: list[tuple[int, list[int]] | None] = [None] * top
         self._dirty: tuple[int, int] | None = None
+
+    def fits(self, seqs) -> bool:
+        """Every request's page table fits the graph's table width."""
+        return max(len(s.page_table) for s in seqs) <= self.table.shape[1]
 
     def bucket(self, batch: int) -> int | None:
         return next((b for b in self.sizes if b >= batch), None)

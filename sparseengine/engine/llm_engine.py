@@ -11,7 +11,7 @@ import torch
 from sparseengine.attention.provider import make_provider
 from sparseengine.config import Config, ConfigError
 from sparseengine.engine.cache_manager import CacheManager
-from sparseengine.engine.cuda_graphs import DecodeGraphs
+from sparseengine.engine.cuda_graphs import DecodeGraphs, table_pages
 from sparseengine.engine.kv_cache import KVCache, page_bytes
 from sparseengine.engine.model_runner import ModelRunner
 from sparseengine.engine.outputs import RequestOutput
@@ -64,7 +64,7 @@ class LLM:
         if self.device.type == "cuda" and not cfg.enforce_eager and self.provider.supports_cuda_graphs:
             graphs = DecodeGraphs(self.model, self.kv_cache, self.provider, self.method, self.device,
                                   max_batch=cfg.max_num_seqs,
-                                  max_pages=-(-(self.max_model_len + 1) // cfg.page_size))
+                                  max_pages=table_pages(self.method, self.max_model_len, cfg.page_size))
         self.runner = ModelRunner(self.model, self.kv_cache, self.provider, self.method, self.device,
                                   cfg.page_size, graphs)
         self.sampler = Sampler()

@@ -76,7 +76,7 @@ class ModelRunner:
                 sample_seqs.append(seq)
         capturable = not self.method.wants_forward_hooks(seqs) or self.method.graph_capturable()
         if (self.graphs is not None and batch.is_pure_decode and capturable
-                and self.graphs.bucket(len(seqs)) is not None):
+                and self.graphs.bucket(len(seqs)) is not None and self.graphs.fits(seqs)):
             self.method.begin_step_graph(seqs)
             return seqs, self._graph_decode(seqs, ids, pos)
         cu = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32, device=self.device)

@@ -264,6 +264,9 @@ def test_decode_steps_may_replay_a_graph(tiny_llama):
             def bucket(self, batch):
                 return batch
 
+            def fits(self, seqs):
+                return True
+
             def page_tables(self, seq_ids, tables):
                 self.table = np.zeros((len(tables), max(map(len, tables))), dtype=np.int32)
                 for b, pages in enumerate(tables):
