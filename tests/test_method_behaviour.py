@@ -112,3 +112,31 @@ def test_combination_matrix(tiny_llama, tiny_method_knobs, decode, prefill, poli
     with LLM(str(folder), **knobs) as llm:
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 3
+
+
+@pytest.mark.parametrize("method,n", [("snapkv", 20), ("snapkv", 60), ("pyramidkv", 20), ("pyramidkv", 70),
+                                      ("h2o", 12), ("h2o", 60), ("streamingllm", 50)])
+def test_rows_stay_within_max_cache_tokens(tiny_llama, method, n):
+    """The bound the synthesized benchmarks size the pool by (``max_cache_tokens``: the
+    most a row holds while generating) holds at every decode step, read when the step's
+    token is in and nothing is evicted yet, for short prompts that grow past the total too."""
+    from sparseengine.engine.sequence import Sequence
+
+    out, peak = 40, []
+    with LLM(str(tiny_llama[0]), device="cpu", dtype="float32", sparse_method=method, sink_tokens=4, budget=16,
+             recent_tokens=8, snapkv_window=8, snapkv_decode_eviction=True, snapkv_decode_interval=6,
+             h2o_decode_interval=5, page_size=8, kv_cache_memory=0.01) as llm:
+        finish = llm.method.finish_step
+
+        def before_evictions(batch):  # the engine's own hook, called as it would be
+            peak.extend(max(s.layer_lens) for s in llm.method.decoding)  # this step's decode rows
+            return finish(batch)
+
+        llm.method.finish_step = before_evictions
+        seq = Sequence(list(range(3, 3 + n)), SamplingParams(temperature=0, max_tokens=out, ignore_eos=True),
+                       llm.model_config.num_layers)
+        llm.scheduler.add(seq)
+        while seq.finish_reason is None:
+            llm.step()
+        bound = llm.method.max_cache_tokens(n, out)
+    assert seq.finish_reason == "length" and len(peak) >= out - 1 and max(peak) <= bound, (max(peak), bound)

@@ -47,8 +47,14 @@ class SnapKV(SparseMethodRuntime):
                 for l in range(self.model.num_layers)]
 
     def max_cache_tokens(self, n: int, output_tokens: int) -> int:
-        grow = max(self.cache_lens_after_prefill(n)) + output_tokens
-        return min(grow, max(self.cache_lens_after_prefill(n)) + self.interval) if self.decode_eviction else grow
+        kept = max(self.cache_lens_after_prefill(n))
+        if not self.decode_eviction:
+            return kept + output_tokens
+        # a decode compaction leaves at most sink + the layer's budget + the tail; a row
+        # below that (a short prompt) keeps growing until a compaction finds it longer
+        tail = max(self.config.recent_tokens, self.window)
+        steady = max(self.config.sink_tokens + self.layer_budget(l, n) + tail for l in range(self.model.num_layers))
+        return min(kept + output_tokens, max(kept, steady) + self.interval)
 
     # ---- which rows report column sums ------------------------------------------------
     def begin_step(self, ctx) -> None:
