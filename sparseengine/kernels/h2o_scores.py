@@ -20,7 +20,7 @@ num_pages, page_size, Hkv]`; G requests' page tables `table [G, P]`, each holdin
 tokens in every layer of `layers [nl]` (slots in any token order) and ``num_tokens [G]``
 tokens so far. Returns `[G, nl, Hkv]` int64: the cache index of the unprotected token
 (position at or past `sink_tokens` and below `num_tokens - recent_tokens`) with the
-lowest score, ties to the later position: `selection.h2o_victims` with count 1, read
+lowest score, ties to the later position: `methods.h2o.h2o_victims` with count 1, read
 straight from the pools (the Triton kernel: one program per (request, layer), all KV
 heads, no gathered copies).
 """

@@ -9,7 +9,7 @@ decode steps.
 Layout: the scores and each token's position live per cache slot in two token pools
 beside the KV pool (``CacheManager.token_pool``), so they follow every token move. The
 attention's column sums are added in place (a kernel, inside the decode CUDA graph); an
-eviction picks its victims from the pools (``selection.h2o_victims``) for every request
+eviction picks its victims from the pools (``h2o_victims`` below) for every request
 and layer of the step at once, and moves the kept tokens past the total into the freed
 slots (``CacheManager.evict_to``): a decode step moves at most one token per (layer, KV
 head), and a row's slots are in no particular token order.
@@ -26,10 +26,36 @@ from sparseengine.engine.step_context import ScoreRows
 from sparseengine.kernels.h2o_scores import h2o_scores_accumulate_torch
 from sparseengine.method_registry import MethodSpec
 from sparseengine.methods.base import SparseMethodRuntime
-from sparseengine.methods.selection import h2o_victims
 
 SCORES, POSITIONS = "h2o_scores", "h2o_positions"  # token pools
 ROWS_PER_PICK = 1 << 24  # (layer, KV head, token) entries one batched victim pick reads at most
+
+
+def h2o_victims(scores: torch.Tensor, positions: torch.Tensor, num_tokens: torch.Tensor,
+                sink_tokens: int, recent_tokens: int, count: int) -> torch.Tensor:
+    """``selection.h2o_keep`` for rows held in any slot order: the slots ``[..., count]`` (not
+    sorted) whose tokens H2O evicts from rows ``scores [..., n]`` (accumulated, >= 0) whose
+    slots hold the tokens at ``positions [..., n]`` (distinct per row). ``num_tokens [...]``:
+    tokens the request has so far, so the last ``recent_tokens`` are the positions at or
+    past ``num_tokens - recent_tokens``. The sink and those are never chosen; of the others,
+    the lowest scores go, ties to the later token, which is exactly the complement of
+    ``h2o_keep`` on the same row in token order (with ``count = n - total``). ``count``
+    must not exceed the row's unprotected tokens."""
+    if not scores.is_floating_point():
+        raise ValueError(f"scores must be a floating tensor, got dtype {scores.dtype}")
+    if positions.shape != scores.shape or num_tokens.shape != scores.shape[:-1]:
+        raise ValueError(f"positions must be {tuple(scores.shape)} and num_tokens {tuple(scores.shape[:-1])}, "
+                         f"got {tuple(positions.shape)} and {tuple(num_tokens.shape)}")
+    pos = positions.long()
+    protected = (pos < sink_tokens) | (pos >= (num_tokens.long() - recent_tokens)[..., None])
+    # one int64 key per token: score bits (order-preserving for floats >= 0, -0.0 folded
+    # into 0.0) above the inverted position, so the smallest keys are the lowest scores
+    # and, among equal scores, the later tokens
+    scores = scores.float()
+    bits = torch.where(scores > 0, scores, 0.0).view(torch.int32).long()
+    key = (bits << 32) | ((1 << 31) - 1 - pos)
+    key = key.masked_fill(protected, torch.iinfo(torch.int64).max)
+    return key.topk(count, dim=-1, largest=False, sorted=False).indices
 
 
 class H2O(SparseMethodRuntime):
@@ -102,31 +128,29 @@ class H2O(SparseMethodRuntime):
             self.evict(due)
 
     def evict(self, seqs) -> None:
-        """Every layer past the total back to it: rows of one length in batched picks."""
-        groups: dict[tuple[int, tuple[int, ...]], list] = {}
+        """Every row back to the total, requests of one row length in one batched pick.
+        Every layer of a request holds the same count (prefill, h2o_prefill's compaction
+        and these evictions all treat the layers alike)."""
+        groups: dict[int, list] = {}
         for seq in seqs:
-            lens = seq.layer_lens
-            if min(lens) == max(lens):  # the usual case: every layer alike
-                groups.setdefault((lens[0], tuple(range(len(lens)))), []).append(seq)
-                continue
-            by_len: dict[int, list[int]] = {}
-            for layer, n in enumerate(lens):
-                if n > self.total:
-                    by_len.setdefault(n, []).append(layer)
-            for n, layers in by_len.items():
-                groups.setdefault((n, tuple(layers)), []).append(seq)
-        for (n, layers), group in groups.items():
-            self._evict_rows(group, list(layers), n)
+            n = seq.layer_lens[0]
+            if min(seq.layer_lens) != n or max(seq.layer_lens) != n:
+                raise RuntimeError(f"h2o: request {seq.seq_id} holds {seq.layer_lens} tokens per layer, "
+                                   "expected one count for every layer")
+            groups.setdefault(n, []).append(seq)
+        for n, group in groups.items():
+            self._evict_rows(group, n)
         for seq in seqs:  # room for the tokens until the next eviction: no page churn
+            seq.layer_lens = [self.total] * len(seq.layer_lens)
             self.cache.trim_pages(seq, room=min(seq.num_tokens, self.total + self.interval))
 
-    def _evict_rows(self, seqs, layers: list[int], n: int) -> None:
-        """``n``-token rows of ``seqs`` in ``layers`` down to the total (batched over both):
+    def _evict_rows(self, seqs, n: int) -> None:
+        """``n``-token rows of ``seqs`` down to the total, every layer (batched over both):
         one victim per row (a decode step) straight from the pools in one Triton kernel,
-        more in gathered chunks."""
+        more in gathered chunks of layers."""
         cfg, ps, total = self.config, self.cache.page_size, self.total
         scores, positions = self._pools()
-        device = scores.device
+        device, layers = scores.device, list(range(self.model.num_layers))
         pages = -(-n // ps)
         up = self.cache.upload
         table = up(np.array([s.page_table[:pages] for s in seqs], dtype=np.int64))
@@ -136,23 +160,17 @@ class H2O(SparseMethodRuntime):
             victims = kernels.h2o_victim_triton(scores, positions, table, layers_t, tokens, n, cfg.sink_tokens,
                                                 cfg.recent_tokens)
             self.cache.evict_to(table, layers_t, victims[..., None], total)
-        else:
-            idx = torch.arange(n, device=device)
-            slots = table[:, idx // ps] * ps + idx % ps  # [G, n]
-            step = max(1, ROWS_PER_PICK // max(1, len(seqs) * scores.shape[-1] * n))
-            for i in range(0, len(layers), step):
-                chunk = layers[i:i + step]
-                flat = self.cache.flat(chunk, slots[None])  # [nl, G, n]
-                s, p = (self.cache.rows(t)[flat].permute(1, 0, 3, 2) for t in (scores, positions))  # [G, nl, Hkv, n]
-                victims = h2o_victims(s, p, tokens[:, None, None].expand(s.shape[:-1]), cfg.sink_tokens,
-                                      cfg.recent_tokens, n - total)
-                self.cache.evict_to(table, chunk, victims, total)
-        for seq in seqs:
-            if len(layers) == len(seq.layer_lens):
-                seq.layer_lens = [total] * len(layers)
-            else:
-                for layer in layers:
-                    seq.layer_lens[layer] = total
+            return
+        idx = torch.arange(n, device=device)
+        slots = table[:, idx // ps] * ps + idx % ps  # [G, n]
+        step = max(1, ROWS_PER_PICK // max(1, len(seqs) * scores.shape[-1] * n))
+        for i in range(0, len(layers), step):
+            chunk = layers[i:i + step]
+            flat = self.cache.flat(chunk, slots[None])  # [nl, G, n]
+            s, p = (self.cache.rows(t)[flat].permute(1, 0, 3, 2) for t in (scores, positions))  # [G, nl, Hkv, n]
+            victims = h2o_victims(s, p, tokens[:, None, None].expand(s.shape[:-1]), cfg.sink_tokens,
+                                  cfg.recent_tokens, n - total)
+            self.cache.evict_to(table, chunk, victims, total)
 
     # ---- decode benchmarks: the state a 128K prefill would leave --------------------------
     def init_synthetic(self, seq) -> None:

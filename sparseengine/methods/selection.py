@@ -266,34 +266,6 @@ def h2o_keep(acc_scores: torch.Tensor, sink_tokens: int, budget: int, recent_tok
     return _sink_topk_tail(acc_scores[:, sink : n - recent], sink, budget, n - recent, n)
 
 
-def h2o_victims(scores: torch.Tensor, positions: torch.Tensor, num_tokens: torch.Tensor,
-                sink_tokens: int, recent_tokens: int, count: int) -> torch.Tensor:
-    """``h2o_keep`` for rows held in any slot order: the slots ``[..., count]`` (not
-    sorted) whose tokens H2O evicts from rows ``scores [..., n]`` (accumulated, >= 0) whose
-    slots hold the tokens at ``positions [..., n]`` (distinct per row). ``num_tokens [...]``:
-    tokens the request has so far, so the last ``recent_tokens`` are the positions at or
-    past ``num_tokens - recent_tokens``. The sink and those are never chosen; of the others,
-    the lowest scores go, ties to the later token, which is exactly the complement of
-    ``h2o_keep`` on the same row in token order (with ``count = n - total``). ``count``
-    must not exceed the row's unprotected tokens."""
-    _tensor_arg("scores", scores, ", ".join(["..."] * scores.dim()))
-    if positions.shape != scores.shape or num_tokens.shape != scores.shape[:-1]:
-        raise ValueError(f"positions must be {tuple(scores.shape)} and num_tokens {tuple(scores.shape[:-1])}, "
-                         f"got {tuple(positions.shape)} and {tuple(num_tokens.shape)}")
-    sink = _int_arg("sink_tokens", sink_tokens)
-    recent = _int_arg("recent_tokens", recent_tokens)
-    count = _int_arg("count", count)
-    pos = positions.long()
-    protected = (pos < sink) | (pos >= (num_tokens.long() - recent)[..., None])
-    # one int64 key per token: score bits (order-preserving for floats >= 0, -0.0 folded
-    # into 0.0) above the inverted position, so the smallest keys are the lowest scores
-    # and, among equal scores, the later tokens
-    bits = (scores.float().clamp(min=0) + 0.0).view(torch.int32).long()
-    key = (bits << 32) | ((1 << 31) - 1 - pos)
-    key = key.masked_fill(protected, torch.iinfo(torch.int64).max)
-    return key.topk(count, dim=-1, largest=False, sorted=False).indices
-
-
 # ------------------------------------------------------------------------------ quest
 
 

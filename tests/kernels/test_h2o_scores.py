@@ -1,6 +1,8 @@
-"""H2O's score accumulation into the per-slot pools: the vectorised torch and the Triton
-versions against the plain loop, on fresh random inputs (shuffled pages, a CUDA-graph
-padding row of length 0, rows that are all new tokens, a width past every row)."""
+"""H2O's per-slot scores: the accumulation into the pools (vectorised torch and Triton
+against the plain loop, on fresh random inputs: shuffled pages, a CUDA-graph padding row
+of length 0, rows that are all new tokens, a width past every row), and the eviction's
+pick (the Triton kernel against the plain loop and ``h2o.h2o_victims``, which in
+turn equals what ``h2o_keep`` drops)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import torch
 
 from sparseengine import kernels
 from sparseengine.kernels.h2o_scores import h2o_scores_accumulate_torch
+from sparseengine.methods.h2o import h2o_victims
+from sparseengine.methods.selection import h2o_keep
 
 from .conftest import DEVICE
 
@@ -58,9 +62,7 @@ def test_accumulate_rejects_bad_pools(gen):
 @pytest.mark.parametrize("n,sink,recent,ties", [(21, 2, 4, False), (37, 0, 5, True), (9, 3, 1, True)])
 def test_victim_kernel_matches_plain_loop_and_definition(gen, n, sink, recent, ties):
     """Two requests, rows whose slots hold scattered positions in random order, two of the
-    three layers: the Triton pick, the plain loop and ``selection.h2o_victims`` agree."""
-    from sparseengine.methods.selection import h2o_victims
-
+    three layers: the Triton pick, the plain loop and ``h2o.h2o_victims`` agree."""
     layers_n, G = 3, 2
     scores = torch.rand(layers_n, PAGES, PAGE, HKV, generator=gen)
     if ties:
@@ -87,3 +89,26 @@ def test_victim_kernel_matches_plain_loop_and_definition(gen, n, sink, recent, t
     p = positions.view(layers_n, -1, HKV)[layers][:, slots].permute(1, 0, 3, 2)
     definition = h2o_victims(s, p, T[:, None, None].expand(s.shape[:-1]), sink, recent, 1)[..., 0]
     assert torch.equal(definition, want)
+
+
+@pytest.mark.parametrize("n,sink,budget,recent,ties", [(100, 4, 20, 16, False), (40, 0, 10, 5, True),
+                                                        (37, 4, 28, 4, True), (50, 3, 1, 0, False)])
+def test_h2o_victims_in_any_slot_order_are_what_keep_drops(n, sink, budget, recent, ties):
+    """``h2o.h2o_victims`` (the pick the kernel above is checked against) on rows
+    whose slots hold their tokens in a random order, at scattered positions (the sink and
+    the last ``recent`` positions present): the victims are exactly the tokens ``h2o_keep``
+    drops from the same row in token order, ties included."""
+    hkv, T = 3, 4 * n
+    gen = torch.Generator().manual_seed(n + budget)
+    middle = sink + torch.randperm(T - recent - sink, generator=gen)[: n - sink - recent].sort().values
+    pos = torch.cat([torch.arange(sink), middle, torch.arange(T - recent, T)])  # token order
+    acc = torch.randn(hkv, n, generator=gen).abs()  # accumulated probabilities: >= 0
+    if ties:
+        acc = (acc * 2).floor()  # a handful of distinct values: many ties
+    keep = h2o_keep(acc, sink, budget, recent)
+    perm = torch.stack([torch.randperm(n, generator=gen) for _ in range(hkv)])  # slot -> token index
+    victims = h2o_victims(acc.gather(1, perm), pos[perm], torch.full((hkv,), T), sink, recent,
+                          n - keep.shape[1])
+    for h in range(hkv):
+        dropped = sorted(perm[h, victims[h]].tolist())
+        assert dropped == sorted(set(range(n)) - set(keep[h].tolist())), h

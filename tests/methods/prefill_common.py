@@ -1,26 +1,16 @@
 """Shared by the prefill-side method tests: engine settings, prompts, a float64 softmax
-reference, and one torch thread for their tiny matrices."""
+reference."""
 
 from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 
 from sparseengine import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 ENGINE = dict(dtype="float32", page_size=8, kv_cache_memory=0.01, device="cpu")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: one thread is faster than two, and far faster on a loaded machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def prompt_ids(n, seed=1):

@@ -25,20 +25,13 @@ from sparseengine.methods import deltakv_bytes, deltakv_fit
 from sparseengine.methods import deltakv_codec as codec
 from sparseengine.methods.deltakv_calibrate import calibrate, layer_kv, prefill_kv
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/methods/conftest.py
+
 SINK, RECENT, BUDGET = 4, 16, 24
 FULL = "1"  # tiny-llama has 4 layers: 0 and 1 keep full KV, 2 and 3 are compressed
 SPARSE = (2, 3)
 HKV, HEAD_DIM = 2, 16
 DIM = 2 * HKV * HEAD_DIM  # 64
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one thread avoids oversubscription on shared 2-core machines."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _ids(n: int, seed: int) -> list[int]:

@@ -41,6 +41,8 @@ from sparseengine.models.loader import SHAPES_DIR
 from tests.methods.selection_reference import (REF, Reference, RefMethod, RefOmniKV, RefPyramidKV, RefQuest,
                                                tie_ok)
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/methods/conftest.py
+
 ATOL = 2e-4  # engine (float32, own kernels) vs reference rows
 
 # ----------------------------------------------------------------------------- models
@@ -53,15 +55,6 @@ SHAPES = {
     "g4": ("tiny-llama", 8, 2),
 }
 _MODELS: dict[str, tuple] = {}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices: one thread is faster than two, and far faster on a loaded machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,8 @@ import torch
 
 from sparseengine import LLM, SamplingParams
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/methods/conftest.py
+
 ENGINE = dict(dtype="float32", page_size=8, kv_cache_memory=0.01)  # CPU here; compiled on a GPU
 FLASHPREFILL = dict(prefill_sparse_method="flashprefill_v2", flashprefill_block=16, flashprefill_min_len=0,
                     flashprefill_sink_blocks=1, flashprefill_window_blocks=1, flashprefill_probe_blocks=2,
@@ -21,14 +23,6 @@ CASES = [
     ("snapkv", dict(prefill_chunk_size=40, snapkv_window=4, **SMALL_TOTAL)),
     ("quest", dict(prefill_chunk_size=40, quest_page_size=8, quest_skip_layers=1, **SMALL_TOTAL)),
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("decode,kw", CASES, ids=[f"{d}-chunk{kw['prefill_chunk_size']}" for d, kw in CASES])

@@ -13,7 +13,9 @@ import torch
 from sparseengine import LLM, SamplingParams
 from sparseengine.engine.cache_manager import CacheManager
 from sparseengine.layers.attention import Attention
-from tests.methods.prefill_common import ENGINE, GREEDY, one_thread, prompt_ids, ref_softmax_row  # noqa: F401
+from tests.methods.prefill_common import ENGINE, GREEDY, prompt_ids, ref_softmax_row
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/methods/conftest.py
 
 
 

@@ -21,7 +21,9 @@ from sparseengine.engine.step_context import BlockMask, LayerView, ScoreRows
 from sparseengine.layers.attention import Attention
 from sparseengine.methods import flashprefill_v2 as fp
 from sparseengine.methods.flashprefill_v2 import FlashPrefillV2
-from tests.methods.prefill_common import ENGINE, GREEDY, one_thread, prompt_ids, ref_softmax_row  # noqa: F401
+from tests.methods.prefill_common import ENGINE, GREEDY, prompt_ids, ref_softmax_row
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/methods/conftest.py
 
 FP_KNOBS = dict(flashprefill_block=16, flashprefill_min_len=0, flashprefill_sink_blocks=1,
                 flashprefill_window_blocks=1, flashprefill_probe_blocks=2)

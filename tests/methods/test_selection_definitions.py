@@ -239,28 +239,6 @@ def test_h2o_keep_matches_reference(hkv, n, sink, budget, recent):
         assert got[kh].tolist() == ref_keep(acc[kh], n, sink, budget, recent, recent)
 
 
-@pytest.mark.parametrize("n,sink,budget,recent,ties", [(100, 4, 20, 16, False), (40, 0, 10, 5, True),
-                                                        (37, 4, 28, 4, True), (50, 3, 1, 0, False)])
-def test_h2o_victims_in_any_slot_order_are_what_keep_drops(n, sink, budget, recent, ties):
-    """Rows whose slots hold their tokens in a random order, at scattered positions (the
-    sink and the last ``recent`` positions present): the victims are exactly the tokens
-    ``h2o_keep`` drops from the same row in token order, ties included."""
-    hkv, T = 3, 4 * n
-    gen = torch.Generator().manual_seed(n + budget)
-    middle = sink + torch.randperm(T - recent - sink, generator=gen)[: n - sink - recent].sort().values
-    pos = torch.cat([torch.arange(sink), middle, torch.arange(T - recent, T)])  # token order
-    acc = rand(hkv, n, seed=n).abs()  # accumulated probabilities: >= 0
-    if ties:
-        acc = (acc * 2).floor()  # a handful of distinct values: many ties
-    keep = sel.h2o_keep(acc, sink, budget, recent)
-    perm = torch.stack([torch.randperm(n, generator=gen) for _ in range(hkv)])  # slot -> token index
-    victims = sel.h2o_victims(acc.gather(1, perm), pos[perm], torch.full((hkv,), T), sink, recent,
-                              n - keep.shape[1])
-    for h in range(hkv):
-        dropped = sorted(perm[h, victims[h]].tolist())
-        assert dropped == sorted(set(range(n)) - set(keep[h].tolist())), h
-
-
 def test_h2o_decode_loop_keeps_the_total():
     hkv, hq, sink, budget, recent = 2, 6, 2, 5, 3
     acc = torch.zeros(hkv, 0)
