@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from sparseengine import kernels
-from sparseengine.attention.provider import OPS, AttentionProvider
+from sparseengine.attention.provider import OPS, AttentionProvider, check_prefill_scores
 from sparseengine.attention.triton_provider import TritonAttentionProvider
 from sparseengine.config import ConfigError
 from sparseengine.engine.step_context import LayerView, ScoreRows, Selection, StepContext
@@ -118,6 +118,7 @@ class FlashInferAttentionProvider(AttentionProvider):
                 dense_rows = torch.tensor(selection.dense, device=q.device)[:, None, None]
                 out = torch.where(dense_rows, out, sparse)
             return out, None
+        check_prefill_scores(score_rows)
         out = self._plan(q, k_cache, ctx, view).run(q.contiguous(), (k_cache, v_cache))
         if selection is not None:  # decode rows of a mixed batch read only their selection
             last = torch.tensor(np.cumsum(ctx.q_lens) - 1, device=q.device)

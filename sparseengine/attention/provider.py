@@ -13,8 +13,8 @@ if TYPE_CHECKING:
 
 
 # The attention ops a provider runs; ``ops()`` says which implementation runs each.
-OPS = ("write_kv", "decode", "prefill", "sparse_decode", "decode_colsum", "prefill_colsum",
-       "block_sparse_prefill")
+OPS = ("write_kv", "decode", "prefill", "sparse_decode", "decode_colsum", "decode_max_logits",
+       "prefill_colsum", "block_sparse_prefill")
 
 
 class AttentionProvider:
@@ -38,8 +38,9 @@ class AttentionProvider:
                view: "LayerView", selection: "Selection | None",
                score_rows: "ScoreRows | None", block_mask: "BlockMask | None" = None,
                ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-        """-> (out [T, Hq, d], per request [Hkv, kv_len] column sums (one padded tensor when
-        ``score_rows.max_kv_len`` is set), or None). ``block_mask`` (passed only when a method
+        """-> (out [T, Hq, d], the scores ``score_rows`` asks for (``ScoreRows``: per request
+        [Hkv, kv_len] column sums, one padded tensor when ``score_rows.max_kv_len`` is set;
+        or max logits), or None). ``block_mask`` (passed only when a method
         asks for one): block-sparse causal prefill rows."""
         raise NotImplementedError
 
@@ -52,6 +53,13 @@ def padded_colsum_width(score_rows: "ScoreRows", view: "LayerView") -> int | Non
     if bound is not None and max(view.kv_lens_list) > bound:
         raise ValueError(f"ScoreRows.max_kv_len={bound} is below a row's cache length {max(view.kv_lens_list)}")
     return bound
+
+
+def check_prefill_scores(score_rows: "ScoreRows | None") -> None:
+    """Steps with prefill rows report column sums only: max logits are a decode score."""
+    if score_rows is not None and score_rows.kind != "colsum":
+        raise ValueError(f"ScoreRows(kind={score_rows.kind!r}) is a decode-step score; a step with prefill rows "
+                         "reports column sums only (kind='colsum')")
 
 
 def make_provider(name: str, device: torch.device) -> AttentionProvider:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sparseengine.attention.provider import AttentionProvider, padded_colsum_width
+from sparseengine.attention.provider import AttentionProvider, check_prefill_scores, padded_colsum_width
 from sparseengine.engine.step_context import BlockMask, LayerView, ScoreRows, Selection, StepContext
+from sparseengine.kernels.omnikv_scores import group_max_logits_torch
 
 
 def token_slots(page_table_row: torch.Tensor, length: int, page_size: int) -> torch.Tensor:
@@ -34,6 +35,12 @@ class TorchAttentionProvider(AttentionProvider):
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext,
                view: LayerView, selection: Selection | None, score_rows: ScoreRows | None,
                block_mask: BlockMask | None = None):
+        if score_rows is not None and score_rows.kind == "max_logits":
+            if not ctx.is_decode:
+                check_prefill_scores(score_rows)
+            bound = padded_colsum_width(score_rows, view)
+            out, _ = self.attend(q, k_cache, v_cache, ctx, view, selection, None, block_mask)
+            return out, group_max_logits_torch(q, k_cache, view.page_table, view.kv_lens, bound)
         if ctx.is_decode and selection is None and score_rows is None and block_mask is None:
             return self._decode_batched(q, k_cache, v_cache, view), None
         page_size = k_cache.shape[1]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from sparseengine import kernels
-from sparseengine.attention.provider import AttentionProvider, padded_colsum_width
+from sparseengine.attention.provider import AttentionProvider, check_prefill_scores, padded_colsum_width
 from sparseengine.engine.step_context import LayerView, ScoreRows, Selection, StepContext
 
 
@@ -25,7 +25,10 @@ class TritonAttentionProvider(AttentionProvider):
         table, lens = view.page_table, view.kv_lens
         max_len = max(view.kv_lens_list)
         if ctx.is_decode:
-            if score_rows is not None:
+            if score_rows is not None and score_rows.kind == "max_logits":
+                out, colsums = kernels.decode_max_logits_triton(q, k_cache, v_cache, table, lens,
+                                                                padded_colsum_width(score_rows, view))
+            elif score_rows is not None:
                 bound = padded_colsum_width(score_rows, view)
                 out, colsum = kernels.decode_colsum_triton(q, k_cache, v_cache, table, lens,
                                                            max_kv_len=bound or max_len)
@@ -44,6 +47,7 @@ class TritonAttentionProvider(AttentionProvider):
             elif out is None:
                 out = kernels.paged_decode_triton(q, k_cache, v_cache, table, lens)
             return out, colsums
+        check_prefill_scores(score_rows)
         out = kernels.paged_prefill_triton(q, k_cache, v_cache, table, lens, ctx.cu_q_lens,
                                            max_q_len=max(ctx.q_lens))
         if selection is not None:  # decode rows of a mixed batch read only their selection

@@ -78,15 +78,31 @@ class Selection:
 
 @dataclass(frozen=True)
 class ScoreRows:
-    """rows[b]: report column sums over the last rows[b] query rows of request b.
+    """rows[b]: report per-token scores over the last rows[b] query rows of request b.
 
-    The provider returns them as one ``[Hkv, kv_len]`` tensor per request; with
-    ``max_kv_len`` set (decode steps only, a bound on every row's cache length) as one
-    ``[B, Hkv, max_kv_len]`` tensor, zero past each row's length: a static shape, so a
-    CUDA graph can capture the step."""
+    ``kind`` "colsum": the attention probability each cached token received (column
+    sums), averaged over the query heads of its KV head. The provider returns them as one
+    ``[Hkv, kv_len]`` tensor per request; with ``max_kv_len`` set (decode steps only, a
+    bound on every row's cache length) as one ``[B, Hkv, max_kv_len]`` tensor, zero past
+    each row's length: a static shape, so a CUDA graph can capture the step.
+
+    ``kind`` "max_logits" (decode steps only, ``max_kv_len`` required): per KV head, the
+    max over its query heads of the scaled logit ``q . k / sqrt(d)`` of every cached token,
+    ``[B, Hkv, max_kv_len]`` fp32, -inf past each row's length. The decode attention emits
+    them while it reads K anyway (OmniKV's filter-layer scores)."""
 
     rows: tuple[int, ...]
     max_kv_len: int | None = None
+    kind: str = "colsum"
+
+    def __post_init__(self) -> None:
+        if self.kind not in SCORE_KINDS:
+            raise ValueError(f"ScoreRows.kind must be one of {SCORE_KINDS}, got {self.kind!r}")
+        if self.kind == "max_logits" and self.max_kv_len is None:
+            raise ValueError("ScoreRows(kind='max_logits') needs max_kv_len (one padded [B, Hkv, max_kv_len] tensor)")
+
+
+SCORE_KINDS = ("colsum", "max_logits")
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ from .fused_ops import (add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms
                         rotary_qk_triton, silu_mul_ref, silu_mul_triton)
 from .h2o_scores import (h2o_scores_accumulate_ref, h2o_scores_accumulate_triton, h2o_victim_ref,
                          h2o_victim_triton)
-from .omnikv_scores import omnikv_scores_ref, omnikv_scores_triton
+from .omnikv_scores import (decode_max_logits_ref, decode_max_logits_triton, omnikv_scores_ref,
+                            omnikv_scores_triton)
 from .paged_decode import paged_decode_ref, paged_decode_triton
 from .paged_kv_write import paged_kv_write_ref, paged_kv_write_triton
 from .paged_prefill import paged_prefill_ref, paged_prefill_triton
@@ -33,6 +34,8 @@ __all__ = [
     "block_sparse_prefill_triton",
     "decode_colsum_ref",
     "decode_colsum_triton",
+    "decode_max_logits_ref",
+    "decode_max_logits_triton",
     "deltakv_rebuild_ref",
     "deltakv_rebuild_triton",
     "h2o_scores_accumulate_ref",

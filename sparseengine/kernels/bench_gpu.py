@@ -201,8 +201,8 @@ def bench_decode_splits(out_path, B, L, capacity):
 def bench_quest_select(out_path, B=6, P=8320, n=131072):
     """Quest's page selection at the 128K decode benchmark's shape (the graph's page table
     is 8320 pages wide), per launch in a CUDA graph of 30 launches (no launch overhead):
-    radix 1, 2, 4 bits per pass, blocks of 8192 or 16384 pages (session 3's kernel:
-    radix 1, 8192)."""
+    the full search (radix 1 or 2 bits per pass, blocks of 8192 or 16384 pages; session
+    3's kernel: radix 1, 8192) against the shortlist first (radix 1, 2, 4)."""
     from sparseengine.kernels import quest_select_pages_triton
     from sparseengine.methods.quest import select_pages_batched
 
@@ -211,8 +211,10 @@ def bench_quest_select(out_path, B=6, P=8320, n=131072):
     kv_lens = torch.full((B,), n, dtype=torch.int32, device="cuda")
     args = (scores, kv_lens, PS, 64, 512, 1472)
     want = select_pages_batched(*args)
-    for radix_bits, block_p in ((1, 8192), (1, 16384), (2, 8192), (2, 16384), (4, 16384)):
-        fn = lambda: quest_select_pages_triton(*args, block_p=block_p, radix_bits=radix_bits)  # noqa: E731
+    for radix_bits, block_p, shortlist in ((1, 8192, False), (2, 8192, False), (2, 16384, False),
+                                           (1, 8192, True), (2, 8192, True), (4, 8192, True)):
+        fn = lambda: quest_select_pages_triton(*args, block_p=block_p, radix_bits=radix_bits,  # noqa: E731
+                                               shortlist=shortlist)
         same = all(torch.equal(g, w) for g, w in zip(fn(), want))
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -221,7 +223,8 @@ def bench_quest_select(out_path, B=6, P=8320, n=131072):
                 fn()
         median, _ = _time_cuda(graph.replay, iters=20)
         _emit(out_path, {"kind": "quest_select", "batch": B, "hkv": HKV, "pages": P, "kv_len": n,
-                         "radix_bits": radix_bits, "block_p": block_p, "us_per_launch": 1e3 * median / 30,
+                         "radix_bits": radix_bits, "block_p": block_p, "shortlist": shortlist,
+                         "us_per_launch": 1e3 * median / 30,
                          "equals_torch_path": same})
 
 

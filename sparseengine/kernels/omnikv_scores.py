@@ -14,6 +14,11 @@ gather, no per-request loop, no host sync given `max_kv_len`).
 
 Triton: one program per (request, tile of tokens) loops over the KV heads, so every K
 element is read once per pass and the max over heads stays in registers.
+
+`decode_max_logits_*`: the filter layer's own decode attention emitting, per KV head, the
+max over its query heads of every token's scaled logit (`[B, Hkv, max_kv_len]`); the max
+over KV heads of that is the "logits" score, with no second pass over K. Engine path:
+`ScoreRows(kind="max_logits")`. `group_max_logits_torch`: the scores alone, vectorised.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import torch
 
 from . import _common
 from ._common import cdiv, check_cache, check_launch, lazy_jit, next_pow2
+from .paged_decode import MODE_DENSE, split_k_decode
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
@@ -56,10 +62,18 @@ def omnikv_scores_torch(q, k_cache, page_table, kv_lens, mode="logits", max_kv_l
     `max_kv_len` given, no host sync (the CPU path of OmniKV's batched decode choice).
     Tokens past `kv_lens[b]` are masked before the softmax, so what their slots hold never
     matters. `lse` is accepted for signature parity."""
-    B, Hq, d = q.shape
-    page_size, Hkv = check_cache(k_cache, Hq, d)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    s, valid = _gathered_logits(q, k_cache, page_table, kv_lens, max_kv_len, scale)
+    if mode == "probs":
+        s = torch.softmax(s, dim=-1)
+    return s.amax(dim=(1, 2)).masked_fill(~valid, float("-inf"))
+
+
+def _gathered_logits(q, k_cache, page_table, kv_lens, max_kv_len, scale):
+    """-> (scaled logits `[B, Hkv, g, L]` fp32, -inf past `kv_lens`; valid `[B, L]`)."""
+    B, Hq, d = q.shape
+    page_size, Hkv = check_cache(k_cache, Hq, d)
     g, scale = Hq // Hkv, _common.default_scale(d, scale)
     L = int(kv_lens.max()) if max_kv_len is None else max_kv_len
     pos = torch.arange(L, device=q.device)
@@ -67,10 +81,51 @@ def omnikv_scores_torch(q, k_cache, page_table, kv_lens, mode="logits", max_kv_l
     k = k_cache[pages, pos % page_size].float()  # [B, L, Hkv, d]
     s = torch.einsum("bkgd,blkd->bkgl", q.float().reshape(B, Hkv, g, d), k) * scale
     valid = pos[None, :] < kv_lens.to(pos.device).long()[:, None]  # [B, L]
-    s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
-    if mode == "probs":
-        s = torch.softmax(s, dim=-1)
-    return s.amax(dim=(1, 2)).masked_fill(~valid, float("-inf"))
+    return s.masked_fill(~valid[:, None, None, :], float("-inf")), valid
+
+
+def decode_max_logits_ref(q, k_cache, v_cache, page_table, kv_lens, max_kv_len=None, scale=None):
+    """Decode attention that also reports, per KV head, the max over its query heads of
+    every token's scaled logit: -> (out `[B, Hq, d]`, scores `[B, Hkv, max_kv_len]` fp32,
+    -inf past `kv_lens[b]`). Plain loops: the definition."""
+    B, Hq, d = q.shape
+    _, Hkv = check_cache(k_cache, Hq, d)
+    g, scale = Hq // Hkv, _common.default_scale(d, scale)
+    L = int(kv_lens.max()) if max_kv_len is None else max_kv_len
+    out = torch.zeros(B, Hq, d, dtype=torch.float32, device=q.device)
+    scores = torch.full((B, Hkv, L), float("-inf"), device=q.device)
+    for b in range(B):
+        n = int(kv_lens[b])
+        tokens = torch.arange(n, device=q.device)
+        k = _common.gather_tokens(k_cache, page_table[b], tokens).float()
+        v = _common.gather_tokens(v_cache, page_table[b], tokens).float()
+        for h in range(Hkv):
+            s = (q[b, h * g:(h + 1) * g].float() @ k[:, h].T) * scale  # [g, n]
+            out[b, h * g:(h + 1) * g] = torch.softmax(s, dim=-1) @ v[:, h]
+            scores[b, h, :n] = s.max(0).values[:L]
+    return out.to(q.dtype), scores
+
+
+def group_max_logits_torch(q, k_cache, page_table, kv_lens, max_kv_len=None, scale=None):
+    """The scores of `decode_max_logits_ref`, vectorised (no loop, no host sync given
+    `max_kv_len`): what the torch provider returns beside its own attention output."""
+    return _gathered_logits(q, k_cache, page_table, kv_lens, max_kv_len, scale)[0].amax(dim=2)
+
+
+def decode_max_logits_triton(q, k_cache, v_cache, page_table, kv_lens, max_kv_len=None, scale=None,
+                             *, kv_chunk=None):
+    """`decode_max_logits_ref` in one pass: the split-K decode stores each token's group
+    max as it computes the logits (4 bytes per token and KV head written, against the
+    2 * d * 2 bytes of K+V it reads anyway), so no second read of K scores the tokens."""
+    B, Hq, d = q.shape
+    page_size, Hkv = check_cache(k_cache, Hq, d)
+    device = check_launch(q, k_cache, v_cache, page_table, kv_lens)
+    L = int(kv_lens.max()) if max_kv_len is None else max_kv_len
+    scores = torch.full((B, Hkv, max(L, 1)), float("-inf"), device=device)
+    capacity = min(page_table.shape[1] * page_size, max(L, 1))  # L bounds every row: no empty splits
+    out = split_k_decode(q, k_cache, v_cache, page_table, kv_lens, mode=MODE_DENSE, capacity=capacity,
+                         scale=scale, kv_chunk=kv_chunk, logits=scores, logits_group_max=True)
+    return out, scores[..., :L]
 
 
 def omnikv_scores_triton(q, k_cache, page_table, kv_lens, mode="logits", max_kv_len=None, scale=None,

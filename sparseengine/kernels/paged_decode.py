@@ -102,13 +102,15 @@ def split_plan(capacity: int, rows: int, device: torch.device, kv_chunk: int | N
 
 
 def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, sel=None, num_sel=None,
-                   scale=None, return_lse=False, kv_chunk=None, logits=None, block_n=64, num_warps=4,
-                   num_stages=2, fused_combine=None, row_splits=None):
+                   scale=None, return_lse=False, kv_chunk=None, logits=None, logits_group_max=False, block_n=64,
+                   num_warps=4, num_stages=2, fused_combine=None, row_splits=None):
     """Launch the split kernel (+ merge). `capacity` = static upper bound of items per row.
 
     mode DENSE: items are tokens 0..kv_len-1. TOKENS: `sel [B, Hkv, K]` token ids, `num_sel
     [B, Hkv]` valid entries. PAGES: `sel [B, Hkv, P]` logical pages, `num_sel` valid pages.
-    `logits [B, Hq, L]` fp32 (optional, DENSE only) receives the log2-domain scaled scores.
+    `logits [B, Hq, L]` fp32 (optional, DENSE only) receives the log2-domain scaled scores;
+    with `logits_group_max`, `logits [B, Hkv, L]` receives per KV head the max over its
+    query heads of the scaled logit `q . k * scale` (natural units; OmniKV's scores).
     `block_n`, `num_warps`, `num_stages`: launch tuning (bench_gpu sweeps them).
     `fused_combine`: True merges in the split kernel, False launches the combine kernel,
     None (auto): ``MERGE_IN_SPLIT_KERNEL`` (if rows <= counters); one split always writes the
@@ -135,6 +137,7 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
     sel_t = sel if has_sel else kv_lens
     num_sel_t = num_sel if has_sel else kv_lens
     logits_t = logits if logits is not None else part_lse
+    store_logits = 0 if logits is None else (2 if logits_group_max else 1)
     _jit_merge_helper()
     merge_args = dict(HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_S=min(64, next_pow2(num_splits)),
                       STORE_LSE=return_lse)
@@ -151,7 +154,7 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
         num_splits, logits.shape[-1] if logits is not None else 0,
         Hkv, Hq,
         GROUP=g, BLOCK_H=max(16, next_pow2(g)), PAGE_SIZE=page_size, CHUNK=chunk, BLOCK_N=block_n,
-        MODE=mode, STORE_LOGITS=logits is not None, DOT_PREC=_common.dot_precision(q.dtype),
+        MODE=mode, STORE_LOGITS=store_logits, DOT_PREC=_common.dot_precision(q.dtype),
         COMBINE=combine, **merge_args, num_warps=num_warps, num_stages=num_stages,
     )
     if combine == _PARTIALS:
@@ -256,9 +259,13 @@ def _decode_split_kernel(
                     + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
-        if STORE_LOGITS:
+        if STORE_LOGITS == 1:  # every query head's log2-domain logits
             l_ptrs = logits_ptr + (b * HQ + hq)[:, None] * logits_len + items[None, :]
             tl.store(l_ptrs, s, mask=h_mask[:, None] & valid[None, :] & (items < logits_len)[None, :])
+        elif STORE_LOGITS == 2:  # the group's max, back in natural units
+            s_max = tl.max(tl.where(h_mask[:, None], s, float("-inf")), 0) * 0.6931471805599453
+            tl.store(logits_ptr + pid_bh.to(tl.int64) * logits_len + items, s_max,
+                     mask=valid & (items < logits_len))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)

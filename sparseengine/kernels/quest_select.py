@@ -13,7 +13,17 @@ sink_pages)` by score, `top = max(3, budget // page_size)`; ties go to the earli
 (METHODS.md, `quest_select_pages`), which `torch.topk` does not promise.
 
 How: a score's fp32 bits map to an int32 key with the same order (negative floats flip
-their low 31 bits; -0.0 counts as +0.0). A radix search over the 32 key bits, `radix_bits`
+their low 31 bits; -0.0 counts as +0.0).
+
+Shortlist first (the default): the middle pages are cut into groups of `group` pages
+(`next_pow2(P / 2048)`, at least 2); the m-th largest of the groups' maxima, L, is found
+in registers. At least m middle keys are >= L, so every key the choice takes (ties
+included) is >= L: one pass over the row writes those candidates, in page order, to a
+per-row scratch of `cap` slots, and the same search, then the tie rule, runs on them in
+registers. Two passes over the row in all, against 2 + 32 / radix_bits. A row with more
+than `cap` candidates (many equal scores) runs the full search below.
+
+Full search: a radix search over the 32 key bits, `radix_bits`
 at a time, finds the m-th largest key t: each pass counts the middle keys `>= lo + j *
 step` for every digit j at once (one block reduction of 2^radix_bits counts) and keeps the
 largest j with at least m. Then one pass counts the keys `> t`, and the last pass takes
@@ -36,15 +46,21 @@ import torch
 
 from ._common import LazyKernel, cdiv, check_launch, int_arg, interpreting, next_pow2
 
+MAX_GROUPS = 2048  # shortlist: the most page groups a row is cut into (group = next_pow2(P / this))
+
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
 
 
 def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_tokens, budget, *,
-                              block_p: int = 8192, num_warps: int | None = None, radix_bits: int = 2):
+                              block_p: int = 8192, num_warps: int | None = None, radix_bits: int = 2,
+                              shortlist: bool = True, shortlist_cap: int | None = None):
     """`block_p`: pages per block (a power of two; capped at P's); `num_warps`: default
     one warp per 512 pages of the block, 1 to 16; `radix_bits`: key bits the search settles
-    per pass (1, 2 or 4: 32, 16 or 8 passes of 2, 4 or 16 counts)."""
+    per pass (1, 2 or 4: 32, 16 or 8 passes of 2, 4 or 16 counts). `shortlist`: search a
+    shortlist of candidates first (below); `shortlist_cap`: its room (a power of two;
+    default `next_pow2(group * top)` within [16, 4096]), a row with more candidates runs
+    the full search."""
     # methods.quest imports this package: read its width rule at call time
     from sparseengine.methods.quest import selection_width
 
@@ -78,12 +94,18 @@ def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_to
     if B * H == 0:
         return pages, counts
     block_p = min(block_p, max(16, next_pow2(P)))
+    top = max(3, budget // ps)
+    group = max(2, next_pow2(cdiv(P, MAX_GROUPS)))
+    cap = shortlist_cap or min(4096, max(16, next_pow2(group * top)))
+    if cap & (cap - 1) or cap < 16:
+        raise ValueError(f"shortlist_cap must be a power of two >= 16, got {cap}")
+    scratch = torch.empty((B * H, 2, cap) if shortlist else (1, 2, 1), dtype=torch.int32, device=device)
     _select_kernel[(B * H,)](
-        scores, kv_lens, pages, counts, scores.stride(0), scores.stride(1), H, P, K,
+        scores, kv_lens, pages, counts, scratch, scores.stride(0), scores.stride(1), H, P, K,
         PAGE_SIZE=ps, SINK_PAGES=cdiv(sink, ps), RECENT=recent, TOTAL=sink + budget + recent,
-        TOP=max(3, budget // ps), BLOCK_P=block_p, BLOCK_K=min(1024, max(16, next_pow2(K))),
-        RADIX_BITS=radix_bits,
-        num_warps=num_warps or min(16, max(1, block_p // 512)),
+        TOP=top, BLOCK_P=block_p, BLOCK_K=min(1024, max(16, next_pow2(K))),
+        RADIX_BITS=radix_bits, SHORTLIST=shortlist, GROUP=group, BLOCK_G=max(16, next_pow2(cdiv(P, group))),
+        CAP=cap, num_warps=num_warps or min(16, max(1, block_p // 512)),
     )
     return pages, counts
 
@@ -93,11 +115,12 @@ class _SelectKernel(LazyKernel):
     interpreter runs it as plain Python (LazyKernel has bound `tl` in this module)."""
 
     def __getitem__(self, grid):
-        global _page_keys
+        global _page_keys, _kth_largest, _shortlist_select
         if self._jitted is None and not interpreting():
             import triton
 
-            _page_keys = triton.jit(_page_keys)
+            _page_keys, _kth_largest = triton.jit(_page_keys), triton.jit(_kth_largest)
+            _shortlist_select = triton.jit(_shortlist_select)
         return super().__getitem__(grid)
 
 
@@ -108,11 +131,74 @@ def _page_keys(row, offs, P):
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: larger magnitude, smaller key
 
 
+def _kth_largest(keys, ok, m, RADIX_BITS: tl.constexpr):
+    """The m-th largest of the int32 `keys` where `ok` (a register block), RADIX_BITS key
+    bits a pass; the minimum int32 when fewer than m are ok."""
+    lo = tl.full([], -2147483648, tl.int64)
+    digit = tl.arange(0, 1 << RADIX_BITS).to(tl.int64)
+    step = tl.full([], 1 << (32 - RADIX_BITS), tl.int64)
+    wide = keys.to(tl.int64)
+    for _ in range(32 // RADIX_BITS):
+        cand = lo + digit * step
+        cnt = tl.sum((ok[:, None] & (wide[:, None] >= cand[None, :])).to(tl.int32), 0)
+        lo = lo + tl.max(tl.where(cnt >= m, digit, 0), 0) * step  # digit 0 always qualifies
+        step = step >> RADIX_BITS
+    return lo.to(tl.int32)
+
+
+def _shortlist_select(row, out, keys_out, P, K, mid_end, m, active, SINK_PAGES: tl.constexpr, GROUP: tl.constexpr,
+                      BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, CAP: tl.constexpr, RADIX_BITS: tl.constexpr):
+    """Where `active`, choose the m middle pages through a shortlist of candidates (kept in
+    this row's scratch `keys_out`: CAP keys, then CAP pages) and write them at slots
+    SINK_PAGES.. ascending. Returns whether the row still needs the full search: it is
+    not active (every middle page is taken: the full search's two passes do that), or it
+    has more than CAP candidates."""
+    n_cand = tl.zeros([], tl.int32)
+    if active:
+        # L = the m-th largest of the middle groups' maxima (GROUP pages a group): at least
+        # m middle keys are >= L, so the m-th largest key t is >= L and every key the
+        # choice takes (ties at t included) is a candidate >= L. At most GROUP * m of them
+        # when the groups' maxima are distinct; typically about m.
+        g = tl.arange(0, BLOCK_G)
+        gmax = tl.full([BLOCK_G], -2147483648, tl.int32)
+        for j in range(0, GROUP):
+            offs = g * GROUP + j
+            ok = (offs >= SINK_PAGES) & (offs < mid_end)
+            gmax = tl.maximum(gmax, tl.where(ok, _page_keys(row, offs, P), -2147483648))
+        g_ok = ((g + 1) * GROUP > SINK_PAGES) & (g * GROUP < mid_end)
+        low = _kth_largest(gmax, g_ok, m, RADIX_BITS)
+        # The candidates, in page order, into this row's scratch (keys, then pages).
+        n_cand = tl.zeros([], tl.int32)
+        for p0 in range(0, mid_end, BLOCK_P):
+            offs = p0 + tl.arange(0, BLOCK_P)
+            key = _page_keys(row, offs, P)
+            is_cand = ((offs >= SINK_PAGES) & (offs < mid_end) & (key >= low)).to(tl.int32)
+            slot = n_cand + tl.cumsum(is_cand, 0) - is_cand
+            keep = (is_cand > 0) & (slot < CAP)
+            tl.store(keys_out + slot, key, mask=keep)
+            tl.store(keys_out + CAP + slot, offs, mask=keep)
+            n_cand += tl.sum(is_cand, 0)
+        if n_cand <= CAP:
+            tl.debug_barrier()  # this program's scratch stores before its loads
+            c = tl.arange(0, CAP)
+            c_ok = c < n_cand
+            key = tl.load(keys_out + c, mask=c_ok, other=-2147483648)
+            t = _kth_largest(key, c_ok, m, RADIX_BITS)
+            ties = m - tl.sum((c_ok & (key > t)).to(tl.int32), 0)
+            eq = (c_ok & (key == t)).to(tl.int32)
+            pick = (c_ok & ((key > t) | ((eq > 0) & (tl.cumsum(eq, 0) - eq < ties)))).to(tl.int32)
+            slot = SINK_PAGES + tl.cumsum(pick, 0) - pick
+            page = tl.load(keys_out + CAP + c, mask=c_ok, other=0)
+            tl.store(out + slot, page.to(tl.int64), mask=(pick > 0) & (slot < K))
+    return (active == 0) | (n_cand > CAP)
+
+
 @_SelectKernel
 def _select_kernel(
-    scores_ptr, kv_lens_ptr, pages_ptr, counts_ptr, stride_sb, stride_sh, HKV, P, K,
+    scores_ptr, kv_lens_ptr, pages_ptr, counts_ptr, scratch_ptr, stride_sb, stride_sh, HKV, P, K,
     PAGE_SIZE: tl.constexpr, SINK_PAGES: tl.constexpr, RECENT: tl.constexpr, TOTAL: tl.constexpr,
     TOP: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, RADIX_BITS: tl.constexpr,
+    SHORTLIST: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, CAP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // HKV
@@ -137,10 +223,16 @@ def _select_kernel(
         page = tl.where(j < count, page, -1)
         tl.store(out + j, page.to(tl.int64), mask=(j < K) & (head | (j >= SINK_PAGES + m)))
 
-    if not everything:
+    mid_end = tl.minimum(recent_first, P)  # == recent_first for a valid kv_len
+    partial = everything == 0  # some middle pages are chosen: a search
+    full_search = partial
+    if SHORTLIST:
+        full_search = partial & _shortlist_select(
+            row, out, scratch_ptr + pid.to(tl.int64) * (2 * CAP), P, K, mid_end, m,
+            partial & (recent_first - SINK_PAGES > TOP), SINK_PAGES, GROUP, BLOCK_G, BLOCK_P, CAP, RADIX_BITS)
+    if full_search:
         # The middle pages are [SINK_PAGES, mid_end). Blocks start at multiples of BLOCK_P,
         # so the loads stay aligned (vectorised); `ok` masks the sink pages of block 0.
-        mid_end = tl.minimum(recent_first, P)  # == recent_first for a valid kv_len
         # lo: the m-th largest middle key, RADIX_BITS bits a pass (int64: lo + j * step may
         # pass 2^31, and then no key reaches it).
         lo = tl.full([], -2147483648, tl.int64)

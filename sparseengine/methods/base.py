@@ -172,9 +172,12 @@ class MethodStack(SparseMethodRuntime):
         asks = [r for r in (p.score_rows(layer, ctx) for p in self.parts) if r is not None]
         if not asks:
             return None
+        kinds = {a.kind for a in asks}
+        if len(kinds) > 1:
+            raise ValueError(f"layer {layer}: the stacked methods ask for different score kinds {sorted(kinds)}")
         bounds = [a.max_kv_len for a in asks]
         return ScoreRows(tuple(max(col) for col in zip(*(a.rows for a in asks))),
-                         max_kv_len=None if None in bounds else max(bounds))
+                         max_kv_len=None if None in bounds else max(bounds), kind=kinds.pop())
 
     def observe(self, layer, q, colsums, ctx):
         for p in self.parts:

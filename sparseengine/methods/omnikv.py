@@ -7,9 +7,13 @@ the next filter layer. Layers before the first filter layer are dense; prefill i
 
 Two paths choose the tokens at a filter layer:
 - pure-decode steps (every request feeds its one decode token; CUDA-graph capturable):
-  one scoring call over every request's cache (:func:`score_cached_tokens`), one batched
-  sink + top-``budget`` + recent pick (:func:`pick_tokens`), a fixed-width Selection. No
-  per-request Python, no host sync, no allocation whose size depends on device values.
+  with ``logits`` scores the filter layer's own dense attention emits every token's max
+  logit per KV head while it reads K (``ScoreRows(kind="max_logits")``, handed to
+  :meth:`OmniKV.observe`), so K is read once; ``probs`` needs each head's softmax
+  normaliser first, so one scoring call reads K again (:func:`score_cached_tokens`).
+  Then one batched sink + top-``budget`` + recent pick (:func:`pick_tokens`), a
+  fixed-width Selection. No per-request Python, no host sync, no allocation whose size
+  depends on device values.
 - mixed prefill + decode steps: per request (:func:`choose_tokens`), prefill rows dense.
 Both choose what ``selection.omnikv_select(selection.omnikv_token_scores(...))`` defines,
 ties aside (the batched top-k does not promise ties to the earlier token).
@@ -21,7 +25,7 @@ import torch
 
 from sparseengine import kernels
 from sparseengine.config import ConfigError
-from sparseengine.engine.step_context import Selection
+from sparseengine.engine.step_context import ScoreRows, Selection
 from sparseengine.kernels.omnikv_scores import omnikv_scores_torch
 from sparseengine.method_registry import MethodSpec
 from sparseengine.models.names import table_entry
@@ -128,33 +132,62 @@ class OmniKV(SparseMethodRuntime):
         if layer < self.filters[0]:
             return None
         if layer in self.filter_set:
-            self._selection = (self._choose_batched(layer, q, ctx) if _pure_decode(ctx)
-                               else self._choose_per_request(layer, q, ctx))
+            if self._fused(ctx):
+                self._selection = None  # observe() chooses from the attention's own logits
+            else:
+                self._selection = (self._choose_batched(layer, q, ctx) if _pure_decode(ctx)
+                                   else self._choose_per_request(layer, q, ctx))
             return None  # filter layers attend densely
         return self._selection
+
+    def score_rows(self, layer, ctx):
+        """Pure decode, ``logits`` scores: a filter layer's dense attention reports every
+        token's max logit per KV head (as wide as the page table: a static shape)."""
+        if layer not in self.filter_set or not self._fused(ctx):
+            return None
+        page_size = ctx.kv_cache.layer(layer)[0].shape[1]
+        return ScoreRows((1,) * len(ctx.seqs), max_kv_len=ctx.views[layer].page_table.shape[1] * page_size,
+                         kind="max_logits")
+
+    def observe(self, layer, q, colsums, ctx):
+        """The filter layer's choice from its attention's max logits ``[B, Hkv, L]``."""
+        self._selection = self._pick(colsums.amax(dim=1), ctx.views[layer].kv_lens, self.model.num_kv_heads)
+
+    def _fused(self, ctx) -> bool:
+        return self.mode == "logits" and _pure_decode(ctx)
 
     def tokens_read(self, seq) -> list[int]:
         dense = self.filter_set | set(range(self.filters[0]))
         return [n if l in dense else min(n, self.total) for l, n in enumerate(seq.layer_lens)]
 
     def metadata_bytes_read(self, seq, kv_bytes_per_token_layer: int) -> int:
-        """The scoring pass is not fused with the filter layer's attention: it reads the
-        layer's K again (half of K+V per token) once for ``logits`` and twice for ``probs``
-        (a softmax-partials pass, then the scores: the attention's lse is computed after
-        the choice); and it writes, then the top-k reads, one fp32 score per token."""
-        passes = 1 if self.mode == "logits" else 2
-        per_token = passes * kv_bytes_per_token_layer // 2 + 2 * 4
+        """``logits`` (pure decode): the filter layer's attention writes one fp32 max logit
+        per token and KV head into a buffer filled with -inf first, the max over heads reads
+        them and writes one per token, the pick reads and writes that twice (masking, then
+        top-k). ``probs``: the scoring pass is not fused with the attention: it reads the
+        layer's K again (half of K+V per token) twice (softmax partials, then the scores;
+        the attention's lse is computed after the choice) and writes, then the top-k reads,
+        one fp32 score per token."""
+        if self.mode == "logits":
+            per_token = 3 * 4 * self.model.num_kv_heads + 5 * 4
+        else:
+            per_token = 2 * kv_bytes_per_token_layer // 2 + 2 * 4
         return sum(seq.layer_lens[l] * per_token for l in self.filters)
 
     def _choose_batched(self, layer, q, ctx) -> Selection:
-        """Pure decode: one index set per request (width fixed at the total), shared by
-        every KV head; requests within the total read all their tokens."""
-        cfg, view = self.config, ctx.views[layer]
+        """Pure decode, unfused scores (``probs``): one index set per request (width fixed
+        at the total), shared by every KV head; requests within the total read all their
+        tokens."""
         k_cache, _ = ctx.kv_cache.layer(layer)
-        triton = ctx.provider.triton_kernels
-        scores = score_cached_tokens(q, k_cache, view.page_table, view.kv_lens, self.mode, triton)
-        idx, counts = pick_tokens(scores, view.kv_lens, cfg.sink_tokens, cfg.budget, cfg.recent_tokens)
-        rows, hkv = idx.shape[0], k_cache.shape[2]
+        view = ctx.views[layer]
+        scores = score_cached_tokens(q, k_cache, view.page_table, view.kv_lens, self.mode,
+                                     ctx.provider.triton_kernels)
+        return self._pick(scores, view.kv_lens, k_cache.shape[2])
+
+    def _pick(self, scores: torch.Tensor, kv_lens: torch.Tensor, hkv: int) -> Selection:
+        cfg = self.config
+        idx, counts = pick_tokens(scores, kv_lens, cfg.sink_tokens, cfg.budget, cfg.recent_tokens)
+        rows = idx.shape[0]
         return Selection(idx[:, None, :].expand(rows, hkv, idx.shape[1]),
                          counts[:, None].expand(rows, hkv).contiguous(), dense=(False,) * rows)
 

@@ -1,7 +1,9 @@
 import pytest
 import torch
 
-from sparseengine.kernels import omnikv_scores_ref, omnikv_scores_triton, paged_decode_triton
+from sparseengine.kernels import (decode_max_logits_ref, decode_max_logits_triton, omnikv_scores_ref,
+                                  omnikv_scores_triton, paged_decode_ref, paged_decode_triton)
+from sparseengine.kernels.omnikv_scores import group_max_logits_torch
 from sparseengine.kernels.testing import CASES, assert_close, case_id, random_paged_kv, randn
 
 
@@ -38,3 +40,48 @@ def test_gpu_bf16_32k(mode, gen):
     q, kv = _inputs((32, 8, 128, 16, [32768, 7000]), gen, "cuda", torch.bfloat16)
     args = (q, kv.k_cache, kv.page_table, kv.kv_lens, mode)
     assert_close(omnikv_scores_triton(*args), omnikv_scores_ref(*args), 2e-2)
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("kv_chunk", [None, 16])  # the plan's splits, and many 16-token splits
+def test_decode_max_logits(case, kv_chunk, gen, device):
+    """The filter layer's attention with its scores: the output is the plain decode's, the
+    scores are each KV head's max over its query heads of q . k / sqrt(d), -inf past the
+    row; the max over KV heads of them is OmniKV's ``logits`` score."""
+    hq, hkv, d, ps, lens = case
+    q, kv = _inputs(case, gen, device)
+    L = kv.page_table.shape[1] * ps
+    args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, L)
+    out_ref, ref = decode_max_logits_ref(*args)
+    plain = torch.full((len(lens), hkv, L), float("-inf"), device=device)
+    g = hq // hkv
+    for b, n in enumerate(lens):  # one query head at a time
+        k = kv.dense(b)[0]
+        for h in range(hq):
+            plain[b, h // g, :n] = torch.maximum(plain[b, h // g, :n], k[:, h // g] @ q[b, h] / d**0.5)
+    assert_close(ref, plain, 1e-5, "ref")
+    assert_close(out_ref, paged_decode_ref(*args[:5]), 1e-5, "ref out")
+    out, got = decode_max_logits_triton(*args, kv_chunk=kv_chunk)
+    assert got.shape == ref.shape and torch.equal(torch.isinf(got), torch.isinf(ref))
+    assert_close(got, ref, 1e-4, "triton scores")
+    assert_close(out, out_ref, 1e-4, "triton out")
+    torch.testing.assert_close(group_max_logits_torch(q, kv.k_cache, kv.page_table, kv.kv_lens, L), ref, rtol=1e-5, atol=1e-6)
+    full = omnikv_scores_ref(q, kv.k_cache, kv.page_table, kv.kv_lens, "logits", L)
+    assert_close(got.amax(1), full, 1e-4, "max over KV heads")
+
+
+def test_decode_max_logits_needs_room(gen, device):
+    q, kv = _inputs((4, 2, 16, 4, [9, 3]), gen, device)
+    out, scores = decode_max_logits_triton(q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens)
+    assert tuple(scores.shape) == (2, 2, 9) and torch.isinf(scores[1, :, 3:]).all()
+
+
+@pytest.mark.gpu
+def test_gpu_decode_max_logits_bf16_32k(gen):
+    q, kv = _inputs((32, 8, 128, 16, [32768, 7000]), gen, "cuda", torch.bfloat16)
+    args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, 32768)
+    out_ref, ref = decode_max_logits_ref(*args)
+    out, got = decode_max_logits_triton(*args)
+    assert torch.equal(torch.isinf(got), torch.isinf(ref))
+    assert_close(got, ref, 2e-2, "scores")
+    assert_close(out, out_ref, 2e-2, "out")

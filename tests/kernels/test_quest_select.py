@@ -1,6 +1,6 @@
 """`quest_select_pages_triton` == `select_pages_batched` (the torch path) on distinct scores,
 and == the per-request definition `quest_select_pages` (earlier page wins a tie) on scores
-full of ties. Scores past a request's pages are NaN: the contract says they are never read."""
+full of ties; through the shortlist of candidates, its fallback and the full search. Scores past a request's pages are NaN: the contract says they are never read."""
 import pytest
 import torch
 
@@ -47,18 +47,41 @@ def _scores(values: torch.Tensor, kv_lens, ps) -> torch.Tensor:
     return values.masked_fill(torch.arange(P)[None, None, :] >= n_pages[:, None, None], float("nan"))
 
 
+# How the middle pages are searched: the shortlist with room for every candidate (never
+# the full search here), the shortlist with 16 slots (rows with more candidates fall back
+# to the full search), the default, and the full search alone.
+SEARCHES = {"shortlist": dict(shortlist_cap=4096), "fallback": dict(shortlist_cap=16), "default": {},
+            "full": dict(shortlist=False)}
+
+
+@pytest.mark.parametrize("search", SEARCHES)
 @pytest.mark.parametrize("radix_bits", [1, 2, 4])
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
-def test_equals_torch_path_on_distinct_scores(case, radix_bits, gen, device):
+def test_equals_torch_path_on_distinct_scores(case, radix_bits, search, gen, device):
     lens, hkv, P, ps, sink, budget, recent, block = case
     scores = _scores(torch.randn(len(lens), hkv, P, generator=gen), lens, ps).to(device)
     kv_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     args = (scores, kv_lens, ps, sink, recent, budget)
-    pages, counts = quest_select_pages_triton(*args, block_p=block, radix_bits=radix_bits)
+    pages, counts = quest_select_pages_triton(*args, block_p=block, radix_bits=radix_bits, **SEARCHES[search])
     want_pages, want_counts = select_pages_batched(*args)
     assert pages.dtype == torch.int64 and counts.dtype == torch.int32
     assert torch.equal(counts, want_counts)
     assert torch.equal(pages, want_pages)
+
+
+def test_shortlist_with_few_groups(gen, device):
+    """Pages in groups of 4 (P past 2 * MAX_GROUPS): with fewer middle groups than pages to
+    take, every middle page is a candidate; with more, the groups' maxima bound them."""
+    from sparseengine.kernels.quest_select import MAX_GROUPS
+
+    P, ps = 2 * MAX_GROUPS + 8, 1
+    lens = [P, 200, 90]  # 90: fewer groups (~20) than the 24 pages to take
+    scores = _scores(torch.randn(len(lens), 2, P, generator=gen), lens, ps).to(device)
+    args = (scores, torch.tensor(lens, device=device), ps, 4, 8, 24)
+    want = select_pages_batched(*args)
+    for search in ("shortlist", "fallback"):
+        for got, w in zip(quest_select_pages_triton(*args, block_p=1024, **SEARCHES[search]), want):
+            assert torch.equal(got, w), search
 
 
 def test_strided_scores_and_int64_lengths(gen, device):
@@ -84,15 +107,17 @@ def test_ties_go_to_the_earlier_page(dtype, gen, device):
     values[1, 2] = 0.5  # one value: the earliest pages of the middle win
     scores = _scores(values, lens, ps).to(dtype).to(device)
     kv_lens = torch.tensor(lens, dtype=torch.int32, device=device)
-    for block, radix_bits in ((16, 2), (128, 1), (128, 4)):  # 128 >= P: one block
+    runs = [(16, 2, "full"), (128, 1, "full"), (128, 4, "full"),  # 128 >= P: one block
+            (16, 2, "shortlist"), (128, 1, "shortlist"), (16, 2, "fallback")]
+    for block, radix_bits, search in runs:
         pages, counts = quest_select_pages_triton(scores, kv_lens, ps, sink, recent, budget, block_p=block,
-                                                  radix_bits=radix_bits)
+                                                  radix_bits=radix_bits, **SEARCHES[search])
         for b, n in enumerate(lens):
             bounds = scores[b, :, : -(-n // ps)].cpu()
             want = quest_select_pages(bounds, n, ps, sink, recent, budget)
             for h in range(hkv):
                 count = int(counts[b, h])
-                where = f"block {block}, radix {radix_bits}, request {b} (n={n}), head {h}"
+                where = f"{search}, block {block}, radix {radix_bits}, request {b} (n={n}), head {h}"
                 assert count == want.shape[1], where
                 assert pages[b, h, :count].tolist() == want[h].tolist(), where
                 assert (pages[b, h, count:] == -1).all(), where
@@ -115,6 +140,8 @@ def test_bad_inputs_name_the_value(device):
         quest_select_pages_triton(scores, lens, 4, 4, 4, 8, block_p=48)
     with pytest.raises(ValueError, match="radix_bits must be 1, 2 or 4, got 3"):
         quest_select_pages_triton(scores, lens, 4, 4, 4, 8, radix_bits=3)
+    with pytest.raises(ValueError, match="shortlist_cap must be a power of two >= 16, got 24"):
+        quest_select_pages_triton(scores, lens, 4, 4, 4, 8, shortlist_cap=24)
 
 
 @pytest.mark.gpu
@@ -124,10 +151,12 @@ def test_gpu_128k_batch6_and_cuda_graph(gen):
     scores = _scores(torch.randn(len(lens), hkv, P, generator=gen), lens, ps).cuda()
     kv_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     args = (scores, kv_lens, ps, sink, recent, budget)
-    for block, radix_bits in ((1024, 2), (4096, 1), (8192, 1), (8192, 2), (8192, 4)):
-        got = quest_select_pages_triton(*args, block_p=block, radix_bits=radix_bits)
+    for block, radix_bits, search in ((1024, 2, "full"), (4096, 1, "full"), (8192, 1, "full"), (8192, 2, "full"),
+                                      (8192, 4, "full"), (8192, 2, "default"), (8192, 1, "shortlist"),
+                                      (8192, 2, "fallback")):
+        got = quest_select_pages_triton(*args, block_p=block, radix_bits=radix_bits, **SEARCHES[search])
         for g, w in zip(got, select_pages_batched(*args)):
-            assert torch.equal(g, w), (block, radix_bits)
+            assert torch.equal(g, w), (block, radix_bits, search)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -1,7 +1,8 @@
 """OmniKV's batched pure-decode choice is the per-request definition, for every request.
 
 - On random paged K/Q (shuffled pages, unowned slots NaN), driven through the runtime's
-  ``select`` with a CUDA-graph-shaped context (``seqs = [None] * B``, dummy host lengths):
+  hooks and the provider's attention as the attention layer calls them (``logits`` scores
+  come from the filter layer's own attention), with a CUDA-graph-shaped context (``seqs = [None] * B``, dummy host lengths):
   each request's selection == ``omnikv_select(omnikv_token_scores(q_b, K_b))``, ties
   aside, for lengths below, at and past the total, several budgets, GQA groupings and
   both score modes; layers before the first filter and the filter layers stay dense.
@@ -21,7 +22,7 @@ import torch
 from sparseengine import LLM, SamplingParams
 from sparseengine.attention.provider import make_provider
 from sparseengine.config import Config
-from sparseengine.engine.step_context import LayerView, StepContext
+from sparseengine.engine.step_context import LayerView, ScoreRows, StepContext
 from sparseengine.kernels import omnikv_scores_ref
 from sparseengine.kernels.omnikv_scores import omnikv_scores_torch
 from sparseengine.kernels.testing import random_paged_kv, randn
@@ -101,11 +102,59 @@ def test_batched_choice_is_the_per_request_definition(case, mode):
     rt = runtime(hkv, sink, budget, recent, mode)
     ctx = graph_context(rt, kv)
     rt.begin_step_graph([])
-    assert rt.select(0, q, ctx) is None  # before the first filter layer: dense
-    assert rt.select(1, q, ctx) is None  # filter layers attend densely
-    first = rt.select(3, q, ctx)  # ... and the next layer reads the filter layer's choice
+    assert attend_layer(rt, 0, q, ctx) is None  # before the first filter layer: dense
+    assert attend_layer(rt, 1, q, ctx) is None  # filter layers attend densely
+    first = attend_layer(rt, 3, q, ctx)  # ... and the next layer reads the filter layer's choice
     check_requests(first, q, kv, sink, budget, recent, mode, f"{mode} layer 3")
-    assert rt.select(2, q, ctx) is None and rt.select(3, q, ctx) is not first  # the next filter re-chooses
+    assert attend_layer(rt, 2, q, ctx) is None and rt.select(3, q, ctx) is not first  # the next filter re-chooses
+
+
+def attend_layer(rt, layer, q, ctx):
+    """What ``layers.attention.Attention`` does with a layer (the step's K/V already in the
+    cache): the selection, the provider's attention and its scores handed back."""
+    k_cache, v_cache = ctx.kv_cache.layer(layer)
+    sel, rows = rt.select(layer, q, ctx), rt.score_rows(layer, ctx)
+    _, scores = ctx.provider.attend(q, k_cache, v_cache, ctx, ctx.views[layer], sel, rows)
+    if rows is not None:
+        rt.observe(layer, q, scores, ctx)
+    return sel
+
+
+@pytest.mark.parametrize("mode", ["logits", "probs"])
+def test_logits_come_from_the_filter_layers_attention(mode):
+    """``logits``: a pure-decode filter layer asks its attention for max logits as wide as
+    the page table (no second pass over K); ``probs`` scores in ``select``; steps with
+    prefill rows use neither."""
+    gen = torch.Generator().manual_seed(9)
+    kv = random_paged_kv([30, 50], 2, 16, 8, generator=gen)
+    rt = runtime(2, 2, 6, 3, mode)
+    ctx = graph_context(rt, kv)
+    rows = rt.score_rows(1, ctx)
+    assert rt.score_rows(0, ctx) is None and rt.score_rows(3, ctx) is None
+    if mode == "probs":
+        assert rows is None
+    else:
+        assert rows.kind == "max_logits" and rows.rows == (1, 1) and rows.max_kv_len == kv.page_table.shape[1] * 8
+    prefill = types.SimpleNamespace(is_decoding=False)
+    mixed = StepContext(**{**ctx.__dict__, "seqs": [prefill, None], "is_decode": False})
+    assert rt.score_rows(1, mixed) is None
+
+
+def test_max_logit_scores_are_a_decode_score():
+    gen = torch.Generator().manual_seed(1)
+    kv = random_paged_kv([30], 2, 16, 8, generator=gen)
+    q = randn(1, 4, 16, generator=gen)
+    for kind in ("torch", "triton"):
+        rt = runtime(2, 2, 6, 3, "logits")
+        ctx = graph_context(rt, kv, provider=kind)
+        rows = rt.score_rows(1, ctx)
+        prefill = StepContext(**{**ctx.__dict__, "is_decode": False})
+        with pytest.raises(ValueError, match="decode-step score"):
+            ctx.provider.attend(q, kv.k_cache, kv.v_cache, prefill, ctx.views[1], None, rows)
+    with pytest.raises(ValueError, match="needs max_kv_len"):
+        ScoreRows((1,), kind="max_logits")
+    with pytest.raises(ValueError, match="kind must be one of"):
+        ScoreRows((1,), kind="probs")
 
 
 @pytest.mark.parametrize("mode", ["logits", "probs"])
@@ -137,10 +186,10 @@ def test_triton_scores_choose_what_torch_scores_choose(mode):
     assert torch.equal(gc, tc) and tc.tolist() == [7, 11, 11, 11]
     for b, n in enumerate(tc.tolist()):
         assert_same_choice(gi[b, :n].cpu(), ti[b, :n].cpu(), ts[b].cpu(), f"{mode} request {b}")
-    # through the runtime: a Triton provider scores with the Triton kernel
+    # through the runtime: a Triton provider scores with the Triton kernels
     rt = runtime(2, sink, budget, recent, mode)
     ctx = graph_context(rt, kv, provider="triton")
-    rt.select(1, q, ctx)
+    attend_layer(rt, 1, q, ctx)
     check_requests(rt.select(3, q, ctx), q.cpu(), kv_on_cpu(kv), sink, budget, recent, mode, "triton provider")
 
 
@@ -159,15 +208,15 @@ def test_engine_tokens_batched_equal_per_request(tiny_llama, monkeypatch, mode):
               sparse_method="omnikv", omnikv_filter_layers="1", omnikv_score=mode,
               sink_tokens=2, budget=8, recent_tokens=4)
     calls = {"batched": 0, "per_request": 0}
-    batched, per_request = omnikv.OmniKV._choose_batched, omnikv.OmniKV._choose_per_request
+    batched, per_request = omnikv.OmniKV._pick, omnikv.OmniKV._choose_per_request
 
     def spy(name, fn):
-        def wrapped(self, layer, q, ctx):
+        def wrapped(self, *args):
             calls[name] += 1
-            return fn(self, layer, q, ctx)
+            return fn(self, *args)
         return wrapped
 
-    monkeypatch.setattr(omnikv.OmniKV, "_choose_batched", spy("batched", batched))
+    monkeypatch.setattr(omnikv.OmniKV, "_pick", spy("batched", batched))
     monkeypatch.setattr(omnikv.OmniKV, "_choose_per_request", spy("per_request", per_request))
     outs = {}
     with LLM(str(folder), **kw) as llm:
