@@ -201,8 +201,8 @@ def bench_decode_splits(out_path, B, L, capacity):
 def bench_quest_select(out_path, B=6, P=8320, n=131072):
     """Quest's page selection at the 128K decode benchmark's shape (the graph's page table
     is 8320 pages wide), per launch in a CUDA graph of 30 launches (no launch overhead):
-    the full search (radix 1 or 2 bits per pass, blocks of 8192 or 16384 pages; session
-    3's kernel: radix 1, 8192) against the shortlist first (radix 1, 2, 4)."""
+    the full search (radix 2, blocks of 8192 pages) against the shortlist first (radix 1,
+    2, 4; groups and room)."""
     from sparseengine.kernels import quest_select_pages_triton
     from sparseengine.methods.quest import select_pages_batched
 
@@ -211,10 +211,11 @@ def bench_quest_select(out_path, B=6, P=8320, n=131072):
     kv_lens = torch.full((B,), n, dtype=torch.int32, device="cuda")
     args = (scores, kv_lens, PS, 64, 512, 1472)
     want = select_pages_batched(*args)
-    for radix_bits, block_p, shortlist in ((1, 8192, False), (2, 8192, False), (2, 16384, False),
-                                           (1, 8192, True), (2, 8192, True), (4, 8192, True)):
-        fn = lambda: quest_select_pages_triton(*args, block_p=block_p, radix_bits=radix_bits,  # noqa: E731
-                                               shortlist=shortlist)
+    variants = [dict(radix_bits=2, shortlist=False), dict(radix_bits=1), dict(radix_bits=2), dict(radix_bits=4),
+                dict(radix_bits=2, max_groups=2048, shortlist_cap=1024), dict(radix_bits=2, max_groups=256),
+                dict(radix_bits=2, max_groups=1024)]
+    for kw in variants:
+        fn = lambda: quest_select_pages_triton(*args, **kw)  # noqa: E731
         same = all(torch.equal(g, w) for g, w in zip(fn(), want))
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -223,9 +224,41 @@ def bench_quest_select(out_path, B=6, P=8320, n=131072):
                 fn()
         median, _ = _time_cuda(graph.replay, iters=20)
         _emit(out_path, {"kind": "quest_select", "batch": B, "hkv": HKV, "pages": P, "kv_len": n,
-                         "radix_bits": radix_bits, "block_p": block_p, "shortlist": shortlist,
-                         "us_per_launch": 1e3 * median / 30,
+                         **kw, "us_per_launch": 1e3 * median / 30,
                          "equals_torch_path": same})
+
+
+def bench_quest_scores(out_path, B=6, P=8320, n=131072):
+    """Quest's page scores at the 128K decode benchmark's shape (pages scattered over a
+    pool of B * P pages), per launch in a CUDA graph of 30 launches: pages per program x
+    warps."""
+    from sparseengine.kernels import quest_page_scores_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    pool = B * P
+    kmax = torch.randn(pool, HKV, D, generator=gen, device="cuda").to(BF16)
+    kmin = kmax - torch.rand(pool, HKV, D, generator=gen, device="cuda").to(BF16)
+    table = torch.randperm(pool, generator=gen, device="cuda").int().view(B, P)
+    kv_lens = torch.full((B,), n, dtype=torch.int32, device="cuda")
+    q = torch.randn(B, HQ, D, generator=gen, device="cuda").to(BF16)
+    args = (q, kmax, kmin, table, kv_lens, PS)
+    want = quest_page_scores_triton(*args)
+    nbytes = 2 * B * (n // PS) * HKV * D * 2
+    for block_p, num_warps, num_stages in ((64, 4, None), (32, 4, None), (32, 2, None), (128, 4, None),
+                                           (128, 8, None), (64, 8, None), (256, 8, None)):
+        fn = lambda: quest_page_scores_triton(*args, block_p=block_p, num_warps=num_warps,  # noqa: E731
+                                              num_stages=num_stages)
+        err = (fn() - want).abs().nan_to_num(0.0).max().item()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(30):
+                fn()
+        median, _ = _time_cuda(graph.replay, iters=20)
+        us = 1e3 * median / 30
+        _emit(out_path, {"kind": "quest_scores", "batch": B, "hkv": HKV, "pages": P, "kv_len": n,
+                         "block_p": block_p, "num_warps": num_warps, "num_stages": num_stages,
+                         "us_per_launch": us, "GBps": nbytes / us / 1e3, "max_abs_diff_vs_default": err})
 
 
 def _time_cuda(fn, iters=50, warmup=5):
@@ -357,13 +390,14 @@ def main(argv=None):
     parser.add_argument("--splits", action="store_true",
                         help="run only the decode split strategies side by side (per-row vs fixed chunks)")
     parser.add_argument("--quest-select", action="store_true",
-                        help="run only Quest's page selection variants side by side")
+                        help="run only Quest's page selection and page score variants side by side")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu needs a CUDA GPU")
     _emit(args.out, {"kind": "meta", **_meta()})
     if args.quest_select:
         bench_quest_select(args.out)
+        bench_quest_scores(args.out)
         return
     if args.splits:
         for B, L, capacity in ((1, 131072, 133120), (6, 131072, 133120), (32, 32768, 32768), (183, 2304, 133120)):

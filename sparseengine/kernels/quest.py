@@ -114,7 +114,10 @@ def quest_page_scores_torch(q, kmax, kmin, page_table, kv_lens, page_size):
     return upper.amax(2).masked_fill(~valid[:, None, :], float("-inf"))
 
 
-def quest_page_scores_triton(q, kmax, kmin, page_table, kv_lens, page_size):
+def quest_page_scores_triton(q, kmax, kmin, page_table, kv_lens, page_size, *, block_p=64, num_warps=4,
+                             num_stages=None):
+    """`block_p` pages per program, `num_warps`, `num_stages`: launch tuning (`bench_gpu
+    --quest-scores` sweeps them)."""
     B, Hq, d = q.shape
     Hkv = kmax.shape[1]
     device = check_launch(q, kmax, kmin, page_table, kv_lens)
@@ -124,12 +127,13 @@ def quest_page_scores_triton(q, kmax, kmin, page_table, kv_lens, page_size):
         raise ValueError("kmax/kmin must share strides with a contiguous last dim")
     g, P = Hq // Hkv, page_table.shape[1]
     scores = _common.empty((B, Hkv, P), torch.float32, device)
-    block_p = 64
+    tuning = {} if num_stages is None else {"num_stages": num_stages}
     _page_scores_kernel[(B * Hkv, cdiv(P, block_p))](
         q, kmax, kmin, page_table, kv_lens, scores, q.stride(0), q.stride(1),
         kmax.stride(0), kmax.stride(1), page_table.stride(0), P, Hkv,
         GROUP=g, BLOCK_H=max(16, next_pow2(g)), PAGE_SIZE=page_size, HEAD_DIM=d,
-        BLOCK_D=max(16, next_pow2(d)), BLOCK_P=block_p, DOT_PREC=_common.dot_precision(kmax.dtype), num_warps=4,
+        BLOCK_D=max(16, next_pow2(d)), BLOCK_P=block_p, DOT_PREC=_common.dot_precision(kmax.dtype),
+        num_warps=num_warps, **tuning,
     )
     return scores
 

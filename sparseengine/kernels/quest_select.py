@@ -16,12 +16,14 @@ How: a score's fp32 bits map to an int32 key with the same order (negative float
 their low 31 bits; -0.0 counts as +0.0).
 
 Shortlist first (the default): the middle pages are cut into groups of `group` pages
-(`next_pow2(P / 2048)`, at least 2); the m-th largest of the groups' maxima, L, is found
+(`next_pow2(P / 512)`, at least 2); the m-th largest of the groups' maxima, L, is found
 in registers. At least m middle keys are >= L, so every key the choice takes (ties
 included) is >= L: one pass over the row writes those candidates, in page order, to a
 per-row scratch of `cap` slots, and the same search, then the tie rule, runs on them in
-registers. Two passes over the row in all, against 2 + 32 / radix_bits. A row with more
-than `cap` candidates (many equal scores) runs the full search below.
+registers. Two passes over the row in all, against 2 + 32 / radix_bits. There are at
+most `group * m` candidates, usually few more than m (random scores, m = 92 of 8192
+pages in groups of 32: about 110 expected); a row with more than `cap` (many equal
+scores) runs the full search below.
 
 Full search: a radix search over the 32 key bits, `radix_bits`
 at a time, finds the m-th largest key t: each pass counts the middle keys `>= lo + j *
@@ -46,7 +48,7 @@ import torch
 
 from ._common import LazyKernel, cdiv, check_launch, int_arg, interpreting, next_pow2
 
-MAX_GROUPS = 2048  # shortlist: the most page groups a row is cut into (group = next_pow2(P / this))
+MAX_GROUPS = 512  # shortlist: the most page groups a row is cut into (group = next_pow2(P / this))
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
@@ -54,13 +56,14 @@ if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing need
 
 def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_tokens, budget, *,
                               block_p: int = 8192, num_warps: int | None = None, radix_bits: int = 2,
-                              shortlist: bool = True, shortlist_cap: int | None = None):
+                              shortlist: bool = True, shortlist_cap: int | None = None,
+                              max_groups: int = MAX_GROUPS):
     """`block_p`: pages per block (a power of two; capped at P's); `num_warps`: default
     one warp per 512 pages of the block, 1 to 16; `radix_bits`: key bits the search settles
     per pass (1, 2 or 4: 32, 16 or 8 passes of 2, 4 or 16 counts). `shortlist`: search a
-    shortlist of candidates first (below); `shortlist_cap`: its room (a power of two;
-    default `next_pow2(group * top)` within [16, 4096]), a row with more candidates runs
-    the full search."""
+    shortlist of candidates first (below), the row cut into at most `max_groups` groups;
+    `shortlist_cap`: its room (a power of two; default `next_pow2(4 * top)` within [16,
+    4096]), a row with more candidates runs the full search."""
     # methods.quest imports this package: read its width rule at call time
     from sparseengine.methods.quest import selection_width
 
@@ -95,8 +98,8 @@ def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_to
         return pages, counts
     block_p = min(block_p, max(16, next_pow2(P)))
     top = max(3, budget // ps)
-    group = max(2, next_pow2(cdiv(P, MAX_GROUPS)))
-    cap = shortlist_cap or min(4096, max(16, next_pow2(group * top)))
+    group = max(2, next_pow2(cdiv(P, int_arg("max_groups", max_groups, 1))))
+    cap = shortlist_cap or min(4096, max(16, next_pow2(4 * top)))
     if cap & (cap - 1) or cap < 16:
         raise ValueError(f"shortlist_cap must be a power of two >= 16, got {cap}")
     scratch = torch.empty((B * H, 2, cap) if shortlist else (1, 2, 1), dtype=torch.int32, device=device)
@@ -133,17 +136,19 @@ def _page_keys(row, offs, P):
 
 def _kth_largest(keys, ok, m, RADIX_BITS: tl.constexpr):
     """The m-th largest of the int32 `keys` where `ok` (a register block), RADIX_BITS key
-    bits a pass; the minimum int32 when fewer than m are ok."""
-    lo = tl.full([], -2147483648, tl.int64)
-    digit = tl.arange(0, 1 << RADIX_BITS).to(tl.int64)
-    step = tl.full([], 1 << (32 - RADIX_BITS), tl.int64)
-    wide = keys.to(tl.int64)
+    bits a pass; the minimum int32 when fewer than m are ok. The search runs on uint32
+    (the keys with their sign bit flipped: the same order): a candidate `lo + digit *
+    step` has zeros in the bits still open, so it never passes 2^32."""
+    ukeys = (keys ^ -2147483648).to(tl.uint32, bitcast=True)
+    lo = tl.zeros([], tl.uint32)
+    digit = tl.arange(0, 1 << RADIX_BITS).to(tl.uint32)
+    step = tl.full([], 1 << (32 - RADIX_BITS), tl.uint32)
     for _ in range(32 // RADIX_BITS):
         cand = lo + digit * step
-        cnt = tl.sum((ok[:, None] & (wide[:, None] >= cand[None, :])).to(tl.int32), 0)
+        cnt = tl.sum((ok[:, None] & (ukeys[:, None] >= cand[None, :])).to(tl.int32), 0)
         lo = lo + tl.max(tl.where(cnt >= m, digit, 0), 0) * step  # digit 0 always qualifies
         step = step >> RADIX_BITS
-    return lo.to(tl.int32)
+    return lo.to(tl.int32, bitcast=True) ^ -2147483648
 
 
 def _shortlist_select(row, out, keys_out, P, K, mid_end, m, active, SINK_PAGES: tl.constexpr, GROUP: tl.constexpr,
@@ -160,11 +165,9 @@ def _shortlist_select(row, out, keys_out, P, K, mid_end, m, active, SINK_PAGES: 
         # choice takes (ties at t included) is a candidate >= L. At most GROUP * m of them
         # when the groups' maxima are distinct; typically about m.
         g = tl.arange(0, BLOCK_G)
-        gmax = tl.full([BLOCK_G], -2147483648, tl.int32)
-        for j in range(0, GROUP):
-            offs = g * GROUP + j
-            ok = (offs >= SINK_PAGES) & (offs < mid_end)
-            gmax = tl.maximum(gmax, tl.where(ok, _page_keys(row, offs, P), -2147483648))
+        offs = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # one load of the row, a group a row
+        ok = (offs >= SINK_PAGES) & (offs < mid_end)
+        gmax = tl.max(tl.where(ok, _page_keys(row, offs, P), -2147483648), 1)
         g_ok = ((g + 1) * GROUP > SINK_PAGES) & (g * GROUP < mid_end)
         low = _kth_largest(gmax, g_ok, m, RADIX_BITS)
         # The candidates, in page order, into this row's scratch (keys, then pages).

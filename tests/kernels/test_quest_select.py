@@ -75,7 +75,7 @@ def test_shortlist_with_few_groups(gen, device):
     from sparseengine.kernels.quest_select import MAX_GROUPS
 
     P, ps = 2 * MAX_GROUPS + 8, 1
-    lens = [P, 200, 90]  # 90: fewer groups (~20) than the 24 pages to take
+    lens = [P, 200, 90]  # 90: fewer groups (~21) than the 24 pages to take
     scores = _scores(torch.randn(len(lens), 2, P, generator=gen), lens, ps).to(device)
     args = (scores, torch.tensor(lens, device=device), ps, 4, 8, 24)
     want = select_pages_batched(*args)
