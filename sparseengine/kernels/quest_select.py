@@ -165,9 +165,9 @@ def _shortlist_select(row, out, keys_out, P, K, mid_end, m, active, SINK_PAGES: 
         # choice takes (ties at t included) is a candidate >= L. At most GROUP * m of them
         # when the groups' maxima are distinct; typically about m.
         g = tl.arange(0, BLOCK_G)
-        offs = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # one load of the row, a group a row
-        ok = (offs >= SINK_PAGES) & (offs < mid_end)
-        gmax = tl.max(tl.where(ok, _page_keys(row, offs, P), -2147483648), 1)
+        grid = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # one load of the row, a group a row
+        in_mid = (grid >= SINK_PAGES) & (grid < mid_end)
+        gmax = tl.max(tl.where(in_mid, _page_keys(row, grid, P), -2147483648), 1)
         g_ok = ((g + 1) * GROUP > SINK_PAGES) & (g * GROUP < mid_end)
         low = _kth_largest(gmax, g_ok, m, RADIX_BITS)
         # The candidates, in page order, into this row's scratch (keys, then pages).

@@ -92,3 +92,38 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float = 1e-4
     assert torch.equal(a[inf], e[inf]), f"{what}: infinities differ"
     err = rel_err(a, e)
     assert err < tol, f"{what}: relative error {err:.3e} >= {tol:.0e}"
+
+
+def compile_for_gpu(kernel, helpers: dict, types: dict, constexprs: dict, *, num_warps: int = 4,
+                    arch: int = 90):
+    """Compile a lazy Triton kernel for CUDA sm_`arch` without a GPU (front end, LLVM and
+    the bundled ptxas), even under TRITON_INTERPRET=1: the interpreter runs code that the
+    compiler may reject (a loop-carried variable changing shape, say). `helpers`: the
+    kernel module's global names of the plain functions it calls (jitted for the compile,
+    restored after). `types`: Triton type strings of the runtime arguments ("*fp32",
+    "i32", ...); every other argument is a constexpr from `constexprs`. Returns the
+    compiled kernel."""
+    import triton
+    import triton.language
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    fn = kernel.fn
+    module = fn.__globals__
+    saved = {name: module.get(name) for name in (*helpers, "tl")}
+    try:
+        module["tl"] = triton.language
+        for name in helpers:
+            module[name] = JITFunction(getattr(module[name], "fn", module[name]))
+        jitted = JITFunction(fn)
+        signature = {name: types.get(name, "constexpr") for name in jitted.arg_names}
+        unknown = set(types) - set(signature)
+        if unknown:
+            raise ValueError(f"not arguments of {fn.__name__}: {sorted(unknown)}")
+        source = ASTSource(fn=jitted, signature=signature,
+                           constexprs={name: value for name, value in constexprs.items()})
+        return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    finally:
+        for name, value in saved.items():
+            module[name] = value
