@@ -34,10 +34,11 @@ rank among the chosen ones (an exclusive `tl.cumsum`, carried across blocks), so
 is ascending with no sort. Sink and recent slots are written by arithmetic. Rows are read
 in blocks of `block_p` pages, once per pass over the middle range (the row stays in L2).
 Measured on the H200 at the 128K benchmark's shape (B=6, Hkv=8, 8320 pages, in a CUDA
-graph; `bench_gpu --quest-select`): radix 2 in blocks of 8192 pages 54 us per launch,
-radix 1 65 us. A variant that held the row's keys in registers through the search (one
-16384-page block, commit e8e8c56, since removed) ran slower: radix 1 98 us, 2 144 us, 4
-770 us. Fixed shapes, no host sync: CUDA-graph capturable. `kv_lens` past P pages is an
+graph; `bench_gpu --quest-select`, commit 5af64cf): the full search (radix 2, blocks of
+8192 pages) 54 us per launch; the shortlist (groups of 32, room 512) 24 us at radix 4,
+27 us at 2, 33 us at 1. A variant that held the row's keys in registers through the
+full search (one 16384-page block, commit e8e8c56, since removed) ran slower: radix 1 98
+us, 2 144 us, 4 770 us. Fixed shapes, no host sync: CUDA-graph capturable. `kv_lens` past P pages is an
 invalid input; the kernel then stays in bounds, its choice unspecified.
 """
 from __future__ import annotations
@@ -55,12 +56,13 @@ if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing need
 
 
 def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_tokens, budget, *,
-                              block_p: int = 8192, num_warps: int | None = None, radix_bits: int = 2,
+                              block_p: int = 8192, num_warps: int | None = None, radix_bits: int | None = None,
                               shortlist: bool = True, shortlist_cap: int | None = None,
                               max_groups: int = MAX_GROUPS):
     """`block_p`: pages per block (a power of two; capped at P's); `num_warps`: default
-    one warp per 512 pages of the block, 1 to 16; `radix_bits`: key bits the search settles
-    per pass (1, 2 or 4: 32, 16 or 8 passes of 2, 4 or 16 counts). `shortlist`: search a
+    one warp per 512 pages of the block, 1 to 16; `radix_bits`: key bits the searches settle
+    per pass (1, 2 or 4: 32, 16 or 8 passes of 2, 4 or 16 counts; default 4 on the
+    shortlist, 2 in the full search, the fastest of each at the 128K shape). `shortlist`: search a
     shortlist of candidates first (below), the row cut into at most `max_groups` groups;
     `shortlist_cap`: its room (a power of two; default `next_pow2(4 * top)` within [16,
     4096]), a row with more candidates runs the full search."""
@@ -84,7 +86,7 @@ def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_to
     block_p = int_arg("block_p", block_p, 16)
     if block_p & (block_p - 1):
         raise ValueError(f"block_p must be a power of two, got {block_p}")
-    if radix_bits not in (1, 2, 4):
+    if radix_bits not in (None, 1, 2, 4):
         raise ValueError(f"radix_bits must be 1, 2 or 4, got {radix_bits!r}")
     device = check_launch(scores, kv_lens)
     if scores.stride(-1) != 1:
@@ -107,7 +109,8 @@ def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_to
         scores, kv_lens, pages, counts, scratch, scores.stride(0), scores.stride(1), H, P, K,
         PAGE_SIZE=ps, SINK_PAGES=cdiv(sink, ps), RECENT=recent, TOTAL=sink + budget + recent,
         TOP=top, BLOCK_P=block_p, BLOCK_K=min(1024, max(16, next_pow2(K))),
-        RADIX_BITS=radix_bits, SHORTLIST=shortlist, GROUP=group, BLOCK_G=max(16, next_pow2(cdiv(P, group))),
+        RADIX_BITS=radix_bits or 2, SHORT_RADIX=radix_bits or 4, SHORTLIST=shortlist, GROUP=group,
+        BLOCK_G=max(16, next_pow2(cdiv(P, group))),
         CAP=cap, num_warps=num_warps or min(16, max(1, block_p // 512)),
     )
     return pages, counts
@@ -201,6 +204,7 @@ def _select_kernel(
     scores_ptr, kv_lens_ptr, pages_ptr, counts_ptr, scratch_ptr, stride_sb, stride_sh, HKV, P, K,
     PAGE_SIZE: tl.constexpr, SINK_PAGES: tl.constexpr, RECENT: tl.constexpr, TOTAL: tl.constexpr,
     TOP: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, RADIX_BITS: tl.constexpr,
+    SHORT_RADIX: tl.constexpr,
     SHORTLIST: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, CAP: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -232,7 +236,7 @@ def _select_kernel(
     if SHORTLIST:
         full_search = partial & _shortlist_select(
             row, out, scratch_ptr + pid.to(tl.int64) * (2 * CAP), P, K, mid_end, m,
-            partial & (recent_first - SINK_PAGES > TOP), SINK_PAGES, GROUP, BLOCK_G, BLOCK_P, CAP, RADIX_BITS)
+            partial & (recent_first - SINK_PAGES > TOP), SINK_PAGES, GROUP, BLOCK_G, BLOCK_P, CAP, SHORT_RADIX)
     if full_search:
         # The middle pages are [SINK_PAGES, mid_end). Blocks start at multiples of BLOCK_P,
         # so the loads stay aligned (vectorised); `ok` masks the sink pages of block 0.

@@ -20,7 +20,9 @@ float16). Keys are stored rotated in the cache; they are un-rotated (rotation by
 negative position, exact up to float error) before encoding. The codec's positions count
 from the first history token (codec position j = token S + j), and so does calibration.
 
-Decode. The full layers choose; each sparse layer maps the chosen tokens onto its cache:
+Decode. The full layers choose (in pure-decode steps from their own attention's max
+logits, ``ScoreRows(kind="max_logits")``, with no host sync on the way; in mixed steps
+per request); each sparse layer maps the chosen tokens onto its cache:
 sink and raw-tail tokens are read in place, history tokens are rebuilt
 (``Up(z) + mean of the same centers``, RoPE re-applied at the token's original position),
 written into the scratch slots through the provider's ``write_kv``, and the Selection
@@ -54,14 +56,15 @@ from dataclasses import dataclass, field
 import torch
 
 from sparseengine.config import ConfigError
-from sparseengine.engine.step_context import Selection
+from sparseengine.engine.step_context import ScoreRows, Selection
 from sparseengine.layers.rotary import rope_inv_freq
 from sparseengine.method_registry import MethodSpec
 from sparseengine.methods import deltakv_codec as codec
 from sparseengine.methods.base import SparseMethodRuntime
 from sparseengine.methods.deltakv_bytes import DeltaKVBytes
 from sparseengine.methods.deltakv_fit import load_down_up
-from sparseengine.methods.omnikv import FILTER_LAYERS, choose_tokens, filter_layers_for
+from sparseengine.methods import omnikv
+from sparseengine.methods.omnikv import FILTER_LAYERS, choose_tokens, filter_layers_for, pick_tokens
 
 # The full layers choose tokens exactly as OmniKV's filter layers do: same per-model table.
 FULL_LAYERS = FILTER_LAYERS
@@ -126,7 +129,8 @@ class DeltaKV(SparseMethodRuntime):
         self.inv_freq = rope_inv_freq(model.head_dim, model.rope_theta, model.rope_scaling).float().to(self.device)
         self.token_bytes = 2 * model.num_kv_heads * model.head_dim * cache.kv.k.element_size()
         self.bytes_at_end: dict[int, DeltaKVBytes] = {}  # seq_id -> stored_bytes when it finished
-        self._chosen: list[torch.Tensor | None] | None = None
+        self._chosen: list[torch.Tensor | None] | None = None  # mixed steps: per request
+        self._picked: tuple[torch.Tensor, torch.Tensor] | None = None  # pure decode: (tokens [B, K], counts [B])
 
     # ---- engine hooks ---------------------------------------------------------------------
     @classmethod
@@ -179,38 +183,95 @@ class DeltaKV(SparseMethodRuntime):
         return [n if layer not in self.sparse_set else min(n, self.total) for layer, n in enumerate(seq.layer_lens)]
 
     def metadata_bytes_read(self, seq, kv_bytes_per_token_layer: int) -> int:
-        """Per decode step, per sparse layer: the latents, neighbour indices and neighbour
-        centers of up to ``budget`` rebuilt tokens, plus writing them into the scratch slots
-        (``Up`` is shared by the batch and not counted here)."""
+        """Per decode step (the pure-decode path): each full layer's fused max-logit scores
+        (``omnikv.max_logit_bytes_per_token``); per sparse layer, the latents, neighbour
+        indices and neighbour centers of every chosen entry (``sink + budget + recent``,
+        all rebuilt at fixed width) and writing up to ``budget`` of them into the scratch
+        slots (``Up`` is shared by the batch and not counted here)."""
+        scores = sum(seq.layer_lens[layer] for layer in self.filters)
+        total = scores * omnikv.max_logit_bytes_per_token(self.model.num_kv_heads)
         st = self.cache.state(seq).get(STATE_KEY)
         if st is None or not st.compressed:
-            return 0
-        total = 0
+            return total
         for enc in st.enc.values():
             rows = max(1, enc.latents.shape[0])
-            m = min(self.config.budget, enc.n)
             latent = (enc.latents.numel() * enc.latents.element_size() + enc.scales.numel() * 2
                       + enc.zeros.numel() * 2) / rows
             index = enc.neighbors.shape[1] * enc.neighbors.element_size()
             center = enc.neighbors.shape[1] * enc.centers.shape[1] * enc.centers.element_size()
-            total += int(m * (latent + index + center + kv_bytes_per_token_layer))
+            total += int(self.total * (latent + index + center)
+                         + min(self.config.budget, enc.n) * kv_bytes_per_token_layer)
         return total
 
     def begin_step(self, ctx) -> None:
         super().begin_step(ctx)
-        self._chosen = None
+        self._chosen = self._picked = None
 
     def select(self, layer, q, ctx):
         if layer < self.filters[0] or not self.decoding:
             return None
+        batched = omnikv.pure_decode(ctx)
         if layer in self.filter_set:
-            self._chosen = self._choose(layer, q, ctx)
+            if not batched:  # pure decode: observe() takes the choice from the attention's max logits
+                self._chosen = self._choose(layer, q, ctx)
             return None  # full layers attend densely
-        if layer not in self.sparse_set or self._chosen is None or all(c is None for c in self._chosen):
+        if layer not in self.sparse_set:
+            return None
+        if batched:
+            return None if self._picked is None else self._batched_selection(layer, ctx)
+        if self._chosen is None or all(c is None for c in self._chosen):
             return None
         per_request = [None if c is None else self._layer_indices(seq, layer, c, ctx)
                        for seq, c in zip(ctx.seqs, self._chosen)]
         return Selection.from_lists(per_request, self.model.num_kv_heads, q.device)
+
+    def score_rows(self, layer, ctx):
+        """Pure decode: a full layer's dense attention reports every token's max logit per
+        KV head (OmniKV's fused scores), so choosing reads no K a second time."""
+        if layer not in self.filter_set or not self.decoding or not omnikv.pure_decode(ctx):
+            return None
+        page_size = ctx.kv_cache.layer(layer)[0].shape[1]
+        return ScoreRows((1,) * len(ctx.seqs), max_kv_len=ctx.views[layer].page_table.shape[1] * page_size,
+                         kind="max_logits")
+
+    def observe(self, layer, q, colsums, ctx):
+        cfg = self.config
+        self._picked = pick_tokens(colsums.amax(dim=1), ctx.views[layer].kv_lens, cfg.sink_tokens, cfg.budget,
+                                   cfg.recent_tokens)
+
+    def _batched_selection(self, layer, ctx) -> Selection:
+        """Pure decode: every request's chosen tokens mapped onto this sparse layer's cache
+        (history tokens rebuilt into the scratch slots), with no host sync: fixed width
+        ``sink + budget + recent``, the counts from the full layer's pick."""
+        tokens, counts = self._picked
+        table = ctx.views[layer].page_table
+        rows = [self._map_tokens(seq, layer, tokens[b], counts[b], table[b], ctx) for b, seq in enumerate(ctx.seqs)]
+        B, width, hkv = tokens.shape[0], tokens.shape[1], self.model.num_kv_heads
+        return Selection(torch.stack(rows)[:, None, :].expand(B, hkv, width),
+                         counts[:, None].expand(B, hkv).contiguous(), dense=(False,) * B)
+
+    def _map_tokens(self, seq, layer: int, tokens: torch.Tensor, count: torch.Tensor, table_row: torch.Tensor,
+                    ctx) -> torch.Tensor:
+        """``_layer_indices`` on device tensors: ``tokens [K]`` (the first ``count`` chosen,
+        ascending) -> their cache indices. History tokens take the scratch slots in order
+        (at most ``budget`` of them: they all lie in the full layer's top-``budget`` range,
+        as ``hist_end <= length - recent``); every entry is rebuilt, only theirs written."""
+        st = self._state(seq)
+        if not st.compressed:
+            return tokens  # cache index == token position
+        sink, budget = self.config.sink_tokens, self.config.budget
+        k_cache, v_cache = ctx.kv_cache.layer(layer)
+        page_size = k_cache.shape[1]
+        counted = torch.arange(tokens.shape[0], device=tokens.device) < count
+        raw = tokens >= st.hist_end
+        hist = counted & (tokens >= sink) & ~raw
+        scratch = sink + torch.cumsum(hist, 0) - 1
+        idx = torch.where(raw, sink + budget + tokens - st.hist_end, torch.where(hist, scratch, tokens))
+        k, v = self.rebuild(seq, layer, tokens.clamp(sink, st.hist_end - 1), checked=False)
+        at = scratch.clamp(min=0)
+        slots = torch.where(hist, table_row[at // page_size].long() * page_size + at % page_size, -1)
+        ctx.provider.write_kv(k_cache, v_cache, k, v, slots)
+        return idx
 
     def _choose(self, layer, q, ctx) -> list[torch.Tensor | None]:
         """OmniKV's choice at a full layer: token positions (== its cache indices)."""
@@ -246,11 +307,13 @@ class DeltaKV(SparseMethodRuntime):
             idx[in_hist] = scratch
         return idx
 
-    def rebuild(self, seq, layer: int, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rebuild(self, seq, layer: int, tokens: torch.Tensor, checked: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """K (rotated at each token's position) and V ``[m, Hkv, d]`` float32 of history
-        tokens ``tokens`` (positions in ``[sink, hist_end)``) from the layer's codec."""
+        tokens ``tokens`` (positions in ``[sink, hist_end)``; ``checked=False``: the caller
+        keeps them there, and nothing waits on the device) from the layer's codec."""
         enc = self._state(seq).enc[layer]
-        kv = codec.decode(enc, self.up[layer], tokens.long() - self.config.sink_tokens)
+        decode = codec.decode if checked else codec.decode_at
+        kv = decode(enc, self.up[layer], tokens.long() - self.config.sink_tokens)
         k, v = codec.split_kv(kv, self.model.num_kv_heads, self.model.head_dim)
         return codec.rotate_keys(k, tokens, self.inv_freq), v
 

@@ -312,17 +312,23 @@ def decode(enc: DeltaKVEncoded, up: torch.Tensor, positions: torch.Tensor | None
         positions = torch.arange(enc.n, device=device)
     if not isinstance(positions, torch.Tensor) or positions.dim() != 1 or positions.is_floating_point():
         raise ValueError("positions must be a 1-D integer tensor")
-    positions = positions.long()
     if positions.numel() and (positions.min() < 0 or positions.max() >= enc.n):
         raise ValueError(f"positions must lie in [0, n={enc.n})")
-    is_center = positions % enc.stride == 0
-    out = torch.empty(positions.shape[0], enc.centers.shape[1], dtype=torch.float32, device=device)
-    out[is_center] = enc.centers[positions[is_center] // enc.stride].float()
-    other = positions[~is_center]
-    row = other - other // enc.stride - 1  # non-center rank: minus the centers at or before it
+    return decode_at(enc, up, positions)
+
+
+def decode_at(enc: DeltaKVEncoded, up: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """:func:`decode` of ``positions`` the caller keeps in ``[0, n)``, unchecked: no host
+    sync and shapes fixed by ``positions`` (every row is rebuilt both ways, then the
+    center or the residual one is kept), for the engine's decode steps."""
+    positions = positions.long()
+    center = enc.centers[positions // enc.stride].float()
+    if enc.latents.shape[0] == 0:  # every token a center
+        return center
+    row = (positions - positions // enc.stride - 1).clamp(min=0)  # non-center rank (centers: any row)
     if enc.latent_bits == 4:
         z = dequantize_int4(enc.latents[row], enc.scales[row], enc.zeros[row])
     else:
         z = enc.latents[row].float()
-    out[~is_center] = z @ up.float() + _neighbor_mean(enc.centers, enc.neighbors[row])
-    return out
+    other = z @ up.float() + _neighbor_mean(enc.centers, enc.neighbors[row])
+    return torch.where((positions % enc.stride == 0)[:, None], center, other)

@@ -135,7 +135,7 @@ class OmniKV(SparseMethodRuntime):
             if self._fused(ctx):
                 self._selection = None  # observe() chooses from the attention's own logits
             else:
-                self._selection = (self._choose_batched(layer, q, ctx) if _pure_decode(ctx)
+                self._selection = (self._choose_batched(layer, q, ctx) if pure_decode(ctx)
                                    else self._choose_per_request(layer, q, ctx))
             return None  # filter layers attend densely
         return self._selection
@@ -154,7 +154,7 @@ class OmniKV(SparseMethodRuntime):
         self._selection = self._pick(colsums.amax(dim=1), ctx.views[layer].kv_lens, self.model.num_kv_heads)
 
     def _fused(self, ctx) -> bool:
-        return self.mode == "logits" and _pure_decode(ctx)
+        return self.mode == "logits" and pure_decode(ctx)
 
     def tokens_read(self, seq) -> list[int]:
         dense = self.filter_set | set(range(self.filters[0]))
@@ -169,7 +169,7 @@ class OmniKV(SparseMethodRuntime):
         the attention's lse is computed after the choice) and writes, then the top-k reads,
         one fp32 score per token."""
         if self.mode == "logits":
-            per_token = 3 * 4 * self.model.num_kv_heads + 5 * 4
+            per_token = max_logit_bytes_per_token(self.model.num_kv_heads)
         else:
             per_token = 2 * kv_bytes_per_token_layer // 2 + 2 * 4
         return sum(seq.layer_lens[l] * per_token for l in self.filters)
@@ -198,7 +198,14 @@ class OmniKV(SparseMethodRuntime):
         return Selection.from_lists(chosen, self.model.num_kv_heads, q.device)
 
 
-def _pure_decode(ctx) -> bool:
+def max_logit_bytes_per_token(num_kv_heads: int) -> int:
+    """Bytes a fused ``logits`` choice moves per cached token of a filter layer: one fp32
+    max logit per KV head filled with -inf, written, read by the max over heads (which
+    writes one), and that read and written by the pick's masking, then read by its top-k."""
+    return 3 * 4 * num_kv_heads + 5 * 4
+
+
+def pure_decode(ctx) -> bool:
     """Every request feeds its one decode token (a one-token prefill chunk does not count).
     A CUDA-graph capture has no host requests (``ctx.seqs`` is ``[None] * B``)."""
     return ctx.is_decode and all(s is None or s.is_decoding for s in ctx.seqs)

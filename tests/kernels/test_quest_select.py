@@ -55,7 +55,7 @@ SEARCHES = {"shortlist": dict(shortlist_cap=4096), "fallback": dict(shortlist_ca
 
 
 @pytest.mark.parametrize("search", SEARCHES)
-@pytest.mark.parametrize("radix_bits", [1, 2, 4])
+@pytest.mark.parametrize("radix_bits", [None, 1, 2, 4])
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_equals_torch_path_on_distinct_scores(case, radix_bits, search, gen, device):
     lens, hkv, P, ps, sink, budget, recent, block = case
@@ -108,7 +108,7 @@ def test_ties_go_to_the_earlier_page(dtype, gen, device):
     scores = _scores(values, lens, ps).to(dtype).to(device)
     kv_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     runs = [(16, 2, "full"), (128, 1, "full"), (128, 4, "full"),  # 128 >= P: one block
-            (16, 2, "shortlist"), (128, 1, "shortlist"), (16, 2, "fallback")]
+            (16, 2, "shortlist"), (128, 1, "shortlist"), (16, None, "shortlist"), (16, 2, "fallback")]
     for block, radix_bits, search in runs:
         pages, counts = quest_select_pages_triton(scores, kv_lens, ps, sink, recent, budget, block_p=block,
                                                   radix_bits=radix_bits, **SEARCHES[search])

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from sparseengine import LLM, ConfigError, SamplingParams
-from sparseengine.methods import deltakv_bytes, deltakv_fit
+from sparseengine.methods import deltakv, deltakv_bytes, deltakv_fit
 from sparseengine.methods import deltakv_codec as codec
 from sparseengine.methods.deltakv_calibrate import calibrate, layer_kv, prefill_kv
 
@@ -97,6 +97,22 @@ def test_calibration_writes_a_checkpoint_the_codec_reloads(ckpt64, ckpt32, folde
 # ------------------------------------------------------------------------------ exactness
 
 
+def test_pure_decode_path_equals_the_per_request_path(folder, ckpt32, monkeypatch):
+    """Pure-decode steps choose from the full layer's max logits and map every request's
+    choice on device (no host sync); mixed steps go request by request. With lossy int4
+    latents, through a history flush, both generate the same tokens."""
+    prompts, sp = [PROMPT, PROMPT2, _ids(20, 3)], _greedy(70)  # 20 tokens: within the total at first
+    kw = dict(deltakv_latent_dim=32, deltakv_checkpoint_path=str(ckpt32.path))
+    llm = _llm(folder, **kw)
+    calls = []
+    batched = llm.method._batched_selection
+    llm.method._batched_selection = lambda layer, ctx: (calls.append(layer), batched(layer, ctx))[1]
+    got = [o.token_ids for o in llm.generate(prompts, sp)]
+    assert len(calls) >= 2 * 60  # both sparse layers, every pure-decode step
+    monkeypatch.setattr(deltakv.omnikv, "pure_decode", lambda ctx: False)
+    assert got == [o.token_ids for o in _llm(folder, **kw).generate(prompts, sp)]
+
+
 def test_budget_covering_the_prompt_equals_vanilla(folder, ckpt32):
     prompts, sp = [PROMPT, PROMPT2], _greedy(8)
     want = [o.token_ids for o in _llm(folder, "vanilla").generate(prompts, sp)]
@@ -149,9 +165,14 @@ def test_rebuilt_kv_error_within_the_derived_bound(folder, ckpt64, r, bits):
     rt, records = llm.method, []
     rebuild = rt.rebuild
 
-    def spy(seq, layer, tokens):
-        k, v = rebuild(seq, layer, tokens)
-        records.append((layer, tokens.clone(), k, v, rt.cache.state(seq)["deltakv"].enc[layer]))
+    def spy(seq, layer, tokens, **kw):
+        """Each distinct token rebuilt. The pure-decode path rebuilds every chosen entry,
+        its position clamped into the history (a sink or raw-tail pick rebuilds the first
+        or last history token, and is not written): at most BUDGET + 2 distinct ones."""
+        k, v = rebuild(seq, layer, tokens, **kw)
+        uniq, inverse = torch.unique(tokens, return_inverse=True)
+        first = torch.full_like(uniq, tokens.numel()).scatter_reduce(0, inverse, torch.arange(tokens.numel()), "amin")
+        records.append((layer, tokens[first], k[first], v[first], rt.cache.state(seq)["deltakv"].enc[layer]))
         return k, v
 
     rt.rebuild = spy
@@ -160,7 +181,7 @@ def test_rebuilt_kv_error_within_the_derived_bound(folder, ckpt64, r, bits):
     inv_freq = rt.inv_freq
     res_all = {layer: codec.residuals(layer_kv(*dense[layer], inv_freq)[SINK:], 0.1, 4)[0] for layer in SPARSE}
     for layer, tokens, k, v, enc in records:
-        assert 0 < tokens.numel() <= BUDGET and bool(((tokens >= SINK) & (tokens < len(PROMPT) - RECENT)).all())
+        assert 0 < tokens.numel() <= BUDGET + 2 and bool(((tokens >= SINK) & (tokens < len(PROMPT) - RECENT)).all())
         kd, vd = dense[layer]
         err = math.sqrt(float((k - kd[tokens]).double().pow(2).sum() + (v - vd[tokens]).double().pow(2).sum()))
         # The bound: projection error of the calibration residuals (this prompt's
@@ -269,8 +290,12 @@ def test_cache_lens_and_synthesized_prefill(folder, ckpt32):
     # a synthesised prefill (random KV and codec state) decodes like a real one
     reads = []
     rebuild = rt.rebuild
-    rt.rebuild = lambda seq, layer, tokens: (reads.append((rt.tokens_read(seq), rt.metadata_bytes_read(seq, 128))),
-                                             rebuild(seq, layer, tokens))[1]
+
+    def spy_rebuild(seq, layer, tokens, **kw):
+        reads.append((rt.tokens_read(seq), rt.metadata_bytes_read(seq, 128)))
+        return rebuild(seq, layer, tokens, **kw)
+
+    rt.rebuild = spy_rebuild
     outs = llm.generate([PROMPT, PROMPT2], _greedy(5), prefill="synthesized")
     assert [len(o.token_ids) for o in outs] == [5, 5] and {o.finish_reason for o in outs} == {"length"}
     assert reads and all(r[0][2:] == [SINK + BUDGET + RECENT] * 2 and r[1] > 0 for r in reads)

@@ -222,7 +222,7 @@ def test_engine_tokens_batched_equal_per_request(tiny_llama, monkeypatch, mode):
     with LLM(str(folder), **kw) as llm:
         outs["batched"] = [o.token_ids for o in llm.generate(prompts, params)]
     assert calls["batched"] >= 7  # every decode step after the first went the batched way
-    monkeypatch.setattr(omnikv, "_pure_decode", lambda ctx: False)
+    monkeypatch.setattr(omnikv, "pure_decode", lambda ctx: False)
     before = calls["batched"]
     with LLM(str(folder), **kw) as llm:
         outs["per_request"] = [o.token_ids for o in llm.generate(prompts, params)]
