@@ -10,6 +10,8 @@ graph steps are profiled too (CUPTI sees the kernels a replay launches): graph s
 minus their kernel sum is the host work and launch gaps between kernels.
 
     python scripts/profile_decode_step.py --method vanilla --batch 1 --out profile_vanilla_b1.json
+    python scripts/profile_decode_step.py --method deltakv --engine-arg deltakv_checkpoint_path=FILE \
+        --host-profile --out profile_deltakv_b1.json
 """
 
 from __future__ import annotations
@@ -76,6 +78,48 @@ def kernel_table(llm, prompts, steps: int) -> dict[str, float]:
     return dict(sorted(per_kernel.items(), key=lambda kv: -kv[1]))
 
 
+def host_profile(llm, prompts, steps: int, top: int = 30) -> list[dict]:
+    """cProfile of ``steps`` decode steps after a few warm-up steps: the ``top`` functions
+    by cumulative time, seconds per step (where the host time of an eager step goes)."""
+    import cProfile
+    import pstats
+
+    seen, orig, prof = [0], llm.step, cProfile.Profile()
+
+    def stepped():
+        seen[0] += 1
+        if seen[0] == 4:
+            torch.cuda.synchronize()
+            prof.enable()
+        r = orig()
+        if seen[0] == 3 + steps:
+            torch.cuda.synchronize()
+            prof.disable()
+        return r
+
+    llm.step = stepped
+    try:
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=steps + 6, ignore_eos=True),
+                     prefill="synthesized")
+    finally:
+        del llm.step
+    stats = pstats.Stats(prof).stats
+    rows = [{"function": f"{Path(fn).name}:{line}({name})", "calls_per_step": nc / steps,
+             "tottime_ms_per_step": 1e3 * tt / steps, "cumtime_ms_per_step": 1e3 * ct / steps}
+            for (fn, line, name), (_, nc, tt, ct, _) in stats.items()]
+    return sorted(rows, key=lambda r: -r["cumtime_ms_per_step"])[:top]
+
+
+def _engine_arg(text: str) -> tuple[str, object]:
+    key, _, value = text.partition("=")
+    for cast in (int, float):
+        try:
+            return key, cast(value)
+        except ValueError:
+            pass
+    return key, value
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-3.1-8b")
@@ -88,6 +132,10 @@ def main() -> None:
     ap.add_argument("--bandwidth-gbps", type=float, default=None, help="default: measured here")
     ap.add_argument("--merge-in-split-kernel", action="store_true",
                     help="split-K decode: merge the splits in the split kernel (default: a second kernel)")
+    ap.add_argument("--engine-arg", action="append", type=_engine_arg, default=[], metavar="KEY=VALUE",
+                    help="another LLM(...) argument, e.g. deltakv_checkpoint_path=FILE (repeatable)")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="also cProfile the eager steps: where their host time goes")
     ap.add_argument("--commit", default="")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -98,7 +146,7 @@ def main() -> None:
 
     kw = dict(model=args.model, load_format="dummy", dtype="bfloat16", sparse_method=args.method,
               attention_provider=args.provider, max_num_seqs=max(8, args.batch), sink_tokens=64, recent_tokens=512,
-              budget=args.total - 576, max_model_len=args.prompt_len + 512)
+              budget=args.total - 576, max_model_len=args.prompt_len + 512, **dict(args.engine_arg))
     prompts = [[(7 * i + j) % 30000 + 3 for j in range(args.prompt_len)] for i in range(args.batch)]
     bw = args.bandwidth_gbps or roofline.measure_copy_bandwidth(torch.device("cuda"))
     out = {"model": args.model, "method": args.method, "batch": args.batch, "prompt_len": args.prompt_len,
@@ -114,6 +162,8 @@ def main() -> None:
     with LLM(**kw, enforce_eager=True) as llm:
         out["eager_step_ms"] = 1e3 * step_time(llm, prompts, 32)
         table = kernel_table(llm, prompts, args.steps)
+        if args.host_profile:
+            out["host_profile"] = host_profile(llm, prompts, args.steps)
     out["kernel_us_per_step"] = {k: round(v, 1) for k, v in table.items()}
     out["kernel_sum_ms"] = sum(table.values()) / 1e3
     out["graph_kernel_us_per_step"] = {k: round(v, 1) for k, v in graph_table.items()}
@@ -121,7 +171,11 @@ def main() -> None:
     out["graph_gap_ms"] = out["graph_step_ms"] - out["graph_kernel_sum_ms"]  # host work + launch gaps
     out["pct_of_limit_graph"] = 100 * out["limit_step_ms"] / out["graph_step_ms"]
     Path(args.out).write_text(json.dumps(out, indent=1))
-    print(json.dumps({k: v for k, v in out.items() if not k.endswith("kernel_us_per_step")}, indent=1))
+    print(json.dumps({k: v for k, v in out.items() if not k.endswith("kernel_us_per_step") and k != "host_profile"},
+                     indent=1))
+    for row in out.get("host_profile", []):
+        print(f"{row['cumtime_ms_per_step']:9.2f} ms cum {row['tottime_ms_per_step']:8.2f} ms own "
+              f"{row['calls_per_step']:8.1f} calls  {row['function']}")
     for title, tab in (("eager", table), ("graph", graph_table)):
         print(f"-- {title} kernels, us per step")
         for name, us in list(tab.items())[:12]:

@@ -155,8 +155,9 @@ def _neighbor_mean(centers: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """Mean ``[m, D]`` (float32) of the centers named by ``idx [m, K]`` (-1 = none)."""
     idx = idx.long()
     valid = idx >= 0
-    gathered = centers.float()[idx.clamp(min=0)] * valid[..., None]
-    return gathered.sum(dim=1) / valid.sum(dim=1, keepdim=True).clamp(min=1)
+    weight = valid / valid.sum(dim=1, keepdim=True).clamp(min=1)  # [m, K]: 1/count where valid
+    # gather the named rows first: converting the whole table would move all C rows per call
+    return torch.einsum("mk,mkd->md", weight, centers[idx.clamp(min=0)].float())
 
 
 def residuals(kv: torch.Tensor, center_ratio: float, neighbors: int):
