@@ -47,22 +47,20 @@ def step_time(llm, prompts, steps: int, warmup: int = 8) -> float:
     return gaps[len(gaps) // 2]
 
 
-def kernel_table(llm, prompts, steps: int) -> dict[str, float]:
-    """Device microseconds per decode step, per kernel name, over ``steps`` profiled steps."""
-    from torch.profiler import ProfilerActivity, profile
-
+def _around_steps(llm, prompts, steps: int, start, stop) -> None:
+    """Generate with ``start()`` called before the 4th engine step (prefill done, a few
+    decode steps warmed up) and ``stop()`` after ``steps`` more, the device synchronised."""
     seen, orig = [0], llm.step
-    prof = profile(activities=[ProfilerActivity.CUDA])
 
     def stepped():
         seen[0] += 1
-        if seen[0] == 4:  # prefill done, a few decode steps warmed up
+        if seen[0] == 4:
             torch.cuda.synchronize()
-            prof.__enter__()
+            start()
         r = orig()
         if seen[0] == 3 + steps:
             torch.cuda.synchronize()
-            prof.__exit__(None, None, None)
+            stop()
         return r
 
     llm.step = stepped
@@ -71,6 +69,14 @@ def kernel_table(llm, prompts, steps: int) -> dict[str, float]:
                      prefill="synthesized")
     finally:
         del llm.step
+
+
+def kernel_table(llm, prompts, steps: int) -> dict[str, float]:
+    """Device microseconds per decode step, per kernel name, over ``steps`` profiled steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CUDA])
+    _around_steps(llm, prompts, steps, prof.__enter__, lambda: prof.__exit__(None, None, None))
     per_kernel: dict[str, float] = defaultdict(float)
     for e in prof.key_averages():
         if e.device_type.name == "CUDA" and e.device_time_total > 0:
@@ -80,33 +86,15 @@ def kernel_table(llm, prompts, steps: int) -> dict[str, float]:
 
 def host_profile(llm, prompts, steps: int, top: int = 30) -> list[dict]:
     """cProfile of ``steps`` decode steps after a few warm-up steps: the ``top`` functions
-    by cumulative time, seconds per step (where the host time of an eager step goes)."""
+    by cumulative time, milliseconds per step (where the host time of an eager step goes)."""
     import cProfile
     import pstats
 
-    seen, orig, prof = [0], llm.step, cProfile.Profile()
-
-    def stepped():
-        seen[0] += 1
-        if seen[0] == 4:
-            torch.cuda.synchronize()
-            prof.enable()
-        r = orig()
-        if seen[0] == 3 + steps:
-            torch.cuda.synchronize()
-            prof.disable()
-        return r
-
-    llm.step = stepped
-    try:
-        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=steps + 6, ignore_eos=True),
-                     prefill="synthesized")
-    finally:
-        del llm.step
-    stats = pstats.Stats(prof).stats
+    prof = cProfile.Profile()
+    _around_steps(llm, prompts, steps, prof.enable, prof.disable)
     rows = [{"function": f"{Path(fn).name}:{line}({name})", "calls_per_step": nc / steps,
              "tottime_ms_per_step": 1e3 * tt / steps, "cumtime_ms_per_step": 1e3 * ct / steps}
-            for (fn, line, name), (_, nc, tt, ct, _) in stats.items()]
+            for (fn, line, name), (_, nc, tt, ct, _) in pstats.Stats(prof).stats.items()]
     return sorted(rows, key=lambda r: -r["cumtime_ms_per_step"])[:top]
 
 

@@ -36,7 +36,7 @@ HQ, HKV, D, PS = 32, 8, 128, 16
 BF16 = torch.bfloat16
 
 
-def _emit(out_path, record):
+def emit(out_path, record):
     line = json.dumps(record)
     print(line, flush=True)
     with open(out_path, "a") as f:
@@ -132,10 +132,10 @@ def check_kernels(out_path):
             errs = [rel_err(t, r) for t, r in pairs]
             nan = any(bool(t.isnan().any()) for t, _ in pairs)
             passed = max(errs) < 2e-2 and not nan
-            _emit(out_path, {"kind": "check", "kernel": name, "rel_err": max(errs), "nan": nan, "ok": passed})
+            emit(out_path, {"kind": "check", "kernel": name, "rel_err": max(errs), "nan": nan, "ok": passed})
         except Exception as e:  # report and go on: one broken kernel must not hide the others
             passed = False
-            _emit(out_path, {"kind": "check", "kernel": name, "ok": False, "error": repr(e)[:500]})
+            emit(out_path, {"kind": "check", "kernel": name, "ok": False, "error": repr(e)[:500]})
         ok &= passed
     return ok
 
@@ -160,7 +160,7 @@ def bench_decode(out_path, B, L, chunks=(None, 512, 1024, 2048, 4096, 8192), tun
     for chunk in chunks:
         ms = do_bench(lambda: paged_decode_triton(q, k_cache, v_cache, page_table, kv_lens, kv_chunk=chunk),
                       return_mode="median")
-        _emit(out_path, {"kind": "bench", "kernel": "paged_decode_triton", "kv_chunk": chunk or "auto", **shape,
+        emit(out_path, {"kind": "bench", "kernel": "paged_decode_triton", "kv_chunk": chunk or "auto", **shape,
                          "ms": ms, "GBps": kv_bytes / ms / 1e6})
     if tune:  # launch parameters of the split kernel, at two chunk sizes
         for chunk in (None, 1024):
@@ -169,7 +169,7 @@ def bench_decode(out_path, B, L, chunks=(None, 512, 1024, 2048, 4096, 8192), tun
                                             capacity=L, kv_chunk=chunk, block_n=block_n, num_warps=warps,
                                             num_stages=stages)
                 ms = do_bench(fn, return_mode="median")
-                _emit(out_path, {"kind": "tune", "kernel": "paged_decode_triton", "kv_chunk": chunk or "auto",
+                emit(out_path, {"kind": "tune", "kernel": "paged_decode_triton", "kv_chunk": chunk or "auto",
                                  "block_n": block_n, "num_warps": warps, "num_stages": stages, **shape, "ms": ms,
                                  "GBps": kv_bytes / ms / 1e6})
 
@@ -193,72 +193,9 @@ def bench_decode_splits(out_path, B, L, capacity):
                                         capacity=capacity, kv_chunk=chunk, fused_combine=fused)
             err = (fn().float() - ref.float()).abs().max().item()
             ms = do_bench(fn, return_mode="median")
-            _emit(out_path, {"kind": "splits", "kernel": "split_k_decode", "kv_chunk": chunk or "per-row",
+            emit(out_path, {"kind": "splits", "kernel": "split_k_decode", "kv_chunk": chunk or "per-row",
                              "fused_combine": fused, **shape, "ms": ms, "GBps": kv_bytes / ms / 1e6,
                              "max_abs_diff_vs_fixed_two_kernel": err})
-
-
-def bench_quest_select(out_path, B=6, P=8320, n=131072):
-    """Quest's page selection at the 128K decode benchmark's shape (the graph's page table
-    is 8320 pages wide), per launch in a CUDA graph of 30 launches (no launch overhead):
-    the full search (radix 2, blocks of 8192 pages) against the shortlist first (radix 1,
-    2, 4; groups and room)."""
-    from sparseengine.kernels import quest_select_pages_triton
-    from sparseengine.methods.quest import select_pages_batched
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    scores = torch.randn(B, HKV, P, generator=gen, device="cuda").to(torch.bfloat16).float()
-    kv_lens = torch.full((B,), n, dtype=torch.int32, device="cuda")
-    args = (scores, kv_lens, PS, 64, 512, 1472)
-    want = select_pages_batched(*args)
-    variants = [dict(radix_bits=2, shortlist=False), dict(radix_bits=1), dict(radix_bits=2), dict(radix_bits=4),
-                dict(radix_bits=2, max_groups=2048, shortlist_cap=1024), dict(radix_bits=2, max_groups=256),
-                dict(radix_bits=2, max_groups=1024)]
-    for kw in variants:
-        fn = lambda: quest_select_pages_triton(*args, **kw)  # noqa: E731
-        same = all(torch.equal(g, w) for g, w in zip(fn(), want))
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(30):
-                fn()
-        median, _ = _time_cuda(graph.replay, iters=20)
-        _emit(out_path, {"kind": "quest_select", "batch": B, "hkv": HKV, "pages": P, "kv_len": n,
-                         **kw, "us_per_launch": 1e3 * median / 30,
-                         "equals_torch_path": same})
-
-
-def bench_quest_scores(out_path, B=6, P=8320, n=131072):
-    """Quest's page scores at the 128K decode benchmark's shape (pages scattered over a
-    pool of B * P pages), per launch in a CUDA graph of 30 launches: pages per program x
-    warps."""
-    from sparseengine.kernels import quest_page_scores_triton
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    pool = B * P
-    kmax = torch.randn(pool, HKV, D, generator=gen, device="cuda").to(BF16)
-    kmin = kmax - torch.rand(pool, HKV, D, generator=gen, device="cuda").to(BF16)
-    table = torch.randperm(pool, generator=gen, device="cuda").int().view(B, P)
-    kv_lens = torch.full((B,), n, dtype=torch.int32, device="cuda")
-    q = torch.randn(B, HQ, D, generator=gen, device="cuda").to(BF16)
-    args = (q, kmax, kmin, table, kv_lens, PS)
-    want = quest_page_scores_triton(*args)
-    nbytes = 2 * B * (n // PS) * HKV * D * 2
-    for block_p, num_warps, num_stages in ((64, 4, None), (32, 4, None), (32, 2, None), (128, 4, None),
-                                           (128, 8, None), (64, 8, None), (256, 8, None)):
-        fn = lambda: quest_page_scores_triton(*args, block_p=block_p, num_warps=num_warps,  # noqa: E731
-                                              num_stages=num_stages)
-        err = (fn() - want).abs().nan_to_num(0.0).max().item()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(30):
-                fn()
-        median, _ = _time_cuda(graph.replay, iters=20)
-        us = 1e3 * median / 30
-        _emit(out_path, {"kind": "quest_scores", "batch": B, "hkv": HKV, "pages": P, "kv_len": n,
-                         "block_p": block_p, "num_warps": num_warps, "num_stages": num_stages,
-                         "us_per_launch": us, "GBps": nbytes / us / 1e3, "max_abs_diff_vs_default": err})
 
 
 def _time_cuda(fn, iters=50, warmup=5):
@@ -287,7 +224,7 @@ def bench_flashinfer_decode(out_path, B, L):
     try:
         import flashinfer
     except Exception as e:  # noqa: BLE001 - any import failure means "not available"
-        _emit(out_path, {"kind": "bench", "kernel": "flashinfer_decode", **shape, "skipped": repr(e)[:300]})
+        emit(out_path, {"kind": "bench", "kernel": "flashinfer_decode", **shape, "skipped": repr(e)[:300]})
         return
     q, k_cache, v_cache, page_table, kv_lens = _decode_cache(B, L)
     lens = [L - b % PS for b in range(B)]
@@ -296,7 +233,7 @@ def bench_flashinfer_decode(out_path, B, L):
     ref = paged_decode_ref(q, k_cache, v_cache, page_table, kv_lens).float()
     ours = paged_decode_triton(q, k_cache, v_cache, page_table, kv_lens)
     ms, mean = _time_cuda(lambda: paged_decode_triton(q, k_cache, v_cache, page_table, kv_lens))
-    _emit(out_path, {"kind": "bench", "kernel": "paged_decode_triton", "timer": "cuda_events", **shape, "ms": ms,
+    emit(out_path, {"kind": "bench", "kernel": "paged_decode_triton", "timer": "cuda_events", **shape, "ms": ms,
                      "mean_ms": mean, "GBps": kv_bytes / ms / 1e6,
                      "max_abs_err_vs_ref": (ours.float() - ref).abs().max().item()})
     view = LayerView(torch.zeros(B, dtype=torch.long, device="cuda"), kv_lens, tuple(lens), page_table)
@@ -321,13 +258,13 @@ def bench_flashinfer_decode(out_path, B, L):
             torch.cuda.synchronize()
             plan_ms = (time.perf_counter() - t0) / 10 * 1e3
             ms, mean = _time_cuda(lambda: wrapper.run(q, (k_cache, v_cache)))
-            _emit(out_path, {"kind": "bench", "kernel": "flashinfer_decode", "timer": "cuda_events", **meta, **shape,
+            emit(out_path, {"kind": "bench", "kernel": "flashinfer_decode", "timer": "cuda_events", **meta, **shape,
                              "ms": ms, "mean_ms": mean, "GBps": kv_bytes / ms / 1e6, "plan_ms": plan_ms,
                              "first_call_s": first_call_s,
                              "max_abs_err_vs_triton": (first.float() - ours.float()).abs().max().item(),
                              "max_abs_err_vs_ref": (first.float() - ref).abs().max().item()})
         except Exception as e:  # noqa: BLE001 - record and go on to the next variant
-            _emit(out_path, {"kind": "bench", "kernel": "flashinfer_decode", **meta, **shape, "error": repr(e)[:1000]})
+            emit(out_path, {"kind": "bench", "kernel": "flashinfer_decode", **meta, **shape, "error": repr(e)[:1000]})
 
 
 def bench_sparse(out_path, B=32, L=32768, budget=2048):
@@ -351,7 +288,7 @@ def bench_sparse(out_path, B=32, L=32768, budget=2048):
     }
     for name, (fn, nbytes) in runs.items():
         ms = do_bench(fn, return_mode="median")
-        _emit(out_path, {"kind": "bench", "kernel": name, "batch": B, "kv_len": L, "budget": budget, "ms": ms,
+        emit(out_path, {"kind": "bench", "kernel": name, "batch": B, "kv_len": L, "budget": budget, "ms": ms,
                          "GBps": nbytes / ms / 1e6})
 
 
@@ -367,7 +304,7 @@ def bench_prefill(out_path, ctx=32768, chunk=4096, n=16384):
     ms = do_bench(lambda: paged_prefill_triton(q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, cu,
                                                max_q_len=chunk), return_mode="median")
     flops = 4 * HQ * D * sum(ctx - chunk + i + 1 for i in range(chunk))
-    _emit(out_path, {"kind": "bench", "kernel": "paged_prefill_triton", "kv_len": ctx, "q_len": chunk, "ms": ms,
+    emit(out_path, {"kind": "bench", "kernel": "paged_prefill_triton", "kv_len": ctx, "q_len": chunk, "ms": ms,
                      "TFLOPs": flops / ms / 1e9})
     qs, ks, vs = (torch.randn(n, h, D, device="cuda", dtype=BF16) for h in (HQ, HKV, HKV))
     nb = -(-n // 128)
@@ -375,7 +312,7 @@ def bench_prefill(out_path, ctx=32768, chunk=4096, n=16384):
         mask = torch.rand(HQ, nb, nb, device="cuda") < density
         ms = do_bench(lambda: block_sparse_prefill_triton(qs, ks, vs, mask), return_mode="median")
         kept = (mask | torch.eye(nb, dtype=torch.bool, device="cuda")).tril().sum().item()
-        _emit(out_path, {"kind": "bench", "kernel": "block_sparse_prefill_triton", "n": n, "density": density,
+        emit(out_path, {"kind": "bench", "kernel": "block_sparse_prefill_triton", "n": n, "density": density,
                          "ms": ms, "dense_equiv_TFLOPs": 4 * HQ * D * n * n / 2 / ms / 1e9,
                          "block_fraction": kept / (HQ * nb * (nb + 1) / 2)})
 
@@ -394,10 +331,12 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu needs a CUDA GPU")
-    _emit(args.out, {"kind": "meta", **_meta()})
+    emit(args.out, {"kind": "meta", **_meta()})
     if args.quest_select:
-        bench_quest_select(args.out)
-        bench_quest_scores(args.out)
+        from sparseengine.kernels import bench_quest
+
+        bench_quest.bench_quest_select(args.out, _time_cuda)
+        bench_quest.bench_quest_scores(args.out, _time_cuda)
         return
     if args.splits:
         for B, L, capacity in ((1, 131072, 133120), (6, 131072, 133120), (32, 32768, 32768), (183, 2304, 133120)):

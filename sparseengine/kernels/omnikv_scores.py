@@ -28,7 +28,7 @@ import torch
 
 from . import _common
 from ._common import cdiv, check_cache, check_launch, lazy_jit, next_pow2
-from .paged_decode import MODE_DENSE, split_k_decode
+from .paged_decode import MODE_DENSE, paged_decode_ref, split_k_decode
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
@@ -86,24 +86,20 @@ def _gathered_logits(q, k_cache, page_table, kv_lens, max_kv_len, scale):
 
 def decode_max_logits_ref(q, k_cache, v_cache, page_table, kv_lens, max_kv_len=None, scale=None):
     """Decode attention that also reports, per KV head, the max over its query heads of
-    every token's scaled logit: -> (out `[B, Hq, d]`, scores `[B, Hkv, max_kv_len]` fp32,
-    -inf past `kv_lens[b]`). Plain loops: the definition."""
+    every token's scaled logit: -> (out `[B, Hq, d]` (`paged_decode_ref`'s), scores
+    `[B, Hkv, max_kv_len]` fp32, -inf past `kv_lens[b]`). Plain loops: the definition."""
     B, Hq, d = q.shape
     _, Hkv = check_cache(k_cache, Hq, d)
     g, scale = Hq // Hkv, _common.default_scale(d, scale)
     L = int(kv_lens.max()) if max_kv_len is None else max_kv_len
-    out = torch.zeros(B, Hq, d, dtype=torch.float32, device=q.device)
     scores = torch.full((B, Hkv, L), float("-inf"), device=q.device)
     for b in range(B):
         n = int(kv_lens[b])
-        tokens = torch.arange(n, device=q.device)
-        k = _common.gather_tokens(k_cache, page_table[b], tokens).float()
-        v = _common.gather_tokens(v_cache, page_table[b], tokens).float()
+        k = _common.gather_tokens(k_cache, page_table[b], torch.arange(n, device=q.device)).float()
         for h in range(Hkv):
             s = (q[b, h * g:(h + 1) * g].float() @ k[:, h].T) * scale  # [g, n]
-            out[b, h * g:(h + 1) * g] = torch.softmax(s, dim=-1) @ v[:, h]
             scores[b, h, :n] = s.max(0).values[:L]
-    return out.to(q.dtype), scores
+    return paged_decode_ref(q, k_cache, v_cache, page_table, kv_lens, scale), scores
 
 
 def group_max_logits_torch(q, k_cache, page_table, kv_lens, max_kv_len=None, scale=None):

@@ -1,6 +1,7 @@
 """`quest_select_pages_triton` == `select_pages_batched` (the torch path) on distinct scores,
 and == the per-request definition `quest_select_pages` (earlier page wins a tie) on scores
-full of ties; through the shortlist of candidates, its fallback and the full search. Scores past a request's pages are NaN: the contract says they are never read."""
+full of ties; through the shortlist of candidates, its fallback and the full search.
+Scores past a request's pages are NaN: the contract says they are never read."""
 import pytest
 import torch
 

@@ -1,0 +1,71 @@
+"""Quest's kernels at the 128K decode benchmark's shape, variants side by side on the GPU
+(`python -m sparseengine.kernels.bench_gpu --quest-select --out FILE`): the page
+selection (full search against the shortlist, its radix, groups and room) and the page
+scores (pages per program, warps). Each is timed per launch inside a CUDA graph of 30
+launches, so launch overhead does not count; `time_cuda` is bench_gpu's CUDA-event timer."""
+from __future__ import annotations
+
+import torch
+
+from sparseengine.kernels.bench_gpu import BF16, D, HKV, HQ, PS, emit
+
+
+def bench_quest_select(out_path, time_cuda, B=6, P=8320, n=131072):
+    """Quest's page selection at the 128K decode benchmark's shape (the graph's page table
+    is 8320 pages wide), per launch in a CUDA graph of 30 launches (no launch overhead):
+    the full search (radix 2, blocks of 8192 pages) against the shortlist first (radix 1,
+    2, 4; groups and room)."""
+    from sparseengine.kernels import quest_select_pages_triton
+    from sparseengine.methods.quest import select_pages_batched
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    scores = torch.randn(B, HKV, P, generator=gen, device="cuda").to(torch.bfloat16).float()
+    kv_lens = torch.full((B,), n, dtype=torch.int32, device="cuda")
+    args = (scores, kv_lens, PS, 64, 512, 1472)
+    want = select_pages_batched(*args)
+    variants = [dict(radix_bits=2, shortlist=False), dict(radix_bits=1), dict(radix_bits=2), dict(radix_bits=4),
+                dict(radix_bits=2, max_groups=2048, shortlist_cap=1024), dict(radix_bits=2, max_groups=256),
+                dict(radix_bits=2, max_groups=1024)]
+    for kw in variants:
+        fn = lambda: quest_select_pages_triton(*args, **kw)  # noqa: E731
+        same = all(torch.equal(g, w) for g, w in zip(fn(), want))
+        emit(out_path, {"kind": "quest_select", "batch": B, "hkv": HKV, "pages": P, "kv_len": n,
+                        **kw, "us_per_launch": _us_per_launch(fn, time_cuda), "equals_torch_path": same})
+
+
+def bench_quest_scores(out_path, time_cuda, B=6, P=8320, n=131072):
+    """Quest's page scores at the 128K decode benchmark's shape (pages scattered over a
+    pool of B * P pages), per launch in a CUDA graph of 30 launches: pages per program x
+    warps."""
+    from sparseengine.kernels import quest_page_scores_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    pool = B * P
+    kmax = torch.randn(pool, HKV, D, generator=gen, device="cuda").to(BF16)
+    kmin = kmax - torch.rand(pool, HKV, D, generator=gen, device="cuda").to(BF16)
+    table = torch.randperm(pool, generator=gen, device="cuda").int().view(B, P)
+    kv_lens = torch.full((B,), n, dtype=torch.int32, device="cuda")
+    q = torch.randn(B, HQ, D, generator=gen, device="cuda").to(BF16)
+    args = (q, kmax, kmin, table, kv_lens, PS)
+    want = quest_page_scores_triton(*args)
+    nbytes = 2 * B * (n // PS) * HKV * D * 2
+    for block_p, num_warps, num_stages in ((64, 4, None), (32, 4, None), (32, 2, None), (128, 4, None),
+                                           (128, 8, None), (64, 8, None), (256, 8, None)):
+        fn = lambda: quest_page_scores_triton(*args, block_p=block_p, num_warps=num_warps,  # noqa: E731
+                                              num_stages=num_stages)
+        err = (fn() - want).abs().nan_to_num(0.0).max().item()
+        us = _us_per_launch(fn, time_cuda)
+        emit(out_path, {"kind": "quest_scores", "batch": B, "hkv": HKV, "pages": P, "kv_len": n,
+                        "block_p": block_p, "num_warps": num_warps, "num_stages": num_stages,
+                         "us_per_launch": us, "GBps": nbytes / us / 1e3, "max_abs_diff_vs_default": err})
+
+
+def _us_per_launch(fn, time_cuda, launches: int = 30) -> float:
+    """Median microseconds of one ``fn()`` among ``launches`` replayed in one CUDA graph."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            fn()
+    median, _ = time_cuda(graph.replay, iters=20)
+    return 1e3 * median / launches
