@@ -213,6 +213,18 @@ def _time_cuda(fn, iters=50, warmup=5):
     return times[len(times) // 2], sum(times) / len(times)
 
 
+
+def per_launch_us(fn, launches: int = 30) -> float:
+    """Median microseconds of one ``fn()`` among ``launches`` replayed in one CUDA graph
+    (no launch overhead counted)."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(launches):
+            fn()
+    median, _ = _time_cuda(graph.replay, iters=20)
+    return 1e3 * median / launches
+
 def bench_flashinfer_decode(out_path, B, L):
     """Triton dense paged decode vs FlashInfer decode on one cache. Lengths end off the page
     boundary (L - b % PS) so partial last pages are exercised; FlashInfer's page metadata
@@ -335,8 +347,8 @@ def main(argv=None):
     if args.quest_select:
         from sparseengine.kernels import bench_quest
 
-        bench_quest.bench_quest_select(args.out, _time_cuda)
-        bench_quest.bench_quest_scores(args.out, _time_cuda)
+        bench_quest.bench_quest_select(args.out)
+        bench_quest.bench_quest_scores(args.out)
         return
     if args.splits:
         for B, L, capacity in ((1, 131072, 133120), (6, 131072, 133120), (32, 32768, 32768), (183, 2304, 133120)):

@@ -2,15 +2,15 @@
 (`python -m sparseengine.kernels.bench_gpu --quest-select --out FILE`): the page
 selection (full search against the shortlist, its radix, groups and room) and the page
 scores (pages per program, warps). Each is timed per launch inside a CUDA graph of 30
-launches, so launch overhead does not count; `time_cuda` is bench_gpu's CUDA-event timer."""
+launches, so launch overhead does not count."""
 from __future__ import annotations
 
 import torch
 
-from sparseengine.kernels.bench_gpu import BF16, D, HKV, HQ, PS, emit
+from sparseengine.kernels.bench_gpu import BF16, D, HKV, HQ, PS, emit, per_launch_us
 
 
-def bench_quest_select(out_path, time_cuda, B=6, P=8320, n=131072):
+def bench_quest_select(out_path, B=6, P=8320, n=131072):
     """Quest's page selection at the 128K decode benchmark's shape (the graph's page table
     is 8320 pages wide), per launch in a CUDA graph of 30 launches (no launch overhead):
     the full search (radix 2, blocks of 8192 pages) against the shortlist first (radix 1,
@@ -30,10 +30,10 @@ def bench_quest_select(out_path, time_cuda, B=6, P=8320, n=131072):
         fn = lambda: quest_select_pages_triton(*args, **kw)  # noqa: E731
         same = all(torch.equal(g, w) for g, w in zip(fn(), want))
         emit(out_path, {"kind": "quest_select", "batch": B, "hkv": HKV, "pages": P, "kv_len": n,
-                        **kw, "us_per_launch": _us_per_launch(fn, time_cuda), "equals_torch_path": same})
+                        **kw, "us_per_launch": per_launch_us(fn), "equals_torch_path": same})
 
 
-def bench_quest_scores(out_path, time_cuda, B=6, P=8320, n=131072):
+def bench_quest_scores(out_path, B=6, P=8320, n=131072):
     """Quest's page scores at the 128K decode benchmark's shape (pages scattered over a
     pool of B * P pages), per launch in a CUDA graph of 30 launches: pages per program x
     warps."""
@@ -54,18 +54,8 @@ def bench_quest_scores(out_path, time_cuda, B=6, P=8320, n=131072):
         fn = lambda: quest_page_scores_triton(*args, block_p=block_p, num_warps=num_warps,  # noqa: E731
                                               num_stages=num_stages)
         err = (fn() - want).abs().nan_to_num(0.0).max().item()
-        us = _us_per_launch(fn, time_cuda)
+        us = per_launch_us(fn)
         emit(out_path, {"kind": "quest_scores", "batch": B, "hkv": HKV, "pages": P, "kv_len": n,
                         "block_p": block_p, "num_warps": num_warps, "num_stages": num_stages,
                          "us_per_launch": us, "GBps": nbytes / us / 1e3, "max_abs_diff_vs_default": err})
 
-
-def _us_per_launch(fn, time_cuda, launches: int = 30) -> float:
-    """Median microseconds of one ``fn()`` among ``launches`` replayed in one CUDA graph."""
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            fn()
-    median, _ = time_cuda(graph.replay, iters=20)
-    return 1e3 * median / launches
