@@ -13,6 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -34,7 +35,17 @@ class _StubGraphs:
     def bucket(self, batch: int) -> int:
         return batch
 
-    def run(self, ids, positions, slots, lens, table) -> torch.Tensor:
+    def fits(self, seqs) -> bool:
+        return True
+
+    def page_tables(self, seq_ids, tables):
+        """The real one's host rows: every table, zero-padded."""
+        out = np.zeros((len(tables), max(map(len, tables))), dtype=np.int32)
+        for b, pages in enumerate(tables):
+            out[b, : len(pages)] = pages
+        return out
+
+    def run(self, ids, positions, slots, lens, seqs=None, key=None) -> torch.Tensor:
         return self.logits[: len(ids)]
 
 

@@ -3,7 +3,9 @@
 A graph is captured lazily per bucket for pure-decode steps whose method asks for no
 per-layer hooks in the forward, or whose hooks are graph-capturable (tensor-only; the
 capture context has ``is_decode`` True and ``seqs = [None] * B``; the runner calls the
-method's ``begin_step_graph`` before every replay and capture). Inputs live in static
+method's ``begin_step_graph`` before every replay and capture). A method whose hooks read
+per-request state gives a ``graph_key`` instead: its graph is captured for the step's
+requests (in the context) and replayed while the key holds (one per bucket). Inputs live in static
 buffers: token ids, positions, per-layer slot mappings and lengths, and a page table as
 wide as the method's longest row needs (``table_pages``), so a replay never depends on
 the batch's lengths.
@@ -68,6 +70,8 @@ class DecodeGraphs:
         self.table = torch.zeros((top, max_pages), dtype=torch.int32, device=device)
         self.cu = torch.arange(top + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # graphs of a method's ``graph_key``: per bucket the last key's (key, graph, logits)
+        self.keyed: dict[int, tuple[object, torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         # host mirror of ``table`` (pinned: its rows go up without a staging copy); per row,
         # the (request id, page list) it holds, so a step re-sends only the rows that changed
@@ -83,23 +87,25 @@ class DecodeGraphs:
     def bucket(self, batch: int) -> int | None:
         return next((b for b in self.sizes if b >= batch), None)
 
-    def _context(self, size: int) -> StepContext:
+    def _context(self, size: int, seqs=None) -> StepContext:
         layers = self.model.config.num_layers
         views = [LayerView(self.slots[l, :size], self.lens[l, :size], (1,) * size, self.table[:size])
                  for l in range(layers)]
-        return StepContext(seqs=[None] * size, q_lens=(1,) * size, cu_q_lens=self.cu[: size + 1], is_decode=True,
+        rows = [None] * size if seqs is None else list(seqs) + [None] * (size - len(seqs))
+        return StepContext(seqs=rows, q_lens=(1,) * size, cu_q_lens=self.cu[: size + 1], is_decode=True,
                            views=views, kv_cache=self.kv_cache, provider=self.provider, method=self.method,
                            positions=self.positions[:size])
 
-    def _capture(self, size: int) -> None:
-        """Capture the bucket's graph. The warm-up runs execute for real, so they see only
-        padding rows (no cache or method state is written: a method's in-graph update, such
-        as H2O's score sums, must count once); the step's staged inputs return after."""
+    def _capture(self, size: int, seqs=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Capture a graph of the bucket (``seqs``: the requests a keyed graph is for, in the
+        context; else every row None). The warm-up runs execute for real, so they see only
+        padding inputs (no cache or method state is written: a method's in-graph update,
+        such as H2O's score sums, must count once); the step's staged inputs return after."""
         staged = self._in_host.clone()
         self._in[2][:] = -1
         self._in[3][:] = 1
         self._in_dev.copy_(self._in_host)
-        ctx = self._context(size)
+        ctx = self._context(size, seqs)
         set_step_context(ctx)
         try:
             for _ in range(2):  # compile kernels and settle the allocator outside the capture
@@ -113,7 +119,7 @@ class DecodeGraphs:
             set_step_context(None)
             self._in_host.copy_(staged)
             self._in_dev.copy_(self._in_host)
-        self.graphs[size] = (graph, logits)
+        return graph, logits
 
     def page_tables(self, seq_ids: list[int], tables: list[list[int]]) -> np.ndarray:
         """The step's page tables as rows of the host mirror ``[B, max_pages]`` (zero past
@@ -143,16 +149,26 @@ class DecodeGraphs:
         h_slots[:, batch:size], h_lens[:, batch:size] = -1, 1
         self._in_dev.copy_(self._in_host, non_blocking=True)
 
-    def run(self, ids: list[int], positions: list[int], slots: np.ndarray, lens: np.ndarray) -> torch.Tensor:
-        """slots/lens [L, B] (page tables from ``page_tables`` this step) -> logits [B, V]."""
+    def run(self, ids: list[int], positions: list[int], slots: np.ndarray, lens: np.ndarray, seqs=None,
+            key=None) -> torch.Tensor:
+        """slots/lens [L, B] (page tables from ``page_tables`` this step) -> logits [B, V].
+        ``key`` (the method's ``graph_key`` of ``seqs``): replay the bucket's graph of that
+        key, captured for these requests now if the key changed (the old one is dropped)."""
         batch = len(ids)
         size = self.bucket(batch)
         self.stage_inputs(ids, positions, slots, lens, size)
         if self._dirty is not None:
             lo, hi = self._dirty
             self.table[lo:hi].copy_(self._host[lo:hi], non_blocking=True)
-        if size not in self.graphs:
-            self._capture(size)
-        graph, logits = self.graphs[size]
+        if key is None:
+            if size not in self.graphs:
+                self.graphs[size] = self._capture(size)
+            graph, logits = self.graphs[size]
+        else:
+            held = self.keyed.get(size)
+            if held is None or held[0] != key:
+                self.keyed.pop(size, None)  # its memory returns to the pool first
+                self.keyed[size] = (key, *self._capture(size, seqs))
+            _, graph, logits = self.keyed[size]
         graph.replay()
         return logits[:batch]

@@ -24,14 +24,14 @@ class ModelRunner:
         self.graphs = graphs
         self.graph_steps = 0
 
-    def _graph_decode(self, seqs: list[Sequence], ids: list[int], pos: list[int]) -> torch.Tensor:
+    def _graph_decode(self, seqs: list[Sequence], ids: list[int], pos: list[int], key=None) -> torch.Tensor:
         ps = self.page_size
         starts = np.array([s.layer_lens for s in seqs], dtype=np.int64).T  # [L, B]
         table = self.graphs.page_tables([s.seq_id for s in seqs], [s.page_table for s in seqs])
         pages = table[np.arange(len(seqs))[None, :], starts // ps]  # [L, B]
         slots = pages.astype(np.int64) * ps + starts % ps
         self.graph_steps += 1
-        return self.graphs.run(ids, pos, slots, (starts + 1).astype(np.int32))
+        return self.graphs.run(ids, pos, slots, (starts + 1).astype(np.int32), seqs=seqs, key=key)
 
     def _views(self, seqs: list[Sequence], q_lens: list[int]) -> list[LayerView]:
         ps = self.page_size
@@ -74,11 +74,15 @@ class ModelRunner:
             if start + n == seq.num_tokens:
                 sample_rows.append(offset - 1)
                 sample_seqs.append(seq)
+        key = None
         capturable = not self.method.wants_forward_hooks(seqs) or self.method.graph_capturable()
+        if not capturable and self.graphs is not None and batch.is_pure_decode:
+            key = self.method.graph_key(seqs)  # a graph for these requests' state, or eager
+            capturable = key is not None
         if (self.graphs is not None and batch.is_pure_decode and capturable
                 and self.graphs.bucket(len(seqs)) is not None and self.graphs.fits(seqs)):
             self.method.begin_step_graph(seqs)
-            return seqs, self._graph_decode(seqs, ids, pos)
+            return seqs, self._graph_decode(seqs, ids, pos, key)
         cu = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)
         ctx = StepContext(

@@ -3,6 +3,8 @@
 The engine calls these hooks and never asks which method it runs:
 - ``begin_step(ctx)``: once per step, before the forward.
 - ``graph_capturable()``: whether pure-decode hooks may be captured in a CUDA graph.
+- ``graph_key(seqs)``: else, a key of the per-request state such a step bakes in (a graph
+  per key), or None.
 - ``positions(seq, start, n)``: RoPE positions of the step's new tokens (default: logical).
 - ``select(layer, q, ctx)``: the cache tokens each (request, KV head) may read, or None.
 - ``block_mask(layer, q, ctx)``: block-sparse causal attention for prefill rows, or None.
@@ -76,6 +78,14 @@ class SparseMethodRuntime:
         """``begin_step`` for a pure-decode step that replays a CUDA graph."""
         self.prefill_ending = []
         self.decoding = list(seqs)
+
+    def graph_key(self, seqs: list["Sequence"]) -> Any:
+        """For a method whose pure-decode hooks are not ``graph_capturable`` because they
+        read per-request host state (Python objects, tensors of their own): a hashable key
+        of everything such a step bakes in, or None (run eager). The runner then captures a
+        graph for these requests (``seqs`` in the capture's context, padding rows None),
+        replays it while the key stays the same, and captures again when it changes."""
+        return None
 
     def positions(self, seq: "Sequence", start: int, n: int) -> range:
         return range(start, start + n)
@@ -151,6 +161,15 @@ class MethodStack(SparseMethodRuntime):
     def begin_step_graph(self, seqs):
         for p in self.parts:
             p.begin_step_graph(seqs)
+
+    def graph_key(self, seqs):
+        keys = []
+        for p in self.parts:
+            key = None if p.graph_capturable() or not p.wants_forward_hooks(seqs) else p.graph_key(seqs)
+            if key is None and p.wants_forward_hooks(seqs) and not p.graph_capturable():
+                return None
+            keys.append(key)
+        return tuple(keys)
 
     def select(self, layer, q, ctx):
         for p in self.parts:

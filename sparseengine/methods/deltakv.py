@@ -63,6 +63,7 @@ from sparseengine.methods import deltakv_codec as codec
 from sparseengine.methods.base import SparseMethodRuntime
 from sparseengine.methods.deltakv_bytes import DeltaKVBytes
 from sparseengine.methods.deltakv_fit import load_down_up
+from sparseengine.methods.deltakv_store import CodecStore
 from sparseengine.methods import omnikv
 from sparseengine.methods.omnikv import FILTER_LAYERS, choose_tokens, filter_layers_for, pick_tokens
 
@@ -94,7 +95,14 @@ def layer_roles(model, given: str) -> tuple[list[int], list[int], list[int]]:
 class _SeqState:
     hist_end: int  # first token of the raw tail; tokens [sink, hist_end) are compressed
     compressed: bool = False  # scratch slots exist in the sparse layers
-    enc: dict[int, codec.DeltaKVEncoded] = field(default_factory=dict)
+    enc: dict[int, codec.DeltaKVEncoded] = field(default_factory=dict)  # each sparse layer's stored codec
+    stores: dict[int, CodecStore] = field(default_factory=dict)  # the buffers behind ``enc``
+    hist_end_t: torch.Tensor | None = None  # hist_end on the device (a captured step reads it)
+
+    def graph_state(self) -> tuple:
+        """What a captured decode step bakes in: whether the layers are compressed and the
+        generation of every buffer it reads."""
+        return self.compressed, tuple(st.generation for st in self.stores.values())
 
 
 # --------------------------------------------------------------------------- runtime
@@ -156,8 +164,25 @@ class DeltaKV(SparseMethodRuntime):
         hist = n - cfg.sink_tokens - cfg.recent_tokens
         gen = torch.Generator(device=self.device).manual_seed(cfg.seed + seq.seq_id)
         for layer in self.sparse:
-            st.enc[layer] = self._random_encoding(hist, gen)
-        st.hist_end, st.compressed = n - cfg.recent_tokens, True
+            store = st.stores[layer] = self._new_store(seq)
+            store.write(self._random_encoding(hist, gen))
+            st.enc[layer] = store.view()
+        self._set_hist_end(st, n - cfg.recent_tokens)
+
+    def _new_store(self, seq) -> CodecStore:
+        """Buffers for the longest history the request can reach."""
+        cfg = self.config
+        tokens = seq.num_prompt_tokens + seq.sampling_params.max_tokens
+        dim = 2 * self.model.num_kv_heads * self.model.head_dim
+        return CodecStore(tokens - cfg.sink_tokens - cfg.recent_tokens, self.stride, self.bits, self.neighbors, dim,
+                          self.latent_dim, self.cache.kv.k.dtype, self.device)
+
+    def _set_hist_end(self, st: _SeqState, end: int) -> None:
+        st.hist_end, st.compressed = end, True
+        if st.hist_end_t is None:
+            st.hist_end_t = torch.tensor(end, dtype=torch.long, device=self.device)
+        else:
+            st.hist_end_t.fill_(end)
 
     def _random_encoding(self, n: int, gen: torch.Generator) -> codec.DeltaKVEncoded:
         dev, r = self.device, self.latent_dim
@@ -166,7 +191,7 @@ class DeltaKV(SparseMethodRuntime):
         pos = torch.arange(n, device=dev)
         pos = pos[pos % self.stride != 0]
         near = pos[:, None] // self.stride - torch.arange(self.neighbors, device=dev)[None, :]  # by position
-        idx = near.clamp(min=-1).to(torch.int16 if c <= torch.iinfo(torch.int16).max else torch.int32)
+        idx = near.clamp(min=-1).to(codec.index_dtype(c))
         m = pos.numel()
         centers = torch.randn(c, dim, generator=gen, device=dev).to(self.cache.kv.k.dtype)
         if self.bits == 4:
@@ -207,6 +232,17 @@ class DeltaKV(SparseMethodRuntime):
         super().begin_step(ctx)
         self._chosen = self._picked = None
 
+    def begin_step_graph(self, seqs) -> None:
+        super().begin_step_graph(seqs)
+        self._chosen = self._picked = None
+
+    def graph_key(self, seqs):
+        """A pure-decode step bakes in, per request, whether its layers are compressed and
+        which codec buffers they read (everything else it reads is a device tensor that
+        the flushes update in place): a graph captured for these requests replays until
+        one of them changes that."""
+        return tuple((s.seq_id, *self._state(s).graph_state()) for s in seqs)
+
     def select(self, layer, q, ctx):
         if layer < self.filters[0] or not self.decoding:
             return None
@@ -245,7 +281,8 @@ class DeltaKV(SparseMethodRuntime):
         ``sink + budget + recent``, the counts from the full layer's pick."""
         tokens, counts = self._picked
         table = ctx.views[layer].page_table
-        rows = [self._map_tokens(seq, layer, tokens[b], counts[b], table[b], ctx) for b, seq in enumerate(ctx.seqs)]
+        rows = [tokens[b] if seq is None else self._map_tokens(seq, layer, tokens[b], counts[b], table[b], ctx)
+                for b, seq in enumerate(ctx.seqs)]  # None: a captured graph's padding row
         B, width, hkv = tokens.shape[0], tokens.shape[1], self.model.num_kv_heads
         return Selection(torch.stack(rows)[:, None, :].expand(B, hkv, width),
                          counts[:, None].expand(B, hkv).contiguous(), dense=(False,) * B)
@@ -262,12 +299,13 @@ class DeltaKV(SparseMethodRuntime):
         sink, budget = self.config.sink_tokens, self.config.budget
         k_cache, v_cache = ctx.kv_cache.layer(layer)
         page_size = k_cache.shape[1]
+        hist_end = st.hist_end_t  # on the device: the flushes between replays move it
         counted = torch.arange(tokens.shape[0], device=tokens.device) < count
-        raw = tokens >= st.hist_end
+        raw = tokens >= hist_end
         hist = counted & (tokens >= sink) & ~raw
         scratch = sink + torch.cumsum(hist, 0) - 1
-        idx = torch.where(raw, sink + budget + tokens - st.hist_end, torch.where(hist, scratch, tokens))
-        k, v = self.rebuild(seq, layer, tokens.clamp(sink, st.hist_end - 1), checked=False)
+        idx = torch.where(raw, sink + budget + tokens - hist_end, torch.where(hist, scratch, tokens))
+        k, v = self.rebuild(seq, layer, torch.minimum(tokens.clamp(min=sink), hist_end - 1), checked=False)
         at = scratch.clamp(min=0)
         slots = torch.where(hist, table_row[at // page_size].long() * page_size + at % page_size, -1)
         ctx.provider.write_kv(k_cache, v_cache, k, v, slots)
@@ -311,9 +349,11 @@ class DeltaKV(SparseMethodRuntime):
         """K (rotated at each token's position) and V ``[m, Hkv, d]`` float32 of history
         tokens ``tokens`` (positions in ``[sink, hist_end)``; ``checked=False``: the caller
         keeps them there, and nothing waits on the device) from the layer's codec."""
-        enc = self._state(seq).enc[layer]
-        decode = codec.decode if checked else codec.decode_at
-        kv = decode(enc, self.up[layer], tokens.long() - self.config.sink_tokens)
+        st = self._state(seq)
+        if checked:
+            kv = codec.decode(st.enc[layer], self.up[layer], tokens.long() - self.config.sink_tokens)
+        else:  # the whole buffers: a captured step's gathers never see their shapes change
+            kv = codec.decode_at(st.stores[layer].full(), self.up[layer], tokens.long() - self.config.sink_tokens)
         k, v = codec.split_kv(kv, self.model.num_kv_heads, self.model.head_dim)
         return codec.rotate_keys(k, tokens, self.inv_freq), v
 
@@ -341,14 +381,18 @@ class DeltaKV(SparseMethodRuntime):
                 raise RuntimeError(f"deltakv: layer {layer} holds {held} tokens, expected {want}")
             k, v = self.cache.gather(seq, layer, base + count, start=base)
             kv = codec.concat_kv(codec.unrotate_keys(k, positions, self.inv_freq).to(k.dtype), v)
-            enc = st.enc.get(layer)
-            st.enc[layer] = (codec.encode(kv, self.down[layer], center_ratio=self.ratio, neighbors=self.neighbors,
-                                          latent_bits=self.bits)
-                             if enc is None else codec.extend(enc, kv, self.down[layer]))
+            store = st.stores.get(layer)
+            if store is None:
+                store = st.stores[layer] = self._new_store(seq)
+                store.write(codec.encode(kv, self.down[layer], center_ratio=self.ratio, neighbors=self.neighbors,
+                                         latent_bits=self.bits))
+            else:
+                store.append(kv, self.down[layer])
+            st.enc[layer] = store.view()
             keep = torch.cat([torch.arange(sink + budget, device=self.device),
                               torch.arange(base + count, held, device=self.device)])
             self.cache.compact(seq, layer, keep.expand(self.model.num_kv_heads, -1))
-        st.hist_end, st.compressed = end, True
+        self._set_hist_end(st, end)
         self.cache.trim_pages(seq)
 
     # ---- accounting -----------------------------------------------------------------------

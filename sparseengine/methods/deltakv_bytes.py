@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparseengine.methods.deltakv_codec import (QUANT_GROUP, _index_dtype, _latent_bits_arg, center_stride,
+from sparseengine.methods.deltakv_codec import (QUANT_GROUP, index_dtype, _latent_bits_arg, center_stride,
                                                 num_centers)
 from sparseengine.methods.selection import _int_arg
 
@@ -61,7 +61,7 @@ def stored_bytes_per_token(n: int, num_kv_heads: int, head_dim: int, latent_dim:
         per_latent = r // 2 + (r // QUANT_GROUP) * 2 * 2  # codes + f16 scale + f16 min
     else:
         per_latent = 2 * r
-    idx_bytes = torch.tensor([], dtype=_index_dtype(c)).element_size()
+    idx_bytes = torch.tensor([], dtype=index_dtype(c)).element_size()
     return ByteAccount(
         n=n, centers=c, center_bytes=c * dim * kv_bytes, latent_bytes=(n - c) * per_latent,
         index_bytes=(n - c) * k * idx_bytes, dense_bytes=n * dim * kv_bytes,

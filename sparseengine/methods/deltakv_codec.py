@@ -78,7 +78,7 @@ def num_centers(n: int, stride: int) -> int:
     return -(-n // stride)
 
 
-def _index_dtype(centers: int) -> torch.dtype:
+def index_dtype(centers: int) -> torch.dtype:
     return torch.int16 if centers <= torch.iinfo(torch.int16).max else torch.int32
 
 
@@ -254,7 +254,10 @@ def _store_latents(z: torch.Tensor, bits: int):
     return lat, empty, empty
 
 
-def _encode_tail(centers_old, n_old, kv_new, down, stride, neighbors, bits):
+def encode_tail(centers_old, n_old, kv_new, down, stride, neighbors, bits):
+    """Encode tokens at positions ``n_old ...`` after a history with centers
+    ``centers_old``: ``(centers`` old and new, and the new others' ``neighbors, latents,
+    scales, zeros)``."""
     pos = torch.arange(n_old, n_old + kv_new.shape[0], device=kv_new.device)
     is_center = pos % stride == 0
     centers = torch.cat([centers_old, kv_new[is_center].to(centers_old.dtype)])
@@ -262,7 +265,7 @@ def _encode_tail(centers_old, n_old, kv_new, down, stride, neighbors, bits):
     idx = _assign(centers, stride, kv_new[others], pos[others], neighbors)
     res = kv_new[others].float() - _neighbor_mean(centers, idx)
     lat, scales, zeros = _store_latents(res @ down.float(), bits)
-    return centers, idx.to(_index_dtype(centers.shape[0])), lat, scales, zeros
+    return centers, idx.to(index_dtype(centers.shape[0])), lat, scales, zeros
 
 
 def _check_down(down: torch.Tensor, dim: int) -> torch.Tensor:
@@ -280,7 +283,7 @@ def encode(kv: torch.Tensor, down: torch.Tensor, *, center_ratio: float, neighbo
     stride = center_stride(center_ratio)
     k = _int_arg("deltakv_neighbors", neighbors, minimum=1)
     bits = _latent_bits_arg(latent_bits)
-    parts = _encode_tail(kv[:0], 0, kv, down, stride, k, bits)
+    parts = encode_tail(kv[:0], 0, kv, down, stride, k, bits)
     return DeltaKVEncoded(kv.shape[0], stride, bits, *parts)
 
 
@@ -290,10 +293,10 @@ def extend(enc: DeltaKVEncoded, kv_new: torch.Tensor, down: torch.Tensor) -> Del
     _check_down(down, enc.centers.shape[1])
     if kv_new.shape[1] != enc.centers.shape[1]:
         raise ValueError(f"kv_new must be [m, {enc.centers.shape[1]}], got {tuple(kv_new.shape)}")
-    centers, idx, lat, scales, zeros = _encode_tail(
+    centers, idx, lat, scales, zeros = encode_tail(
         enc.centers, enc.n, kv_new, down, enc.stride, enc.neighbors.shape[1], enc.latent_bits
     )
-    idx_dtype = _index_dtype(centers.shape[0])
+    idx_dtype = index_dtype(centers.shape[0])
     return DeltaKVEncoded(
         enc.n + kv_new.shape[0], enc.stride, enc.latent_bits, centers,
         torch.cat([enc.neighbors.to(idx_dtype), idx]),

@@ -97,6 +97,27 @@ def test_calibration_writes_a_checkpoint_the_codec_reloads(ckpt64, ckpt32, folde
 # ------------------------------------------------------------------------------ exactness
 
 
+def test_graph_key_follows_what_a_captured_step_bakes_in(folder, ckpt32):
+    """A request's graph key changes when its layers are first compressed and when its
+    codec buffers move, not at the flushes that append within their capacity."""
+    llm = _llm(folder, deltakv_latent_dim=32, deltakv_checkpoint_path=str(ckpt32.path))
+    rt, keys = llm.method, []
+    finish = rt.finish_step
+
+    def spy(batch):
+        finish(batch)
+        seq = batch.seqs[0]
+        keys.append((seq.num_computed_tokens, rt.graph_key([seq])[0][1:]))
+
+    rt.finish_step = spy
+    llm.generate([_ids(30, 4)], _greedy(100))  # 30 tokens: within the total (44) until decoding passes it
+    first = next(i for i, (_, k) in enumerate(keys) if k[0])  # compressed from here on
+    assert keys[first - 1][1] == (False, ())
+    assert keys[first][0] > SINK + BUDGET + RECENT and len(keys[first][1][1]) == len(SPARSE)
+    assert {k for _, k in keys[first:]} == {keys[first][1]}  # later flushes append in place
+    assert sum(1 for a, b in zip(keys, keys[1:]) if a[1] != b[1]) == 1
+
+
 def test_pure_decode_path_equals_the_per_request_path(folder, ckpt32, monkeypatch):
     """Pure-decode steps choose from the full layer's max logits and map every request's
     choice on device (no host sync); mixed steps go request by request. With lossy int4

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-CAPTURED = ["vanilla", "snapkv", "pyramidkv", "quest", "omnikv", "streamingllm", "h2o"]
+CAPTURED = ["vanilla", "snapkv", "pyramidkv", "quest", "omnikv", "streamingllm", "h2o", "deltakv"]
 
 
 def eager_and_graph(folder, method, knobs, prompts, params):
@@ -38,7 +38,7 @@ def test_graph_replay_tokens_equal_eager(method, tiny_llama, tiny_method_knobs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["vanilla", "streamingllm", "quest", "h2o"])
+@pytest.mark.parametrize("method", ["vanilla", "streamingllm", "quest", "h2o", "deltakv"])
 def test_graph_rows_follow_requests_that_finish(method, tiny_llama, tiny_method_knobs):
     """Requests of different lengths; two finish early, so the graph's rows then hold other
     requests (batch 4, then 2: bucket sizes, no padding). The page-table rows a replay reads
@@ -50,6 +50,27 @@ def test_graph_rows_follow_requests_that_finish(method, tiny_llama, tiny_method_
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (12, 45, 12, 45)]
     out = eager_and_graph(tiny_llama[0], method, tiny_method_knobs, prompts, params)
     assert out[True][1] == 0 and out[False][1] >= 40, out
+    assert out[False][0] == out[True][0]
+
+
+@pytest.mark.gpu
+def test_deltakv_graph_replays_across_history_flushes(tiny_llama, tiny_method_knobs, monkeypatch):
+    """DeltaKV's graphs are keyed by its requests' state: one capture for the batch, then
+    replays while the flushes (every 64 decode steps) append to the codec buffers and move
+    the history's end on the device. Tokens equal the eager run's."""
+    from sparseengine import SamplingParams
+    from sparseengine.engine import cuda_graphs
+
+    captures = []
+    capture = cuda_graphs.DecodeGraphs._capture
+    monkeypatch.setattr(cuda_graphs.DecodeGraphs, "_capture",
+                        lambda self, size, seqs=None: (captures.append(size), capture(self, size, seqs))[1])
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (160, 140)]
+    params = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)  # two flushes each
+    out = eager_and_graph(tiny_llama[0], "deltakv", tiny_method_knobs, prompts, params)
+    assert out[True][1] == 0 and out[False][1] >= 140, out
+    assert captures == [2], captures  # flushes within the buffers' capacity keep the graph
     assert out[False][0] == out[True][0]
 
 

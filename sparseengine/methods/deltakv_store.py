@@ -1,0 +1,87 @@
+"""One request's compressed history of one DeltaKV layer, in buffers that keep their
+addresses.
+
+The codec (`deltakv_codec`) returns new tensors each time a history grows. The engine
+instead keeps each request's codec in buffers sized for the longest history the request
+can reach (prompt + max_tokens - sink - recent): appending encodes the new tokens and
+writes them in place, so a CUDA graph captured once can keep reading the buffers while
+the history grows. A history past the capacity reallocates (doubling) and bumps
+`generation`, which tells a graph that read the old buffers to be captured again.
+
+`view()` is the stored codec (`DeltaKVEncoded` over the used rows: what byte accounting
+and checked decoding read); `full()` is the same over the whole buffers, for
+`deltakv_codec.decode_at` in a captured step (its gathers then never see a shape change;
+rows past the used ones are never named by a valid position).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sparseengine.methods import deltakv_codec as codec
+
+
+class CodecStore:
+    def __init__(self, capacity: int, stride: int, bits: int, neighbors: int, dim: int, latent_dim: int,
+                 dtype: torch.dtype, device) -> None:
+        self.stride, self.bits, self.neighbors = stride, bits, neighbors
+        self.dim, self.latent_dim, self.dtype, self.device = dim, latent_dim, dtype, device
+        self.n = self.c = self.m = 0  # tokens, centers, other tokens stored
+        self.generation = 0
+        self._allocate(max(1, capacity))
+
+    def _allocate(self, capacity: int) -> None:
+        cap_c = codec.num_centers(capacity, self.stride)
+        cap_m = capacity - cap_c
+        r, dev = self.latent_dim, self.device
+        old = (self.centers, self.neighbors_buf, self.latents, self.scales, self.zeros) if self.n else None
+        self.capacity = capacity
+        self.centers = torch.zeros(cap_c, self.dim, dtype=self.dtype, device=dev)
+        self.neighbors_buf = torch.full((cap_m, self.neighbors), -1, dtype=codec.index_dtype(cap_c), device=dev)
+        if self.bits == 4:
+            groups = r // codec.QUANT_GROUP
+            self.latents = torch.zeros(cap_m, r // 2, dtype=torch.uint8, device=dev)
+            self.scales = torch.zeros(cap_m, groups, dtype=torch.float16, device=dev)
+            self.zeros = torch.zeros(cap_m, groups, dtype=torch.float16, device=dev)
+        else:
+            self.latents = torch.zeros(cap_m, r, dtype=torch.float16, device=dev)
+            self.scales = self.zeros = torch.zeros(cap_m, 0, dtype=torch.float16, device=dev)
+        if old is not None:
+            self._put(0, 0, *(t[: (self.c if i == 0 else self.m)] for i, t in enumerate(old)))
+            self.generation += 1
+
+    def _put(self, c0: int, m0: int, centers, neighbors, latents, scales, zeros) -> None:
+        self.centers[c0:c0 + centers.shape[0]] = centers
+        m1 = m0 + neighbors.shape[0]
+        self.neighbors_buf[m0:m1] = neighbors.to(self.neighbors_buf.dtype)
+        self.latents[m0:m1], self.scales[m0:m1], self.zeros[m0:m1] = latents, scales, zeros
+
+    def write(self, enc: codec.DeltaKVEncoded) -> None:
+        """Store an encoded history (empty store): the first compression, or a
+        synthesised one."""
+        if self.n:
+            raise RuntimeError("CodecStore.write: the store already holds a history; append to it")
+        if enc.n > self.capacity:
+            self._allocate(max(enc.n, 2 * self.capacity))
+        self._put(0, 0, enc.centers, enc.neighbors, enc.latents, enc.scales, enc.zeros)
+        self.n, self.c, self.m = enc.n, enc.centers.shape[0], enc.neighbors.shape[0]
+
+    def append(self, kv_new: torch.Tensor, down: torch.Tensor) -> None:
+        """Encode tokens at history positions ``n ...`` (as ``deltakv_codec.extend``) into the
+        buffers."""
+        if self.n + kv_new.shape[0] > self.capacity:
+            self._allocate(max(self.n + kv_new.shape[0], 2 * self.capacity))
+        centers, idx, lat, scales, zeros = codec.encode_tail(
+            self.centers[: self.c], self.n, kv_new, down, self.stride, self.neighbors, self.bits)
+        self._put(self.c, self.m, centers[self.c:], idx, lat, scales, zeros)
+        self.n += kv_new.shape[0]
+        self.c, self.m = centers.shape[0], self.m + idx.shape[0]
+
+    def view(self) -> codec.DeltaKVEncoded:
+        return codec.DeltaKVEncoded(self.n, self.stride, self.bits, self.centers[: self.c],
+                                    self.neighbors_buf[: self.m], self.latents[: self.m], self.scales[: self.m],
+                                    self.zeros[: self.m])
+
+    def full(self) -> codec.DeltaKVEncoded:
+        return codec.DeltaKVEncoded(self.n, self.stride, self.bits, self.centers, self.neighbors_buf, self.latents,
+                                    self.scales, self.zeros)
