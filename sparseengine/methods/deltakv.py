@@ -28,7 +28,8 @@ sink and raw-tail tokens are read in place, history tokens are rebuilt
 written into the scratch slots through the provider's ``write_kv``, and the Selection
 covers sink + scratch + raw tail picks. The raw tail grows by one token per step; when it
 holds ``FLUSH_TOKENS`` more than ``recent_tokens``, its oldest tokens are appended to the
-history (``codec.extend``) and the layer is compacted back to ``S + B + R`` slots.
+history (appended in place to the layer's ``deltakv_store.CodecStore``) and the layer is
+compacted back to ``S + B + R`` slots.
 Raw tail tokens older than the last ``recent_tokens`` that the full layers choose are read
 exact (never worse than rebuilding them).
 
@@ -36,8 +37,10 @@ Memory. The engine keeps one page table per request, as long as its longest laye
 full layers hold every token, so no page goes back to the pool (``frees_memory=False``,
 ``kv_tokens_needed`` = prompt + output). :meth:`DeltaKV.stored_bytes` reports what the
 request really keeps (full layers + raw sink/scratch/tail of sparse layers + centers +
-latents + neighbour indices) against dense, from the tensors held, and the pool bytes its
-page table pins.
+latents + neighbour indices) against dense, from the codec's used rows, and the pool bytes
+its page table pins (codec buffers are sized for prompt + max_tokens: a request that
+stops early holds more than it used). CUDA graphs: pure-decode steps are captured per
+batch of requests (``graph_key``); the flushes between replays need no recapture.
 
 With ``budget`` covering the prompt (and the outputs) nothing is ever compressed: the
 method is exactly dense.
@@ -51,8 +54,6 @@ components are ordered, so the first r columns are the best rank-r pair).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from sparseengine.config import ConfigError
@@ -63,7 +64,7 @@ from sparseengine.methods import deltakv_codec as codec
 from sparseengine.methods.base import SparseMethodRuntime
 from sparseengine.methods.deltakv_bytes import DeltaKVBytes
 from sparseengine.methods.deltakv_fit import load_down_up
-from sparseengine.methods.deltakv_store import CodecStore
+from sparseengine.methods.deltakv_store import CodecStore, RequestState
 from sparseengine.methods import omnikv
 from sparseengine.methods.omnikv import FILTER_LAYERS, choose_tokens, filter_layers_for, pick_tokens
 
@@ -89,20 +90,6 @@ def layer_roles(model, given: str) -> tuple[list[int], list[int], list[int]]:
 
 
 # ----------------------------------------------------------------------------- state
-
-
-@dataclass
-class _SeqState:
-    hist_end: int  # first token of the raw tail; tokens [sink, hist_end) are compressed
-    compressed: bool = False  # scratch slots exist in the sparse layers
-    enc: dict[int, codec.DeltaKVEncoded] = field(default_factory=dict)  # each sparse layer's stored codec
-    stores: dict[int, CodecStore] = field(default_factory=dict)  # the buffers behind ``enc``
-    hist_end_t: torch.Tensor | None = None  # hist_end on the device (a captured step reads it)
-
-    def graph_state(self) -> tuple:
-        """What a captured decode step bakes in: whether the layers are compressed and the
-        generation of every buffer it reads."""
-        return self.compressed, tuple(st.generation for st in self.stores.values())
 
 
 # --------------------------------------------------------------------------- runtime
@@ -165,7 +152,7 @@ class DeltaKV(SparseMethodRuntime):
         gen = torch.Generator(device=self.device).manual_seed(cfg.seed + seq.seq_id)
         for layer in self.sparse:
             store = st.stores[layer] = self._new_store(seq)
-            store.write(self._random_encoding(hist, gen))
+            store.write_random(hist, gen)
             st.enc[layer] = store.view()
         self._set_hist_end(st, n - cfg.recent_tokens)
 
@@ -177,32 +164,13 @@ class DeltaKV(SparseMethodRuntime):
         return CodecStore(tokens - cfg.sink_tokens - cfg.recent_tokens, self.stride, self.bits, self.neighbors, dim,
                           self.latent_dim, self.cache.kv.k.dtype, self.device)
 
-    def _set_hist_end(self, st: _SeqState, end: int) -> None:
+    @torch.inference_mode()  # made under the runner's inference mode (a synthesised prefill) or not
+    def _set_hist_end(self, st: RequestState, end: int) -> None:
         st.hist_end, st.compressed = end, True
         if st.hist_end_t is None:
             st.hist_end_t = torch.tensor(end, dtype=torch.long, device=self.device)
         else:
             st.hist_end_t.fill_(end)
-
-    def _random_encoding(self, n: int, gen: torch.Generator) -> codec.DeltaKVEncoded:
-        dev, r = self.device, self.latent_dim
-        dim = 2 * self.model.num_kv_heads * self.model.head_dim
-        c = codec.num_centers(n, self.stride)
-        pos = torch.arange(n, device=dev)
-        pos = pos[pos % self.stride != 0]
-        near = pos[:, None] // self.stride - torch.arange(self.neighbors, device=dev)[None, :]  # by position
-        idx = near.clamp(min=-1).to(codec.index_dtype(c))
-        m = pos.numel()
-        centers = torch.randn(c, dim, generator=gen, device=dev).to(self.cache.kv.k.dtype)
-        if self.bits == 4:
-            lat = torch.randint(0, 256, (m, r // 2), generator=gen, device=dev, dtype=torch.uint8)
-            groups = r // codec.QUANT_GROUP
-            scales = (torch.rand(m, groups, generator=gen, device=dev) * 0.02).half()
-            zeros = (-7.5 * scales.float()).half()
-        else:
-            lat = (0.1 * torch.randn(m, r, generator=gen, device=dev)).half()
-            scales = zeros = torch.zeros(m, 0, dtype=torch.float16, device=dev)
-        return codec.DeltaKVEncoded(n, self.stride, self.bits, centers, idx, lat, scales, zeros)
 
     def tokens_read(self, seq) -> list[int]:
         return [n if layer not in self.sparse_set else min(n, self.total) for layer, n in enumerate(seq.layer_lens)]
@@ -315,10 +283,10 @@ class DeltaKV(SparseMethodRuntime):
         """OmniKV's choice at a full layer: token positions (== its cache indices)."""
         return choose_tokens(self, layer, q, ctx, "logits")
 
-    def _state(self, seq) -> _SeqState:
+    def _state(self, seq) -> RequestState:
         st = self.cache.state(seq)
         if STATE_KEY not in st:
-            st[STATE_KEY] = _SeqState(hist_end=self.config.sink_tokens)
+            st[STATE_KEY] = RequestState(hist_end=self.config.sink_tokens)
         return st[STATE_KEY]
 
     def _layer_indices(self, seq, layer: int, tokens: torch.Tensor, ctx) -> torch.Tensor:

@@ -12,9 +12,13 @@ the history grows. A history past the capacity reallocates (doubling) and bumps
 and checked decoding read); `full()` is the same over the whole buffers, for
 `deltakv_codec.decode_at` in a captured step (its gathers then never see a shape change;
 rows past the used ones are never named by a valid position).
+
+`RequestState`: a request's DeltaKV state, one store per sparse layer.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +34,9 @@ class CodecStore:
         self.generation = 0
         self._allocate(max(1, capacity))
 
+    # Writes run in inference mode: a store made inside it (a synthesised prefill, under
+    # the runner's inference mode) holds inference tensors, which only it may update.
+    @torch.inference_mode()
     def _allocate(self, capacity: int) -> None:
         cap_c = codec.num_centers(capacity, self.stride)
         cap_m = capacity - cap_c
@@ -56,6 +63,7 @@ class CodecStore:
         self.neighbors_buf[m0:m1] = neighbors.to(self.neighbors_buf.dtype)
         self.latents[m0:m1], self.scales[m0:m1], self.zeros[m0:m1] = latents, scales, zeros
 
+    @torch.inference_mode()
     def write(self, enc: codec.DeltaKVEncoded) -> None:
         """Store an encoded history (empty store): the first compression, or a
         synthesised one."""
@@ -66,6 +74,7 @@ class CodecStore:
         self._put(0, 0, enc.centers, enc.neighbors, enc.latents, enc.scales, enc.zeros)
         self.n, self.c, self.m = enc.n, enc.centers.shape[0], enc.neighbors.shape[0]
 
+    @torch.inference_mode()
     def append(self, kv_new: torch.Tensor, down: torch.Tensor) -> None:
         """Encode tokens at history positions ``n ...`` (as ``deltakv_codec.extend``) into the
         buffers."""
@@ -77,6 +86,27 @@ class CodecStore:
         self.n += kv_new.shape[0]
         self.c, self.m = centers.shape[0], self.m + idx.shape[0]
 
+    def write_random(self, n: int, gen: torch.Generator) -> None:
+        """Store a random history of ``n`` tokens with the shapes and sizes an encoding of
+        n tokens has (a synthesised prefill: decode benchmarks); each token's neighbours are
+        its nearest earlier centers by position."""
+        dev, r, stride = self.device, self.latent_dim, self.stride
+        c = codec.num_centers(n, stride)
+        pos = torch.arange(n, device=dev)
+        pos = pos[pos % stride != 0]
+        near = pos[:, None] // stride - torch.arange(self.neighbors, device=dev)[None, :]
+        idx = near.clamp(min=-1).to(codec.index_dtype(c))
+        m = pos.numel()
+        centers = torch.randn(c, self.dim, generator=gen, device=dev).to(self.dtype)
+        if self.bits == 4:
+            lat = torch.randint(0, 256, (m, r // 2), generator=gen, device=dev, dtype=torch.uint8)
+            scales = (torch.rand(m, r // codec.QUANT_GROUP, generator=gen, device=dev) * 0.02).half()
+            zeros = (-7.5 * scales.float()).half()
+        else:
+            lat = (0.1 * torch.randn(m, r, generator=gen, device=dev)).half()
+            scales = zeros = torch.zeros(m, 0, dtype=torch.float16, device=dev)
+        self.write(codec.DeltaKVEncoded(n, stride, self.bits, centers, idx, lat, scales, zeros))
+
     def view(self) -> codec.DeltaKVEncoded:
         return codec.DeltaKVEncoded(self.n, self.stride, self.bits, self.centers[: self.c],
                                     self.neighbors_buf[: self.m], self.latents[: self.m], self.scales[: self.m],
@@ -85,3 +115,19 @@ class CodecStore:
     def full(self) -> codec.DeltaKVEncoded:
         return codec.DeltaKVEncoded(self.n, self.stride, self.bits, self.centers, self.neighbors_buf, self.latents,
                                     self.scales, self.zeros)
+
+
+@dataclass
+class RequestState:
+    """A request's DeltaKV state."""
+
+    hist_end: int  # first token of the raw tail; tokens [sink, hist_end) are compressed
+    compressed: bool = False  # scratch slots exist in the sparse layers
+    enc: dict[int, codec.DeltaKVEncoded] = field(default_factory=dict)  # each sparse layer's stored codec
+    stores: dict[int, CodecStore] = field(default_factory=dict)  # the buffers behind ``enc``
+    hist_end_t: torch.Tensor | None = None  # hist_end on the device (a captured step reads it)
+
+    def graph_state(self) -> tuple:
+        """What a captured decode step bakes in: whether the layers are compressed and the
+        generation of every buffer it reads."""
+        return self.compressed, tuple(st.generation for st in self.stores.values())

@@ -97,6 +97,24 @@ def test_calibration_writes_a_checkpoint_the_codec_reloads(ckpt64, ckpt32, folde
 # ------------------------------------------------------------------------------ exactness
 
 
+def test_a_synthesised_history_keeps_growing(folder, ckpt32):
+    """A synthesised prefill builds the codec under the runner's inference mode; the
+    flushes after it (outside that mode) still append to it."""
+    llm = _llm(folder, deltakv_latent_dim=32, deltakv_checkpoint_path=str(ckpt32.path))
+    rt, sizes = llm.method, []
+    finish = rt.finish_step
+
+    def spy(batch):
+        finish(batch)
+        sizes.append(rt.cache.state(batch.seqs[0])["deltakv"].stores[SPARSE[0]].n)
+
+    rt.finish_step = spy
+    outs = llm.generate([PROMPT], _greedy(70), prefill="synthesized")
+    assert len(outs[0].token_ids) == 70
+    hist = len(PROMPT) - SINK - RECENT
+    assert sizes[0] == hist and sizes[-1] == hist + 64  # one flush of 64 decoded tokens
+
+
 def test_graph_key_follows_what_a_captured_step_bakes_in(folder, ckpt32):
     """A request's graph key changes when its layers are first compressed and when its
     codec buffers move, not at the flushes that append within their capacity."""
