@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU runs, one device call per phase; every output lands in $OUT (or ./gpu_out).
 #   bash scripts/gpu_session.sh check        # GPU tests, kernels (+FlashInfer side by side), TTFT, profiles
-#   bash scripts/gpu_session.sh profiles     # GPU tests (no FlashInfer), per-kernel decode profiles (vanilla b1, quest b6, snapkv b183, h2o b128)
+#   bash scripts/gpu_session.sh profiles     # GPU tests (no FlashInfer), per-kernel decode profiles (vanilla b1, quest b6, omnikv b6, snapkv b183, h2o b128)
 #   bash scripts/gpu_session.sh throughput [hydra overrides]   # python run.py -m experiment=decode_throughput_128k
 #   bash scripts/gpu_session.sh accuracy [hydra overrides]     # python run.py -m experiment=accuracy_smollm2 on the GPU
 # Wheels the device lacks travel in .whl/<set>/ (see results/README.md); the embedded GGUF
@@ -52,7 +52,7 @@ profiles)
   timeout 200 python -m pytest tests/kernels tests/methods tests/attention -q -m gpu -k "not flashinfer" \
     -p no:cacheprovider -rs 2>&1 | tail -12 | tee "$OUT/gpu_tests.log"
   timeout 90 python -m sparseengine.kernels.bench_gpu --splits --out "$OUT/decode_splits.jsonl" 2>&1 | tail -20
-  for spec in "vanilla 1" "quest 6" "snapkv 183" "h2o 128"; do
+  for spec in "vanilla 1" "quest 6" "omnikv 6" "snapkv 183" "h2o 128"; do
     set -- $spec
     timeout 120 python scripts/profile_decode_step.py --method $1 --batch $2 --steps 8 --commit "$COMMIT" \
       --out "$OUT/profile_$1_b$2.json" 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -8
