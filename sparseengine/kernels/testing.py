@@ -94,15 +94,16 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float = 1e-4
     assert err < tol, f"{what}: relative error {err:.3e} >= {tol:.0e}"
 
 
-def compile_for_gpu(kernel, helpers: dict, types: dict, constexprs: dict, *, num_warps: int = 4,
-                    arch: int = 90):
+def compile_for_gpu(kernel, helpers, types: dict, constexprs: dict, *, num_warps: int = 4, arch: int = 90,
+                    options: dict | None = None):
     """Compile a lazy Triton kernel for CUDA sm_`arch` without a GPU (front end, LLVM and
-    the bundled ptxas), even under TRITON_INTERPRET=1: the interpreter runs code that the
-    compiler may reject (a loop-carried variable changing shape, say). `helpers`: the
-    kernel module's global names of the plain functions it calls (jitted for the compile,
-    restored after). `types`: Triton type strings of the runtime arguments ("*fp32",
-    "i32", ...); every other argument is a constexpr from `constexprs`. Returns the
-    compiled kernel."""
+    the bundled ptxas), in a process where TRITON_INTERPRET is not set (Triton's own
+    library functions are interpreter objects once it is imported under it): the
+    interpreter runs code that the compiler may reject (a loop-carried variable changing
+    shape, say). `helpers`: the kernel module's global names of the plain functions it
+    calls (jitted for the compile, restored after); None: found from the kernel's code.
+    `types`: Triton type strings of the runtime arguments ("*fp32", "i32", ...); every
+    other argument is a constexpr from `constexprs`. Returns the compiled kernel."""
     import triton
     import triton.language
     from triton.backends.compiler import GPUTarget
@@ -111,9 +112,15 @@ def compile_for_gpu(kernel, helpers: dict, types: dict, constexprs: dict, *, num
 
     fn = kernel.fn
     module = fn.__globals__
-    saved = {name: module.get(name) for name in (*helpers, "tl")}
+    helpers = _helpers(fn) if helpers is None else helpers
+    saved = {name: module.get(name) for name in (*helpers, "tl", "libdevice")}
     try:
         module["tl"] = triton.language
+        if "libdevice" in fn.__code__.co_names or any("libdevice" in getattr(module[h], "__code__", fn.__code__)
+                                                       .co_names for h in helpers):
+            from triton.language.extra.cuda import libdevice
+
+            module["libdevice"] = libdevice
         for name in helpers:
             module[name] = JITFunction(getattr(module[name], "fn", module[name]))
         jitted = JITFunction(fn)
@@ -123,7 +130,90 @@ def compile_for_gpu(kernel, helpers: dict, types: dict, constexprs: dict, *, num
             raise ValueError(f"not arguments of {fn.__name__}: {sorted(unknown)}")
         source = ASTSource(fn=jitted, signature=signature,
                            constexprs={name: value for name, value in constexprs.items()})
-        return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+        return triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": num_warps, **(options or {})})
     finally:
         for name, value in saved.items():
-            module[name] = value
+            if value is None:
+                module.pop(name, None)
+            else:
+                module[name] = value
+
+
+def _helpers(fn) -> list[str]:
+    """Module-level plain functions a kernel calls, and those they call."""
+    import inspect
+
+    module, found, todo = fn.__globals__, [], [fn]
+    while todo:
+        code = getattr(todo.pop(), "__code__", None)
+        for name in code.co_names if code is not None else ():
+            value = module.get(name)
+            value = getattr(value, "fn", value)  # an already-jitted helper
+            if inspect.isfunction(value) and value.__module__ == fn.__module__ and name not in found:
+                found.append(name)
+                todo.append(value)
+    return found
+
+
+_TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
+                 torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
+                 torch.bool: "i1"}
+
+
+class record_launches:
+    """Within it, every lazy Triton kernel launch (still run, interpreted) is also recorded
+    as ``{"module", "kernel", "types", "constexprs", "options"}`` (JSON-ready, duplicates
+    once) in ``.launches``: what `compile_for_gpu` needs to build the same launch for a
+    GPU. ``INTERPRET`` constexprs are recorded False (the compiled path)."""
+
+    def __init__(self) -> None:
+        self.launches: list[dict] = []
+
+    def __enter__(self) -> "record_launches":
+        import inspect
+
+        from . import _common
+
+        self._orig = orig = _common.LazyKernel.__getitem__
+        seen = self.launches
+
+        def getitem(kernel, grid):
+            launch = orig(kernel, grid)
+
+            def recorded(*args, **kwargs):
+                params = list(inspect.signature(kernel.fn).parameters.values())
+                types, consts, options = {}, {}, {}
+                for p, value in [*zip(params, args), *((next(q for q in params if q.name == k), v)
+                                                       for k, v in kwargs.items() if k not in _OPTIONS)]:
+                    if str(p.annotation).endswith("constexpr"):
+                        consts[p.name] = False if p.name == "INTERPRET" else value
+                    elif isinstance(value, torch.Tensor):
+                        types[p.name] = "*" + _TRITON_TYPES[value.dtype]
+                    elif isinstance(value, bool):
+                        types[p.name] = "i1"
+                    elif isinstance(value, int):
+                        types[p.name] = "i32" if -2**31 <= value < 2**31 else "i64"
+                    elif isinstance(value, float):
+                        types[p.name] = "fp32"
+                    else:
+                        consts[p.name] = value
+                options = {k: v for k, v in kwargs.items() if k in _OPTIONS}
+                entry = {"module": kernel.fn.__module__, "kernel": kernel.fn.__name__, "types": types,
+                         "constexprs": consts, "options": options}
+                if entry not in seen:
+                    seen.append(entry)
+                return launch(*args, **kwargs)
+
+            return recorded
+
+        _common.LazyKernel.__getitem__ = getitem
+        return self
+
+    def __exit__(self, *exc) -> None:
+        from . import _common
+
+        _common.LazyKernel.__getitem__ = self._orig
+
+
+_OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "enable_reflect_ftz")
