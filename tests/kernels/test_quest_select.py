@@ -55,8 +55,12 @@ SEARCHES = {"shortlist": dict(shortlist_cap=4096), "fallback": dict(shortlist_ca
             "full": dict(shortlist=False)}
 
 
-@pytest.mark.parametrize("search", SEARCHES)
-@pytest.mark.parametrize("radix_bits", [None, 1, 2, 4])
+# (search, radix bits): the full search at each radix, the shortlist at its default and at 1
+RUNS = [("full", 1), ("full", 2), ("full", 4), ("shortlist", None), ("shortlist", 1), ("fallback", None),
+        ("default", None)]
+
+
+@pytest.mark.parametrize("search,radix_bits", RUNS)
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_equals_torch_path_on_distinct_scores(case, radix_bits, search, gen, device):
     lens, hkv, P, ps, sink, budget, recent, block = case
