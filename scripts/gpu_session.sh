@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU runs, one device call per phase; every output lands in $OUT (or ./gpu_out).
 #   bash scripts/gpu_session.sh check        # GPU tests, kernels (+FlashInfer side by side), TTFT, profiles
-#   bash scripts/gpu_session.sh profiles     # GPU tests (no FlashInfer), per-kernel decode profiles (vanilla b1, quest b6, omnikv b6, snapkv b183, h2o b128)
+#   bash scripts/gpu_session.sh profiles     # GPU tests (no FlashInfer), per-kernel decode profiles (vanilla b1, quest b6, omnikv b6, snapkv b183, h2o b128, deltakv b1 and b6)
 #   bash scripts/gpu_session.sh throughput [hydra overrides]   # python run.py -m experiment=decode_throughput_128k
 #   bash scripts/gpu_session.sh accuracy [hydra overrides]     # python run.py -m experiment=accuracy_smollm2 on the GPU
 # Wheels the device lacks travel in .whl/<set>/ (see results/README.md); the embedded GGUF
@@ -33,6 +33,12 @@ stash_gguf() {  # keep whichever half of the GGUF travelled this call; assemble 
   fi
 }
 
+deltakv_checkpoint() {  # DeltaKV's Down/Up for the dummy-weight shape, fitted on that model's own KV
+  dk=/tmp/deltakv_llama_dummy.safetensors  # for seeded random token ids
+  [ -f $dk ] || python -m sparseengine.methods.deltakv_calibrate --model llama-3.1-8b --load-format dummy \
+    --random-tokens 8192 --out $dk --device cuda --dtype bfloat16 2>&1 | tail -1
+}
+
 case "$phase" in
 check)
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
@@ -52,10 +58,12 @@ profiles)
   timeout 200 python -m pytest tests/kernels tests/methods tests/attention -q -m gpu -k "not flashinfer" \
     -p no:cacheprovider -rs 2>&1 | tail -12 | tee "$OUT/gpu_tests.log"
   timeout 90 python -m sparseengine.kernels.bench_gpu --splits --out "$OUT/decode_splits.jsonl" 2>&1 | tail -20
-  for spec in "vanilla 1" "quest 6" "omnikv 6" "snapkv 183" "h2o 128"; do
+  deltakv_checkpoint
+  for spec in "vanilla 1" "quest 6" "omnikv 6" "snapkv 183" "h2o 128" "deltakv 1" "deltakv 6"; do
     set -- $spec
     timeout 120 python scripts/profile_decode_step.py --method $1 --batch $2 --steps 8 --commit "$COMMIT" \
-      --out "$OUT/profile_$1_b$2.json" 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -8
+      --engine-arg deltakv_checkpoint_path=$dk --out "$OUT/profile_$1_b$2.json" 2>&1 \
+      | grep -v -E "it/s\]|s/it\]" | tail -8
   done
   ;;
 throughput)
@@ -66,12 +74,9 @@ throughput)
     cp results/decode_throughput_128k_records.jsonl runs/decode_throughput_128k/records.jsonl; }
   [ -n "${SKIP_TESTS:-}" ] || timeout "${TEST_TIMEOUT:-90}" python -m pytest tests/kernels tests/methods tests/attention -q -m gpu \
     -k "not flashinfer" -p no:cacheprovider -rs 2>&1 | tail -12 | tee -a "$OUT/gpu_tests.log"
-  # DeltaKV's Down/Up for the dummy-weight shape: fitted on that model's own KV for seeded
-  # random token ids (when the sweep names no methods, or names deltakv)
+  # DeltaKV's checkpoint, when the sweep names no methods or names deltakv
   if [[ "$*" != *sparse_method=* || "$*" == *deltakv* ]]; then
-    dk=/tmp/deltakv_llama_dummy.safetensors
-    [ -f $dk ] || python -m sparseengine.methods.deltakv_calibrate --model llama-3.1-8b --load-format dummy \
-      --random-tokens 8192 --out $dk --device cuda --dtype bfloat16 2>&1 | tail -1
+    deltakv_checkpoint
     set -- "$@" deltakv_checkpoint=$dk
   fi
   # THROUGHPUT_TIMEOUT (s) bounds the sweep so that what it recorded still comes back
