@@ -163,10 +163,14 @@ class MethodStack(SparseMethodRuntime):
             p.begin_step_graph(seqs)
 
     def graph_key(self, seqs):
+        """Every part is capturable, asks for no hooks, or gives a key (else None)."""
         keys = []
         for p in self.parts:
-            key = None if p.graph_capturable() or not p.wants_forward_hooks(seqs) else p.graph_key(seqs)
-            if key is None and p.wants_forward_hooks(seqs) and not p.graph_capturable():
+            if p.graph_capturable() or not p.wants_forward_hooks(seqs):
+                keys.append(None)
+                continue
+            key = p.graph_key(seqs)
+            if key is None:
                 return None
             keys.append(key)
         return tuple(keys)

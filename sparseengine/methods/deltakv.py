@@ -57,7 +57,7 @@ from __future__ import annotations
 import torch
 
 from sparseengine.config import ConfigError
-from sparseengine.engine.step_context import ScoreRows, Selection
+from sparseengine.engine.step_context import Selection
 from sparseengine.layers.rotary import rope_inv_freq
 from sparseengine.method_registry import MethodSpec
 from sparseengine.methods import deltakv_codec as codec
@@ -66,7 +66,7 @@ from sparseengine.methods.deltakv_bytes import DeltaKVBytes
 from sparseengine.methods.deltakv_fit import load_down_up
 from sparseengine.methods.deltakv_store import CodecStore, RequestState
 from sparseengine.methods import omnikv
-from sparseengine.methods.omnikv import FILTER_LAYERS, choose_tokens, filter_layers_for, pick_tokens
+from sparseengine.methods.omnikv import FILTER_LAYERS, choose_tokens, filter_layers_for
 
 # The full layers choose tokens exactly as OmniKV's filter layers do: same per-model table.
 FULL_LAYERS = FILTER_LAYERS
@@ -151,9 +151,8 @@ class DeltaKV(SparseMethodRuntime):
         hist = n - cfg.sink_tokens - cfg.recent_tokens
         gen = torch.Generator(device=self.device).manual_seed(cfg.seed + seq.seq_id)
         for layer in self.sparse:
-            store = st.stores[layer] = self._new_store(seq)
-            store.write_random(hist, gen)
-            st.enc[layer] = store.view()
+            st.stores[layer] = self._new_store(seq)
+            st.stores[layer].write_random(hist, gen)
         self._set_hist_end(st, n - cfg.recent_tokens)
 
     def _new_store(self, seq) -> CodecStore:
@@ -166,7 +165,7 @@ class DeltaKV(SparseMethodRuntime):
 
     @torch.inference_mode()  # made under the runner's inference mode (a synthesised prefill) or not
     def _set_hist_end(self, st: RequestState, end: int) -> None:
-        st.hist_end, st.compressed = end, True
+        st.hist_end = end
         if st.hist_end_t is None:
             st.hist_end_t = torch.tensor(end, dtype=torch.long, device=self.device)
         else:
@@ -225,23 +224,20 @@ class DeltaKV(SparseMethodRuntime):
             return None if self._picked is None else self._batched_selection(layer, ctx)
         if self._chosen is None or all(c is None for c in self._chosen):
             return None
-        per_request = [None if c is None else self._layer_indices(seq, layer, c, ctx)
-                       for seq, c in zip(ctx.seqs, self._chosen)]
+        table = ctx.views[layer].page_table
+        per_request = [None if c is None else self._map_tokens(seq, layer, c, c.numel(), table[b], ctx)
+                       for b, (seq, c) in enumerate(zip(ctx.seqs, self._chosen))]
         return Selection.from_lists(per_request, self.model.num_kv_heads, q.device)
 
     def score_rows(self, layer, ctx):
         """Pure decode: a full layer's dense attention reports every token's max logit per
         KV head (OmniKV's fused scores), so choosing reads no K a second time."""
-        if layer not in self.filter_set or not self.decoding or not omnikv.pure_decode(ctx):
-            return None
-        page_size = ctx.kv_cache.layer(layer)[0].shape[1]
-        return ScoreRows((1,) * len(ctx.seqs), max_kv_len=ctx.views[layer].page_table.shape[1] * page_size,
-                         kind="max_logits")
+        if layer in self.filter_set and self.decoding and omnikv.pure_decode(ctx):
+            return omnikv.max_logit_rows(layer, ctx)
+        return None
 
     def observe(self, layer, q, colsums, ctx):
-        cfg = self.config
-        self._picked = pick_tokens(colsums.amax(dim=1), ctx.views[layer].kv_lens, cfg.sink_tokens, cfg.budget,
-                                   cfg.recent_tokens)
+        self._picked = omnikv.pick_from_max_logits(colsums, ctx.views[layer].kv_lens, self.config)
 
     def _batched_selection(self, layer, ctx) -> Selection:
         """Pure decode: every request's chosen tokens mapped onto this sparse layer's cache
@@ -255,12 +251,14 @@ class DeltaKV(SparseMethodRuntime):
         return Selection(torch.stack(rows)[:, None, :].expand(B, hkv, width),
                          counts[:, None].expand(B, hkv).contiguous(), dense=(False,) * B)
 
-    def _map_tokens(self, seq, layer: int, tokens: torch.Tensor, count: torch.Tensor, table_row: torch.Tensor,
+    def _map_tokens(self, seq, layer: int, tokens: torch.Tensor, count, table_row: torch.Tensor,
                     ctx) -> torch.Tensor:
-        """``_layer_indices`` on device tensors: ``tokens [K]`` (the first ``count`` chosen,
-        ascending) -> their cache indices. History tokens take the scratch slots in order
-        (at most ``budget`` of them: they all lie in the full layer's top-``budget`` range,
-        as ``hist_end <= length - recent``); every entry is rebuilt, only theirs written."""
+        """Cache indices in a sparse layer of ``tokens [K]`` (the first ``count`` chosen,
+        ascending), on the device: sink tokens in place, raw tail tokens at their slots past
+        the scratch, history tokens rebuilt into the scratch slots in order (at most
+        ``budget`` of them: they all lie in the full layer's top-``budget`` range, as
+        ``hist_end <= length - recent``). Every entry is rebuilt (fixed shapes, no host
+        sync), only the history ones are written."""
         st = self._state(seq)
         if not st.compressed:
             return tokens  # cache index == token position
@@ -273,7 +271,7 @@ class DeltaKV(SparseMethodRuntime):
         hist = counted & (tokens >= sink) & ~raw
         scratch = sink + torch.cumsum(hist, 0) - 1
         idx = torch.where(raw, sink + budget + tokens - hist_end, torch.where(hist, scratch, tokens))
-        k, v = self.rebuild(seq, layer, torch.minimum(tokens.clamp(min=sink), hist_end - 1), checked=False)
+        k, v = self.rebuild(seq, layer, torch.minimum(tokens.clamp(min=sink), hist_end - 1))
         at = scratch.clamp(min=0)
         slots = torch.where(hist, table_row[at // page_size].long() * page_size + at % page_size, -1)
         ctx.provider.write_kv(k_cache, v_cache, k, v, slots)
@@ -289,39 +287,13 @@ class DeltaKV(SparseMethodRuntime):
             st[STATE_KEY] = RequestState(hist_end=self.config.sink_tokens)
         return st[STATE_KEY]
 
-    def _layer_indices(self, seq, layer: int, tokens: torch.Tensor, ctx) -> torch.Tensor:
-        """Cache indices of the chosen ``tokens`` in a sparse layer, rebuilding the
-        compressed ones into the scratch slots."""
-        st = self._state(seq)
-        if not st.compressed:
-            return tokens  # uncompressed: cache index == token position
-        sink, budget = self.config.sink_tokens, self.config.budget
-        tokens = tokens.to(self.device)
-        idx = tokens.clone()
-        raw = tokens >= st.hist_end
-        idx[raw] = sink + budget + tokens[raw] - st.hist_end
-        in_hist = (tokens >= sink) & ~raw
-        hist = tokens[in_hist]
-        m = hist.numel()
-        if m:
-            if m > budget:
-                raise RuntimeError(f"deltakv: {m} history tokens chosen for {budget} scratch slots")
-            k, v = self.rebuild(seq, layer, hist)
-            scratch = torch.arange(sink, sink + m, device=self.device)
-            k_cache, v_cache = self.cache.kv.layer(layer)
-            ctx.provider.write_kv(k_cache, v_cache, k, v, self.cache.slots(seq, scratch))
-            idx[in_hist] = scratch
-        return idx
-
-    def rebuild(self, seq, layer: int, tokens: torch.Tensor, checked: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def rebuild(self, seq, layer: int, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K (rotated at each token's position) and V ``[m, Hkv, d]`` float32 of history
-        tokens ``tokens`` (positions in ``[sink, hist_end)``; ``checked=False``: the caller
-        keeps them there, and nothing waits on the device) from the layer's codec."""
+        tokens ``tokens`` (the caller keeps their positions in ``[sink, hist_end)``; nothing
+        waits on the device) from the layer's codec. It reads the whole buffers: a captured
+        step's gathers never see their shapes change."""
         st = self._state(seq)
-        if checked:
-            kv = codec.decode(st.enc[layer], self.up[layer], tokens.long() - self.config.sink_tokens)
-        else:  # the whole buffers: a captured step's gathers never see their shapes change
-            kv = codec.decode_at(st.stores[layer].full(), self.up[layer], tokens.long() - self.config.sink_tokens)
+        kv = codec.decode_at(st.stores[layer].full(), self.up[layer], tokens.long() - self.config.sink_tokens)
         k, v = codec.split_kv(kv, self.model.num_kv_heads, self.model.head_dim)
         return codec.rotate_keys(k, tokens, self.inv_freq), v
 
@@ -356,7 +328,6 @@ class DeltaKV(SparseMethodRuntime):
                                          latent_bits=self.bits))
             else:
                 store.append(kv, self.down[layer])
-            st.enc[layer] = store.view()
             keep = torch.cat([torch.arange(sink + budget, device=self.device),
                               torch.arange(base + count, held, device=self.device)])
             self.cache.compact(seq, layer, keep.expand(self.model.num_kv_heads, -1))

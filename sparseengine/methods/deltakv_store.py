@@ -9,7 +9,7 @@ the history grows. A history past the capacity reallocates (doubling) and bumps
 `generation`, which tells a graph that read the old buffers to be captured again.
 
 `view()` is the stored codec (`DeltaKVEncoded` over the used rows: what byte accounting
-and checked decoding read); `full()` is the same over the whole buffers, for
+reads); `full()` is the same over the whole buffers, for
 `deltakv_codec.decode_at` in a captured step (its gathers then never see a shape change;
 rows past the used ones are never named by a valid position).
 
@@ -122,10 +122,18 @@ class RequestState:
     """A request's DeltaKV state."""
 
     hist_end: int  # first token of the raw tail; tokens [sink, hist_end) are compressed
-    compressed: bool = False  # scratch slots exist in the sparse layers
-    enc: dict[int, codec.DeltaKVEncoded] = field(default_factory=dict)  # each sparse layer's stored codec
-    stores: dict[int, CodecStore] = field(default_factory=dict)  # the buffers behind ``enc``
+    stores: dict[int, CodecStore] = field(default_factory=dict)  # each sparse layer's codec
     hist_end_t: torch.Tensor | None = None  # hist_end on the device (a captured step reads it)
+
+    @property
+    def compressed(self) -> bool:
+        """The sparse layers hold a compressed history (and scratch slots)."""
+        return bool(self.stores)
+
+    @property
+    def enc(self) -> dict[int, codec.DeltaKVEncoded]:
+        """Each sparse layer's stored codec (its used rows)."""
+        return {layer: store.view() for layer, store in self.stores.items()}
 
     def graph_state(self) -> tuple:
         """What a captured decode step bakes in: whether the layers are compressed and the

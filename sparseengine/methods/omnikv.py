@@ -142,16 +142,12 @@ class OmniKV(SparseMethodRuntime):
 
     def score_rows(self, layer, ctx):
         """Pure decode, ``logits`` scores: a filter layer's dense attention reports every
-        token's max logit per KV head (as wide as the page table: a static shape)."""
-        if layer not in self.filter_set or not self._fused(ctx):
-            return None
-        page_size = ctx.kv_cache.layer(layer)[0].shape[1]
-        return ScoreRows((1,) * len(ctx.seqs), max_kv_len=ctx.views[layer].page_table.shape[1] * page_size,
-                         kind="max_logits")
+        token's max logit per KV head."""
+        return max_logit_rows(layer, ctx) if layer in self.filter_set and self._fused(ctx) else None
 
     def observe(self, layer, q, colsums, ctx):
         """The filter layer's choice from its attention's max logits ``[B, Hkv, L]``."""
-        self._selection = self._pick(colsums.amax(dim=1), ctx.views[layer].kv_lens, self.model.num_kv_heads)
+        self._selection = self._selection_of(*pick_from_max_logits(colsums, ctx.views[layer].kv_lens, self.config))
 
     def _fused(self, ctx) -> bool:
         return self.mode == "logits" and pure_decode(ctx)
@@ -182,12 +178,12 @@ class OmniKV(SparseMethodRuntime):
         view = ctx.views[layer]
         scores = score_cached_tokens(q, k_cache, view.page_table, view.kv_lens, self.mode,
                                      ctx.provider.triton_kernels)
-        return self._pick(scores, view.kv_lens, k_cache.shape[2])
-
-    def _pick(self, scores: torch.Tensor, kv_lens: torch.Tensor, hkv: int) -> Selection:
         cfg = self.config
-        idx, counts = pick_tokens(scores, kv_lens, cfg.sink_tokens, cfg.budget, cfg.recent_tokens)
-        rows = idx.shape[0]
+        return self._selection_of(*pick_tokens(scores, view.kv_lens, cfg.sink_tokens, cfg.budget, cfg.recent_tokens))
+
+    def _selection_of(self, idx: torch.Tensor, counts: torch.Tensor) -> Selection:
+        """``pick_tokens``' choice, one index set shared by every KV head."""
+        rows, hkv = idx.shape[0], self.model.num_kv_heads
         return Selection(idx[:, None, :].expand(rows, hkv, idx.shape[1]),
                          counts[:, None].expand(rows, hkv).contiguous(), dense=(False,) * rows)
 
@@ -196,6 +192,20 @@ class OmniKV(SparseMethodRuntime):
         if all(c is None for c in chosen):
             return None
         return Selection.from_lists(chosen, self.model.num_kv_heads, q.device)
+
+
+def max_logit_rows(layer: int, ctx) -> ScoreRows:
+    """A pure-decode step's request for every cached token's max logit per KV head, as
+    wide as the page table (a static shape: a CUDA graph captures it)."""
+    page_size = ctx.kv_cache.layer(layer)[0].shape[1]
+    return ScoreRows((1,) * len(ctx.seqs), max_kv_len=ctx.views[layer].page_table.shape[1] * page_size,
+                     kind="max_logits")
+
+
+def pick_from_max_logits(colsums: torch.Tensor, kv_lens: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pick_tokens`` over the max over KV heads of a filter layer's max logits
+    ``[B, Hkv, L]`` (the ``logits`` score)."""
+    return pick_tokens(colsums.amax(dim=1), kv_lens, config.sink_tokens, config.budget, config.recent_tokens)
 
 
 def max_logit_bytes_per_token(num_kv_heads: int) -> int:

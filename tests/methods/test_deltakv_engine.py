@@ -137,9 +137,10 @@ def test_graph_key_follows_what_a_captured_step_bakes_in(folder, ckpt32):
 
 
 def test_pure_decode_path_equals_the_per_request_path(folder, ckpt32, monkeypatch):
-    """Pure-decode steps choose from the full layer's max logits and map every request's
-    choice on device (no host sync); mixed steps go request by request. With lossy int4
-    latents, through a history flush, both generate the same tokens."""
+    """Pure-decode steps choose from the full layer's own attention (max logits, batched,
+    no host sync); with that path off, every step chooses request by request from K
+    gathered again. Both map the choice through the same rebuild. With lossy int4
+    latents, through a history flush, they generate the same tokens."""
     prompts, sp = [PROMPT, PROMPT2, _ids(20, 3)], _greedy(70)  # 20 tokens: within the total at first
     kw = dict(deltakv_latent_dim=32, deltakv_checkpoint_path=str(ckpt32.path))
     llm = _llm(folder, **kw)

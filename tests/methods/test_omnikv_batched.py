@@ -208,7 +208,7 @@ def test_engine_tokens_batched_equal_per_request(tiny_llama, monkeypatch, mode):
               sparse_method="omnikv", omnikv_filter_layers="1", omnikv_score=mode,
               sink_tokens=2, budget=8, recent_tokens=4)
     calls = {"batched": 0, "per_request": 0}
-    batched, per_request = omnikv.OmniKV._pick, omnikv.OmniKV._choose_per_request
+    batched, per_request = omnikv.OmniKV._selection_of, omnikv.OmniKV._choose_per_request
 
     def spy(name, fn):
         def wrapped(self, *args):
@@ -216,7 +216,7 @@ def test_engine_tokens_batched_equal_per_request(tiny_llama, monkeypatch, mode):
             return fn(self, *args)
         return wrapped
 
-    monkeypatch.setattr(omnikv.OmniKV, "_pick", spy("batched", batched))
+    monkeypatch.setattr(omnikv.OmniKV, "_selection_of", spy("batched", batched))
     monkeypatch.setattr(omnikv.OmniKV, "_choose_per_request", spy("per_request", per_request))
     outs = {}
     with LLM(str(folder), **kw) as llm:
