@@ -63,6 +63,7 @@ def _pairs(a, b):
 
 def check_kernels(out_path):
     """Each Triton kernel against its reference at a medium bf16 shape."""
+    from sparseengine.methods.deltakv_store import CodecStore
     gen = torch.Generator().manual_seed(0)
     lens = [4000, 1234, 777, 2048]
     kv = random_paged_kv(lens, HKV, D, PS, generator=gen, dtype=BF16, device="cuda", poison=False)
@@ -83,11 +84,17 @@ def check_kernels(out_path):
     n = 3000
     qs, ks, vs = (randn(n, h, D, generator=gen, dtype=BF16, device="cuda") for h in (HQ, HKV, HKV))
     bmask = (torch.rand(HQ, -(-n // 128), -(-n // 128), generator=gen) < 0.3).cuda()
-    z, up = randn(1000, 256, generator=gen, dtype=BF16, device="cuda"), randn(256, 2 * HKV * D, generator=gen,
-                                                                           dtype=BF16, device="cuda") / 16
-    mean = randn(1000, 2 * HKV * D, generator=gen, dtype=BF16, device="cuda")
-    pos = torch.randint(0, 8192, (1000,), generator=gen).cuda()
-    cos, sin = randn(8192, D, generator=gen, device="cuda"), randn(8192, D, generator=gen, device="cuda")
+    codec = CodecStore(5000, 10, 4, 4, 2 * HKV * D, 256, BF16, "cuda")
+    codec.write_random(5000, torch.Generator(device="cuda").manual_seed(0))
+    up = randn(256, 2 * HKV * D, generator=gen, device="cuda") / 16
+    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, D, 2, device="cuda").float() / D)
+    tok = torch.randperm(5000, generator=gen)[:1000].cuda() + 4
+    tok_slots = torch.randperm(kv.k_cache.shape[0] * PS, generator=gen)[:1000].cuda()
+
+    def rebuild(fn):
+        caches = kv.k_cache.clone(), kv.v_cache.clone()
+        fn(codec.full(), up, inv_freq, tok, tok_slots, *caches, 4)
+        return caches
 
     def minmax(fn):
         a, b = torch.zeros_like(hi), torch.zeros_like(lo)
@@ -120,8 +127,7 @@ def check_kernels(out_path):
                                  lambda: omnikv_scores_triton(q, kv.k_cache, kv.page_table, kv.kv_lens)),
         "omnikv_scores_probs": (lambda: omnikv_scores_ref(q, kv.k_cache, kv.page_table, kv.kv_lens, "probs"),
                                 lambda: omnikv_scores_triton(q, kv.k_cache, kv.page_table, kv.kv_lens, "probs")),
-        "deltakv_rebuild": (lambda: deltakv_rebuild_ref(z, up, mean, pos, cos, sin, HKV),
-                            lambda: deltakv_rebuild_triton(z, up, mean, pos, cos, sin, HKV)),
+        "deltakv_rebuild": (lambda: rebuild(deltakv_rebuild_ref), lambda: rebuild(deltakv_rebuild_triton)),
         "block_sparse_prefill": (lambda: block_sparse_prefill_ref(qs, ks, vs, bmask),
                                  lambda: block_sparse_prefill_triton(qs, ks, vs, bmask)),
     }
@@ -338,12 +344,19 @@ def main(argv=None):
                         help="run only the Triton vs FlashInfer decode side by side")
     parser.add_argument("--splits", action="store_true",
                         help="run only the decode split strategies side by side (per-row vs fixed chunks)")
+    parser.add_argument("--deltakv-rebuild", action="store_true",
+                        help="run only DeltaKV's fused rebuild (tiles, warps) beside its torch path")
     parser.add_argument("--quest-select", action="store_true",
                         help="run only Quest's page selection and page score variants side by side")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu needs a CUDA GPU")
     emit(args.out, {"kind": "meta", **_meta()})
+    if args.deltakv_rebuild:
+        from sparseengine.kernels import bench_deltakv
+
+        bench_deltakv.bench_deltakv_rebuild(args.out)
+        return
     if args.quest_select:
         from sparseengine.kernels import bench_quest
 

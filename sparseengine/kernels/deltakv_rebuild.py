@@ -1,15 +1,26 @@
-"""DeltaKV: rebuild chosen tokens' K/V from latents.
+"""DeltaKV: rebuild chosen history tokens from one layer's codec, straight into the paged cache.
 
-`kv = z @ up + mean`, with `z [N, r]`, `up [r, 2 * Hkv * d]`, `mean [N, 2 * Hkv * d]`
-(the mean of each token's centers); columns `[0, Hkv*d)` are K (pre-RoPE) and
-`[Hkv*d, 2*Hkv*d)` are V, each head-major (`[Hkv, d]` flattened). K is then rotated at
-`positions [N]` with `cos/sin [max_pos, d]` in the rotate_half (Llama/HF) convention:
-`k * cos + rotate_half(k) * sin`, `rotate_half(x) = cat(-x[d/2:], x[:d/2])`.
-Returns `(k [N, Hkv, d], v [N, Hkv, d])` in `out_dtype` (default: `mean.dtype`), ready
-for `paged_kv_write`. Quantized latents are dequantized by the caller.
+The codec (METHODS.md, deltakv; `methods.deltakv_codec`) is passed as `enc`, anything with
+`DeltaKVEncoded`'s fields: `stride`; `centers [C, D]` (raw pre-RoPE `[K | V]`, center i
+at codec position `i * stride`); for the j-th non-center token, `neighbors [M, NB]`
+(center indices, -1 = none) and its latent, int4 (`latents` uint8 `[M, r/2]`, two codes a
+byte, low nibble first; `scales`, `zeros` float16 `[M, r/32]`) or float16 (`latents`
+`[M, r]`).
 
-Triton: one program per (tile of BLOCK_M tokens, KV head) for K and one for V; the
-d/2 halves are two fp32 accumulators so RoPE is applied in registers before the store.
+For each entry i with `slots[i] >= 0`, the token at position `tokens[i]` is codec position
+`p = tokens[i] - sink`:
+- a center (`p % stride == 0`): `kv = centers[p // stride]`;
+- otherwise, row `j = p - p // stride - 1`: `kv = z_j @ up + mean of centers[neighbors[j]]`
+  (the valid ones), `z_j` dequantized as `code * scale + zero`.
+K (columns `[0, Hkv*d)`, head-major) is rotated at `tokens[i]` in the rotate_half
+convention, `cos/sin(tokens[i] * inv_freq)` in float32; K and V are written to the NHD
+caches at `slot = page * page_size + offset`, cast to the cache dtype. Entries with
+`slots[i] < 0` are skipped and read nothing. Nothing is returned; nothing waits on the
+device (the caller keeps every written entry's position inside the codec).
+
+Triton: one program per (tile of BLOCK_M entries, KV head, K or V); the d/2 halves are two
+float32 accumulators so RoPE is applied in registers. The `z @ up` product runs on tensor
+cores (TF32) for 16-bit caches, exact float32 (IEEE) for float32 caches.
 """
 from __future__ import annotations
 
@@ -23,84 +34,154 @@ from ._common import cdiv, check_launch, lazy_jit, next_pow2
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
 
-
-def deltakv_rebuild_ref(z, up, mean, positions, cos, sin, num_kv_heads, out_dtype=None):
-    N = z.shape[0]
-    d = up.shape[1] // (2 * num_kv_heads)
-    kv = z.float() @ up.float() + mean.float()
-    k = kv[:, : num_kv_heads * d].reshape(N, num_kv_heads, d)
-    v = kv[:, num_kv_heads * d:].reshape(N, num_kv_heads, d)
-    c = cos[positions.long()].float()[:, None, :]
-    s = sin[positions.long()].float()[:, None, :]
-    rotated = torch.cat([-k[..., d // 2:], k[..., : d // 2]], dim=-1)
-    k = k * c + rotated * s
-    dtype = out_dtype or mean.dtype
-    return k.to(dtype), v.to(dtype)
+QUANT_GROUP = 32  # int4 latents: one float16 scale and zero per group of 32 values
 
 
-def deltakv_rebuild_triton(z, up, mean, positions, cos, sin, num_kv_heads, out_dtype=None):
-    N, r = z.shape
-    width = up.shape[1]
-    if width % (2 * num_kv_heads) or up.shape[0] != r or tuple(mean.shape) != (N, width):
-        raise ValueError(f"shapes do not match: z {tuple(z.shape)}, up {tuple(up.shape)}, mean {tuple(mean.shape)}")
-    d = width // (2 * num_kv_heads)
-    if d % 2 or cos.shape[-1] != d or sin.shape != cos.shape:
-        raise ValueError(f"head_dim {d} must be even and match cos/sin {tuple(cos.shape)}")
-    device = check_launch(z, up, mean, positions, cos, sin)
-    z = z.to(up.dtype).contiguous()
-    up, mean, cos, sin = up.contiguous(), mean.contiguous(), cos.contiguous(), sin.contiguous()
-    dtype = out_dtype or mean.dtype
-    k = _common.empty((N, num_kv_heads, d), dtype, device)
-    v = _common.empty((N, num_kv_heads, d), dtype, device)
-    if N == 0:
-        return k, v
-    block_m = 64 if device.type == "cuda" else 16
-    for is_key, out in ((True, k), (False, v)):
-        _rebuild_kernel[(cdiv(N, block_m), num_kv_heads)](
-            z, up, mean, positions, cos, sin, out, N, r, width,
-            IS_KEY=is_key, HKV=num_kv_heads, HALF=d // 2, BLOCK_HALF=max(16, next_pow2(d // 2)),
-            BLOCK_M=block_m, BLOCK_R=max(16, min(64, next_pow2(r))),
-            DOT_PREC=_common.dot_precision(up.dtype), num_warps=4,
-        )
-    return k, v
+def deltakv_rebuild_ref(enc, up, inv_freq, tokens, slots, k_cache, v_cache, sink: int) -> None:
+    keep = slots >= 0
+    tok, slot = tokens[keep].long(), slots[keep].long()
+    p = tok - sink
+    center = p // enc.stride
+    row = (p - center - 1).clamp(min=0)
+    kv = enc.centers[center].float()
+    if enc.latents.shape[0]:
+        if enc.latents.dtype == torch.uint8:
+            lat = enc.latents[row]
+            codes = torch.stack([lat & 15, lat >> 4], dim=-1).flatten(1).float()
+            groups = codes.view(codes.shape[0], -1, QUANT_GROUP)
+            z = (groups * enc.scales[row].float()[..., None] + enc.zeros[row].float()[..., None]).flatten(1)
+        else:
+            z = enc.latents[row].float()
+        nb = enc.neighbors[row].long()
+        valid = (nb >= 0).float()
+        mean = (enc.centers[nb.clamp(min=0)].float() * valid[..., None]).sum(1) / valid.sum(1, keepdim=True).clamp(min=1)
+        kv = torch.where((p % enc.stride == 0)[:, None], kv, z @ up.float() + mean)
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    k, v = kv[:, : hkv * d].reshape(-1, hkv, d), kv[:, hkv * d:].reshape(-1, hkv, d)
+    angle = tok.float()[:, None, None] * inv_freq.float()[None, None, :]
+    cos, sin, lo, hi = angle.cos(), angle.sin(), k[..., : d // 2], k[..., d // 2:]
+    k = torch.cat([lo * cos - hi * sin, hi * cos + lo * sin], dim=-1)
+    ps = k_cache.shape[1]
+    k_cache[slot // ps, slot % ps] = k.to(k_cache.dtype)
+    v_cache[slot // ps, slot % ps] = v.to(v_cache.dtype)
+
+
+def deltakv_rebuild_triton(enc, up, inv_freq, tokens, slots, k_cache, v_cache, sink: int, *,
+                           block_m: int | None = None, num_warps: int = 4) -> None:
+    centers, neighbors, latents = enc.centers, enc.neighbors, enc.latents
+    num_pages, ps, hkv, d = k_cache.shape
+    width = 2 * hkv * d
+    r = up.shape[0]
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError(f"k/v caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} must match, head_dim contiguous")
+    if d % 2 or up.shape[1] != width or centers.shape[1] != width or inv_freq.numel() != d // 2:
+        raise ValueError(f"shapes do not match the cache [*, *, {hkv}, {d}]: up {tuple(up.shape)}, centers "
+                         f"{tuple(centers.shape)}, inv_freq {tuple(inv_freq.shape)}")
+    bits = 4 if latents.dtype == torch.uint8 else 16
+    if latents.shape[1] != (r // 2 if bits == 4 else r) or (bits == 4 and r % QUANT_GROUP):
+        raise ValueError(f"latents {tuple(latents.shape)} ({latents.dtype}) do not match up's rank {r}")
+    if tokens.shape != slots.shape or tokens.dim() != 1:
+        raise ValueError(f"tokens {tuple(tokens.shape)} and slots {tuple(slots.shape)} must be one same 1-D shape")
+    device = check_launch(tokens, slots, centers, latents, up, inv_freq, k_cache, v_cache)
+    n = tokens.shape[0]
+    if n == 0:
+        return
+    if latents.shape[0] == 0:  # every token a center: the latent side is never read
+        neighbors = centers.new_full((1, max(1, neighbors.shape[1])), -1, dtype=torch.int32)
+        latents = latents.new_zeros((1, latents.shape[1]))
+    scales = enc.scales if bits == 4 and enc.scales.shape[0] else latents  # unread for 16-bit latents
+    zeros = enc.zeros if bits == 4 and enc.zeros.shape[0] else latents
+    block_m = block_m or (64 if device.type == "cuda" else 16)
+    exact = k_cache.dtype == torch.float32
+    _rebuild_kernel[(cdiv(n, block_m), hkv, 2)](
+        tokens, slots, centers, neighbors, latents, scales, zeros, up.contiguous(), inv_freq.contiguous(),
+        k_cache, v_cache, n, r, sink, enc.stride,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        HKV=hkv, HALF=d // 2, BLOCK_HALF=max(16, next_pow2(d // 2)), NB=neighbors.shape[1], BITS=bits,
+        GROUP=QUANT_GROUP, PAGE_SIZE=ps, BLOCK_M=block_m, BLOCK_R=max(16, min(64, next_pow2(r))),
+        DOT_PREC="ieee" if exact else "tf32", num_warps=num_warps,
+    )
 
 
 @lazy_jit
 def _rebuild_kernel(
-    z_ptr, up_ptr, mean_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr, N, R, WIDTH,
-    IS_KEY: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, DOT_PREC: tl.constexpr,
+    tok_ptr, slot_ptr, centers_ptr, nb_ptr, lat_ptr, scale_ptr, zero_ptr, up_ptr, inv_freq_ptr,
+    k_cache_ptr, v_cache_ptr, N, R, sink, stride_codec, stride_cp, stride_co, stride_ch,
+    HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr,
+    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     kvh = tl.program_id(1)
+    is_v = tl.program_id(2)
+    width = HKV * 4 * HALF
+    slot = tl.load(slot_ptr + offs_m, mask=offs_m < N, other=-1).to(tl.int64)
+    active = slot >= 0
+    tok = tl.load(tok_ptr + offs_m, mask=active, other=0).to(tl.int64)
+    p = tok - sink
+    center = p // stride_codec
+    is_center = p == center * stride_codec
+    other = active & (p != center * stride_codec)
+    row = tl.where(other, p - center - 1, 0)
     offs_c = tl.arange(0, BLOCK_HALF)
-    m_ok = offs_m < N
     c_ok = offs_c < HALF
-    col0 = (0 if IS_KEY else HKV * 2 * HALF) + kvh * 2 * HALF
-    lo_cols = col0 + offs_c
-    hi_cols = col0 + HALF + offs_c
+    lo_cols = is_v * (HKV * 2 * HALF) + kvh * 2 * HALF + offs_c
+    hi_cols = lo_cols + HALF
+    # z @ up over the latent dim, z dequantized on the fly
     acc_lo = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
     acc_hi = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
     for r0 in range(0, R, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         r_ok = offs_r < R
-        z = tl.load(z_ptr + offs_m[:, None] * R + offs_r[None, :], mask=m_ok[:, None] & r_ok[None, :], other=0.0)
+        z_mask = other[:, None] & r_ok[None, :]
+        if BITS == 4:
+            byte = tl.load(lat_ptr + row[:, None] * (R // 2) + offs_r[None, :] // 2, mask=z_mask, other=0)
+            code = (byte.to(tl.int32) >> ((offs_r[None, :] % 2) * 4)) & 15
+            group = row[:, None] * (R // GROUP) + offs_r[None, :] // GROUP
+            scale = tl.load(scale_ptr + group, mask=z_mask, other=0.0).to(tl.float32)
+            zero = tl.load(zero_ptr + group, mask=z_mask, other=0.0).to(tl.float32)
+            z = code.to(tl.float32) * scale + zero
+        else:
+            z = tl.load(lat_ptr + row[:, None] * R + offs_r[None, :], mask=z_mask, other=0.0).to(tl.float32)
         w_mask = r_ok[:, None] & c_ok[None, :]
-        w_lo = tl.load(up_ptr + offs_r[:, None] * WIDTH + lo_cols[None, :], mask=w_mask, other=0.0)
-        w_hi = tl.load(up_ptr + offs_r[:, None] * WIDTH + hi_cols[None, :], mask=w_mask, other=0.0)
+        w_lo = tl.load(up_ptr + offs_r[:, None] * width + lo_cols[None, :], mask=w_mask, other=0.0).to(tl.float32)
+        w_hi = tl.load(up_ptr + offs_r[:, None] * width + hi_cols[None, :], mask=w_mask, other=0.0).to(tl.float32)
         acc_lo += tl.dot(z, w_lo, input_precision=DOT_PREC)
         acc_hi += tl.dot(z, w_hi, input_precision=DOT_PREC)
-    mask = m_ok[:, None] & c_ok[None, :]
-    row = offs_m.to(tl.int64)[:, None] * WIDTH
-    x_lo = acc_lo + tl.load(mean_ptr + row + lo_cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    x_hi = acc_hi + tl.load(mean_ptr + row + hi_cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if IS_KEY:
-        pos = tl.load(pos_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)[:, None] * (2 * HALF)
-        cos_lo = tl.load(cos_ptr + pos + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
-        cos_hi = tl.load(cos_ptr + pos + HALF + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
-        sin_lo = tl.load(sin_ptr + pos + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
-        sin_hi = tl.load(sin_ptr + pos + HALF + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
-        x_lo, x_hi = x_lo * cos_lo - x_hi * sin_lo, x_hi * cos_hi + x_lo * sin_hi
-    out = out_ptr + offs_m.to(tl.int64)[:, None] * (HKV * 2 * HALF) + kvh * 2 * HALF + offs_c[None, :]
-    tl.store(out, x_lo.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(out + HALF, x_hi.to(out_ptr.dtype.element_ty), mask=mask)
+    # + the mean of the token's valid neighbour centers
+    sum_lo = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
+    sum_hi = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
+    count = tl.zeros([BLOCK_M], tl.float32)
+    for j in tl.static_range(NB):
+        nid = tl.load(nb_ptr + row * NB + j, mask=other, other=-1).to(tl.int64)
+        ok = nid >= 0
+        c_mask = ok[:, None] & c_ok[None, :]
+        sum_lo += tl.load(centers_ptr + nid[:, None] * width + lo_cols[None, :], mask=c_mask, other=0.0).to(tl.float32)
+        sum_hi += tl.load(centers_ptr + nid[:, None] * width + hi_cols[None, :], mask=c_mask, other=0.0).to(tl.float32)
+        count += ok.to(tl.float32)
+    denom = tl.maximum(count, 1.0)[:, None]
+    x_lo = acc_lo + sum_lo / denom
+    x_hi = acc_hi + sum_hi / denom
+    # centers come back raw
+    c_mask = (active & is_center)[:, None] & c_ok[None, :]
+    c_lo = tl.load(centers_ptr + center[:, None] * width + lo_cols[None, :], mask=c_mask, other=0.0).to(tl.float32)
+    c_hi = tl.load(centers_ptr + center[:, None] * width + hi_cols[None, :], mask=c_mask, other=0.0).to(tl.float32)
+    x_lo = tl.where(is_center[:, None], c_lo, x_lo)
+    x_hi = tl.where(is_center[:, None], c_hi, x_hi)
+    # RoPE for K at the token's own position
+    freq = tl.load(inv_freq_ptr + offs_c, mask=c_ok, other=0.0).to(tl.float32)
+    angle = tok.to(tl.float32)[:, None] * freq[None, :]
+    rot = (is_v == 0).to(tl.float32)  # 1: K (rotated), 0: V (cos 1, sin 0)
+    cos = rot * tl.cos(angle) + (1.0 - rot)
+    sin = rot * tl.sin(angle)
+    y_lo = x_lo * cos - x_hi * sin
+    y_hi = x_hi * cos + x_lo * sin
+    dst = (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_co + kvh * stride_ch
+    mask = active[:, None] & c_ok[None, :]
+    offs = dst[:, None] + offs_c[None, :]
+    k_mask = mask & (is_v == 0)
+    v_mask = mask & (is_v != 0)
+    tl.store(k_cache_ptr + offs, y_lo.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
+    tl.store(k_cache_ptr + offs + HALF, y_hi.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
+    tl.store(v_cache_ptr + offs, y_lo.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
+    tl.store(v_cache_ptr + offs + HALF, y_hi.to(v_cache_ptr.dtype.element_ty), mask=v_mask)

@@ -24,8 +24,9 @@ Decode. The full layers choose (in pure-decode steps from their own attention's 
 logits, ``ScoreRows(kind="max_logits")``, with no host sync on the way; in mixed steps
 per request); each sparse layer maps the chosen tokens onto its cache:
 sink and raw-tail tokens are read in place, history tokens are rebuilt
-(``Up(z) + mean of the same centers``, RoPE re-applied at the token's original position),
-written into the scratch slots through the provider's ``write_kv``, and the Selection
+(``Up(z) + mean of the same centers``, RoPE re-applied at the token's original position)
+into the scratch slots (on a Triton provider by one fused kernel per request and layer,
+``kernels.deltakv_rebuild_triton``, which reads only the history entries), and the Selection
 covers sink + scratch + raw tail picks. The raw tail grows by one token per step; when it
 holds ``FLUSH_TOKENS`` more than ``recent_tokens``, its oldest tokens are appended to the
 history (appended in place to the layer's ``deltakv_store.CodecStore``) and the layer is
@@ -56,6 +57,7 @@ from __future__ import annotations
 
 import torch
 
+from sparseengine import kernels
 from sparseengine.config import ConfigError
 from sparseengine.engine.step_context import Selection
 from sparseengine.layers.rotary import rope_inv_freq
@@ -121,11 +123,14 @@ class DeltaKV(SparseMethodRuntime):
         self.down, self.up, self.checkpoint_meta = load_down_up(
             self.path, model, self.sparse, ratio=self.ratio, stride=self.stride, neighbors=self.neighbors,
             latent_dim=self.latent_dim, device=self.device)
+        self.up = {layer: up.float() for layer, up in self.up.items()}  # the rebuild's product runs in float32
         self.inv_freq = rope_inv_freq(model.head_dim, model.rope_theta, model.rope_scaling).float().to(self.device)
         self.token_bytes = 2 * model.num_kv_heads * model.head_dim * cache.kv.k.element_size()
         self.bytes_at_end: dict[int, DeltaKVBytes] = {}  # seq_id -> stored_bytes when it finished
         self._chosen: list[torch.Tensor | None] | None = None  # mixed steps: per request
         self._picked: tuple[torch.Tensor, torch.Tensor] | None = None  # pure decode: (tokens [B, K], counts [B])
+        self._mapped: tuple[torch.Tensor, ...] | None = None  # pure decode: _map of the pick
+        self._no_history = torch.tensor(-1, dtype=torch.long, device=self.device)  # rows not compressed
 
     # ---- engine hooks ---------------------------------------------------------------------
     @classmethod
@@ -175,11 +180,11 @@ class DeltaKV(SparseMethodRuntime):
         return [n if layer not in self.sparse_set else min(n, self.total) for layer, n in enumerate(seq.layer_lens)]
 
     def metadata_bytes_read(self, seq, kv_bytes_per_token_layer: int) -> int:
-        """Per decode step (the pure-decode path): each full layer's fused max-logit scores
-        (``omnikv.max_logit_bytes_per_token``); per sparse layer, the latents, neighbour
-        indices and neighbour centers of every chosen entry (``sink + budget + recent``,
-        all rebuilt at fixed width) and writing up to ``budget`` of them into the scratch
-        slots (``Up`` is shared by the batch and not counted here)."""
+        """Per decode step (the pure-decode path, Triton provider): each full layer's fused
+        max-logit scores (``omnikv.max_logit_bytes_per_token``); per sparse layer, the
+        latents, neighbour indices and neighbour centers of the history tokens chosen (up to
+        ``budget``: the fused rebuild reads nothing for the others) and writing them into the
+        scratch slots (``Up`` is shared by the batch and not counted here)."""
         scores = sum(seq.layer_lens[layer] for layer in self.filters)
         total = scores * omnikv.max_logit_bytes_per_token(self.model.num_kv_heads)
         st = self.cache.state(seq).get(STATE_KEY)
@@ -191,17 +196,16 @@ class DeltaKV(SparseMethodRuntime):
                       + enc.zeros.numel() * 2) / rows
             index = enc.neighbors.shape[1] * enc.neighbors.element_size()
             center = enc.neighbors.shape[1] * enc.centers.shape[1] * enc.centers.element_size()
-            total += int(self.total * (latent + index + center)
-                         + min(self.config.budget, enc.n) * kv_bytes_per_token_layer)
+            total += int(min(self.config.budget, enc.n) * (latent + index + center + kv_bytes_per_token_layer))
         return total
 
     def begin_step(self, ctx) -> None:
         super().begin_step(ctx)
-        self._chosen = self._picked = None
+        self._chosen = self._picked = self._mapped = None
 
     def begin_step_graph(self, seqs) -> None:
         super().begin_step_graph(seqs)
-        self._chosen = self._picked = None
+        self._chosen = self._picked = self._mapped = None
 
     def graph_key(self, seqs):
         """A pure-decode step bakes in, per request, whether its layers are compressed and
@@ -225,9 +229,18 @@ class DeltaKV(SparseMethodRuntime):
         if self._chosen is None or all(c is None for c in self._chosen):
             return None
         table = ctx.views[layer].page_table
-        per_request = [None if c is None else self._map_tokens(seq, layer, c, c.numel(), table[b], ctx)
+        per_request = [None if c is None else self._mapped_row(seq, layer, c, table[b:b + 1], ctx)
                        for b, (seq, c) in enumerate(zip(ctx.seqs, self._chosen))]
         return Selection.from_lists(per_request, self.model.num_kv_heads, q.device)
+
+    def _mapped_row(self, seq, layer: int, chosen: torch.Tensor, table: torch.Tensor, ctx) -> torch.Tensor:
+        """Mixed steps: one request's chosen tokens (any count) mapped onto the layer's
+        cache, its history tokens rebuilt."""
+        count = torch.full((1,), chosen.numel(), dtype=torch.long, device=chosen.device)
+        idx, slots, positions = self._map([seq], chosen[None], count, table)
+        if self._state(seq).compressed:
+            self._rebuild_into(seq, layer, positions[0], slots[0], ctx)
+        return idx[0]
 
     def score_rows(self, layer, ctx):
         """Pure decode: a full layer's dense attention reports every token's max logit per
@@ -238,44 +251,62 @@ class DeltaKV(SparseMethodRuntime):
 
     def observe(self, layer, q, colsums, ctx):
         self._picked = omnikv.pick_from_max_logits(colsums, ctx.views[layer].kv_lens, self.config)
+        self._mapped = None
 
     def _batched_selection(self, layer, ctx) -> Selection:
         """Pure decode: every request's chosen tokens mapped onto this sparse layer's cache
         (history tokens rebuilt into the scratch slots), with no host sync: fixed width
-        ``sink + budget + recent``, the counts from the full layer's pick."""
+        ``sink + budget + recent``, the counts from the full layer's pick. The mapping is
+        the same for every sparse layer reading one pick (one page table for all layers)."""
         tokens, counts = self._picked
-        table = ctx.views[layer].page_table
-        rows = [tokens[b] if seq is None else self._map_tokens(seq, layer, tokens[b], counts[b], table[b], ctx)
-                for b, seq in enumerate(ctx.seqs)]  # None: a captured graph's padding row
+        if self._mapped is None:
+            self._mapped = self._map(ctx.seqs, tokens, counts, ctx.views[layer].page_table)
+        idx, slots, positions = self._mapped
+        for b, seq in enumerate(ctx.seqs):  # None: a captured graph's padding row
+            if seq is not None and self._state(seq).compressed:
+                self._rebuild_into(seq, layer, positions[b], slots[b], ctx)
         B, width, hkv = tokens.shape[0], tokens.shape[1], self.model.num_kv_heads
-        return Selection(torch.stack(rows)[:, None, :].expand(B, hkv, width),
-                         counts[:, None].expand(B, hkv).contiguous(), dense=(False,) * B)
+        return Selection(idx[:, None, :].expand(B, hkv, width), counts[:, None].expand(B, hkv).contiguous(),
+                         dense=(False,) * B)
 
-    def _map_tokens(self, seq, layer: int, tokens: torch.Tensor, count, table_row: torch.Tensor,
-                    ctx) -> torch.Tensor:
-        """Cache indices in a sparse layer of ``tokens [K]`` (the first ``count`` chosen,
-        ascending), on the device: sink tokens in place, raw tail tokens at their slots past
-        the scratch, history tokens rebuilt into the scratch slots in order (at most
-        ``budget`` of them: they all lie in the full layer's top-``budget`` range, as
-        ``hist_end <= length - recent``). Every entry is rebuilt (fixed shapes, no host
-        sync), only the history ones are written."""
-        st = self._state(seq)
-        if not st.compressed:
-            return tokens  # cache index == token position
+    def _map(self, seqs, tokens: torch.Tensor, counts: torch.Tensor, table: torch.Tensor):
+        """``(idx, slots, positions)``, each ``[B, K]``, of ``tokens [B, K]`` (each row's
+        first ``counts[b]`` chosen, ascending) in a sparse layer, on the device: cache
+        indices (sink tokens in place, raw tail tokens at their slots past the scratch,
+        history tokens in the scratch slots in order: at most ``budget`` of them, as they
+        all lie in the full layer's top-``budget`` range, ``hist_end <= length - recent``);
+        the cache slot each history token is rebuilt into (-1: none); and the codec-safe
+        position of every entry. Rows of requests not compressed (or None) map to
+        themselves."""
         sink, budget = self.config.sink_tokens, self.config.budget
-        k_cache, v_cache = ctx.kv_cache.layer(layer)
-        page_size = k_cache.shape[1]
-        hist_end = st.hist_end_t  # on the device: the flushes between replays move it
-        counted = torch.arange(tokens.shape[0], device=tokens.device) < count
+        states = [None if s is None else self._state(s) for s in seqs]
+        ends = [st.hist_end_t if st is not None and st.compressed else self._no_history for st in states]
+        hist_end = torch.stack(ends)[:, None]  # [B, 1]: the flushes move it on the device
+        compressed = hist_end >= 0
+        counted = torch.arange(tokens.shape[1], device=tokens.device)[None, :] < counts[:, None]
         raw = tokens >= hist_end
-        hist = counted & (tokens >= sink) & ~raw
-        scratch = sink + torch.cumsum(hist, 0) - 1
-        idx = torch.where(raw, sink + budget + tokens - hist_end, torch.where(hist, scratch, tokens))
-        k, v = self.rebuild(seq, layer, torch.minimum(tokens.clamp(min=sink), hist_end - 1))
-        at = scratch.clamp(min=0)
-        slots = torch.where(hist, table_row[at // page_size].long() * page_size + at % page_size, -1)
-        ctx.provider.write_kv(k_cache, v_cache, k, v, slots)
-        return idx
+        hist = compressed & counted & (tokens >= sink) & ~raw
+        scratch = sink + torch.cumsum(hist, 1) - 1
+        mapped = torch.where(raw, sink + budget + tokens - hist_end, torch.where(hist, scratch, tokens))
+        idx = torch.where(compressed, mapped, tokens)
+        page_size = self.cache.page_size
+        at = scratch.clamp(0, table.shape[1] * page_size - 1)
+        pages = table.gather(1, at // page_size).long()
+        slots = torch.where(hist, pages * page_size + at % page_size, -1)
+        return idx, slots, torch.minimum(tokens.clamp(min=sink), (hist_end - 1).clamp(min=sink))
+
+    def _rebuild_into(self, seq, layer: int, positions: torch.Tensor, slots: torch.Tensor, ctx) -> None:
+        """Rebuild the history tokens at ``positions`` into this layer's cache at ``slots``
+        (entries with slot -1 skipped): the fused Triton kernel on a Triton provider, else
+        the codec's torch path (which rebuilds every entry, then writes the named ones)."""
+        k_cache, v_cache = ctx.kv_cache.layer(layer)
+        if ctx.provider.triton_kernels:
+            enc = self._state(seq).stores[layer].full()
+            kernels.deltakv_rebuild_triton(enc, self.up[layer], self.inv_freq, positions, slots, k_cache, v_cache,
+                                           self.config.sink_tokens)
+        else:
+            k, v = self.rebuild(seq, layer, positions)
+            ctx.provider.write_kv(k_cache, v_cache, k, v, slots)
 
     def _choose(self, layer, q, ctx) -> list[torch.Tensor | None]:
         """OmniKV's choice at a full layer: token positions (== its cache indices)."""

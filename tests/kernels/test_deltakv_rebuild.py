@@ -3,50 +3,118 @@ import torch
 
 from sparseengine.kernels import deltakv_rebuild_ref, deltakv_rebuild_triton
 from sparseengine.kernels.testing import assert_close, randn
+from sparseengine.methods import deltakv_codec as codec
 
 
-def _rope_tables(max_pos, d, base=10000.0):
-    inv = 1.0 / base ** (torch.arange(0, d, 2).float() / d)
-    ang = torch.arange(max_pos).float()[:, None] * inv[None, :]
-    return torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+def _codec(n, hkv, d, r, bits, ratio, neighbors, gen, device, dtype=torch.float32):
+    """A real encoding of ``n`` random tokens with a random orthonormal Down/Up pair."""
+    dim = 2 * hkv * d
+    kv = randn(n, dim, generator=gen)
+    basis, _ = torch.linalg.qr(torch.randn(dim, r, generator=gen))
+    enc = codec.encode(kv, basis, center_ratio=ratio, neighbors=neighbors, latent_bits=bits)
+    to = {f: getattr(enc, f).to(device) for f in ("centers", "neighbors", "latents", "scales", "zeros")}
+    to["centers"] = to["centers"].to(dtype)
+    return codec.DeltaKVEncoded(enc.n, enc.stride, enc.latent_bits, **to), basis.T.contiguous().to(device)
 
 
-def _inputs(N, r, hkv, d, gen, device, dtype=torch.float32):
-    z = randn(N, r, generator=gen, device=device, dtype=dtype)
-    up = randn(r, 2 * hkv * d, generator=gen, device=device, dtype=dtype) / r**0.5
-    mean = randn(N, 2 * hkv * d, generator=gen, device=device, dtype=dtype)
-    pos = torch.randint(0, 500, (N,), generator=gen).to(device)
-    cos, sin = (t.to(device) for t in _rope_tables(500, d))
-    return z, up, mean, pos, cos, sin
+def _entries(enc, sink, count, num_pages, ps, gen, device, skip=0.25):
+    """Distinct token positions inside the history, a free slot each, some skipped (-1)."""
+    tokens = sink + torch.randperm(enc.n, generator=gen)[:count]
+    slots = torch.randperm(num_pages * ps, generator=gen)[:count]
+    slots = torch.where(torch.rand(count, generator=gen) < skip, -1, slots)
+    return tokens.to(device), slots.to(device)
 
 
-@pytest.mark.parametrize("N,r,hkv,d", [(1, 16, 4, 16), (37, 24, 2, 32), (70, 40, 3, 64)])
-def test_rebuild(N, r, hkv, d, gen, device):
-    args = _inputs(N, r, hkv, d, gen, device)
-    z, up, mean, pos, cos, sin = args
-    k_ref, v_ref = deltakv_rebuild_ref(*args, hkv)
-    # plainest: the rotation as complex multiplication of channel pairs (c, c + d/2)
-    kv = z.double() @ up.double() + mean.double()
-    k_raw = kv[:, : hkv * d].reshape(N, hkv, d)
-    half = d // 2
-    theta = torch.atan2(sin[pos, :half].double(), cos[pos, :half].double())[:, None, :]
-    rotated = torch.complex(k_raw[..., :half], k_raw[..., half:]) * torch.exp(1j * theta)
-    assert_close(k_ref, torch.cat([rotated.real, rotated.imag], -1).float(), 1e-5, "ref k")
-    assert_close(v_ref, kv[:, hkv * d:].reshape(N, hkv, d).float(), 1e-5, "ref v")
-    k, v = deltakv_rebuild_triton(*args, hkv)
-    assert_close(k, k_ref, 1e-4, "k")
-    assert_close(v, v_ref, 1e-4, "v")
+def _caches(num_pages, ps, hkv, d, device, dtype=torch.float32):
+    k = torch.full((num_pages, ps, hkv, d), float("nan"), dtype=dtype, device=device)
+    return k, k.clone()
 
 
-def test_fp16_out(gen, device):
-    args = _inputs(21, 32, 2, 32, gen, device, torch.float16)
-    for got, want in zip(deltakv_rebuild_triton(*args, 2), deltakv_rebuild_ref(*args, 2)):
-        assert got.dtype == torch.float16
-        assert_close(got, want, 2e-3)
+def _inv_freq(d, device):
+    return (1.0 / 500000.0 ** (torch.arange(0, d, 2).float() / d)).to(device)
+
+
+def test_ref_follows_the_codec(gen):
+    """The reference writes exactly what the codec decodes, RoPE'd at each token's
+    position, at the named slots, and nothing anywhere else."""
+    hkv, d, r, sink, ps = 2, 16, 32, 4, 8
+    enc, up = _codec(300, hkv, d, r, 4, 0.1, 3, gen, "cpu")
+    tokens, slots = _entries(enc, sink, 120, 20, ps, gen, "cpu")
+    inv = _inv_freq(d, "cpu")
+    k_cache, v_cache = _caches(20, ps, hkv, d, "cpu")
+    deltakv_rebuild_ref(enc, up, inv, tokens, slots, k_cache, v_cache, sink)
+    keep = slots >= 0
+    k, v = codec.split_kv(codec.decode(enc, up, tokens[keep] - sink), hkv, d)
+    k = codec.rotate_keys(k, tokens[keep], inv)
+    flat_k, flat_v = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
+    assert_close(flat_k[slots[keep]], k, 1e-5, "k")
+    assert_close(flat_v[slots[keep]], v, 1e-5, "v")
+    untouched = torch.ones(flat_k.shape[0], dtype=torch.bool)
+    untouched[slots[keep]] = False
+    assert flat_k[untouched].isnan().all() and flat_v[untouched].isnan().all()
+
+
+CASES = [  # n, hkv, d, r, bits, center ratio, neighbours, entries
+    (200, 2, 16, 32, 4, 0.1, 4, 70),
+    (150, 1, 32, 64, 16, 0.25, 2, 33),
+    (90, 3, 8, 32, 4, 0.5, 1, 90),
+]
+
+
+@pytest.mark.parametrize("n,hkv,d,r,bits,ratio,nb,count", CASES)
+def test_triton_matches_ref(n, hkv, d, r, bits, ratio, nb, count, gen, device):
+    sink, ps, pages = 3, 4, 60
+    enc, up = _codec(n, hkv, d, r, bits, ratio, nb, gen, device)
+    tokens, slots = _entries(enc, sink, count, pages, ps, gen, device)
+    inv = _inv_freq(d, device)
+    want, got = _caches(pages, ps, hkv, d, device), _caches(pages, ps, hkv, d, device)
+    deltakv_rebuild_ref(enc, up, inv, tokens, slots, *want, sink)
+    deltakv_rebuild_triton(enc, up, inv, tokens, slots, *got, sink)
+    assert_close(got[0], want[0], 1e-5, "k")
+    assert_close(got[1], want[1], 1e-5, "v")
+
+
+def test_all_centers(gen, device):
+    """Center ratio 1: every token is raw, the latent buffers are empty."""
+    hkv, d, sink, ps = 2, 16, 2, 8
+    enc, up = _codec(40, hkv, d, 32, 4, 1.0, 2, gen, device)
+    assert enc.latents.shape[0] == 0
+    tokens, slots = _entries(enc, sink, 25, 10, ps, gen, device)
+    want, got = _caches(10, ps, hkv, d, device), _caches(10, ps, hkv, d, device)
+    inv = _inv_freq(d, device)
+    deltakv_rebuild_ref(enc, up, inv, tokens, slots, *want, sink)
+    deltakv_rebuild_triton(enc, up, inv, tokens, slots, *got, sink)
+    assert_close(got[0], want[0], 1e-5, "k")
+    assert_close(got[1], want[1], 1e-5, "v")
+
+
+def test_bad_shapes_raise(gen, device):
+    enc, up = _codec(50, 2, 16, 32, 4, 0.1, 2, gen, device)
+    tokens, slots = _entries(enc, 0, 10, 10, 8, gen, device)
+    k_cache, v_cache = _caches(10, 8, 2, 16, device)
+    inv = _inv_freq(16, device)
+    with pytest.raises(ValueError, match="do not match the cache"):
+        deltakv_rebuild_triton(enc, up[:, :-2], inv, tokens, slots, k_cache, v_cache, 0)
+    with pytest.raises(ValueError, match="rank"):
+        deltakv_rebuild_triton(enc, up[:16], inv, tokens, slots, k_cache, v_cache, 0)
+    with pytest.raises(ValueError, match="same 1-D shape"):
+        deltakv_rebuild_triton(enc, up, inv, tokens, slots[:-1], k_cache, v_cache, 0)
+    with pytest.raises(ValueError, match="must match"):
+        deltakv_rebuild_triton(enc, up, inv, tokens, slots, k_cache, v_cache[:, :4], 0)
 
 
 @pytest.mark.gpu
-def test_gpu_bf16(gen):
-    args = _inputs(4096, 256, 8, 128, gen, "cuda", torch.bfloat16)
-    for got, want in zip(deltakv_rebuild_triton(*args, 8), deltakv_rebuild_ref(*args, 8)):
-        assert_close(got, want, 2e-2)
+@pytest.mark.parametrize("bits", [4, 16])
+def test_gpu_bf16_cache(bits, gen):
+    """The 128K benchmark's shape: 8 KV heads, head dim 128, rank 256, a 2048-entry pick
+    at positions up to 128K (TF32 product, bf16 cache)."""
+    hkv, d, sink, ps, pages = 8, 128, 4, 16, 200
+    enc, up = _codec(131072 // 8, hkv, d, 256, bits, 0.1, 4, gen, "cuda", torch.bfloat16)
+    tokens = sink + torch.randperm(enc.n, generator=gen)[:2048].cuda() * 8 % enc.n  # wide positions
+    slots = torch.randperm(pages * ps, generator=gen)[:2048].cuda()
+    inv = _inv_freq(d, "cuda")
+    want, got = _caches(pages, ps, hkv, d, "cuda", torch.bfloat16), _caches(pages, ps, hkv, d, "cuda", torch.bfloat16)
+    deltakv_rebuild_ref(enc, up, inv, tokens, slots, *want, sink)
+    deltakv_rebuild_triton(enc, up, inv, tokens, slots, *got, sink)
+    assert_close(got[0], want[0], 2e-2, "k")
+    assert_close(got[1], want[1], 2e-2, "v")

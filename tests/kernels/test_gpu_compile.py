@@ -150,10 +150,13 @@ def launch_every_kernel(device):
     cos, sin = torch.ones(5, d, dtype=bf, device=device), torch.zeros(5, d, dtype=bf, device=device)
     K.rotary_qk_triton(qr, kr, cos, sin)
     K.silu_mul_triton(randn(5, 512, generator=gen, dtype=bf, device=device))
-    z, up = randn(7, 32, generator=gen, device=device), randn(32, 2 * hkv * d, generator=gen, device=device)
-    K.deltakv_rebuild_triton(z, up.to(bf), randn(7, 2 * hkv * d, generator=gen, dtype=bf, device=device),
-                             torch.arange(7, device=device), torch.ones(10, d, device=device),
-                             torch.zeros(10, d, device=device), hkv)
+    from sparseengine.methods.deltakv_store import CodecStore
+    for bits in (4, 16):  # the engine's store: bf16 centers, int16 neighbours; float32 Up
+        store = CodecStore(60, 10, bits, 4, 2 * hkv * d, 32, bf, device)
+        store.write_random(60, gen)
+        K.deltakv_rebuild_triton(store.full(), randn(32, 2 * hkv * d, generator=gen, device=device),
+                                 torch.ones(d // 2, device=device), torch.arange(4, 11, device=device),
+                                 torch.arange(7, device=device), kv.k_cache, kv.v_cache, 4)
     pool_s = torch.zeros(3, 8, ps, hkv, device=device)
     pool_p = torch.zeros(3, 8, ps, hkv, dtype=torch.int32, device=device)
     table = torch.arange(8, dtype=torch.int32, device=device).view(2, 4)

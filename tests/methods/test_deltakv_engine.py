@@ -153,6 +153,23 @@ def test_pure_decode_path_equals_the_per_request_path(folder, ckpt32, monkeypatc
     assert got == [o.token_ids for o in _llm(folder, **kw).generate(prompts, sp)]
 
 
+def test_fused_rebuild_equals_the_torch_path(folder, ckpt32, monkeypatch):
+    """On a Triton provider the sparse layers rebuild through the fused kernel (interpreted
+    here), in pure-decode steps and in the mixed step where one prompt's last chunk meets
+    the other's decoding; the tokens equal those of the torch provider, which rebuilds
+    through the codec."""
+    prompts, sp = [PROMPT, PROMPT2], _greedy(12)
+    kw = dict(deltakv_latent_dim=32, deltakv_checkpoint_path=str(ckpt32.path), prefill_chunk_size=64)
+    want = [o.token_ids for o in _llm(folder, attention_provider="torch", **kw).generate(prompts, sp)]
+    fused = []
+    kernel = deltakv.kernels.deltakv_rebuild_triton
+    monkeypatch.setattr(deltakv.kernels, "deltakv_rebuild_triton",
+                        lambda *a, **k: (fused.append(int((a[4] >= 0).sum())), kernel(*a, **k))[1])
+    got = [o.token_ids for o in _llm(folder, attention_provider="triton", **kw).generate(prompts, sp)]
+    assert got == want
+    assert len(fused) >= 2 * 2 * 11 and max(fused) == BUDGET  # both sparse layers, both requests, every step
+
+
 def test_budget_covering_the_prompt_equals_vanilla(folder, ckpt32):
     prompts, sp = [PROMPT, PROMPT2], _greedy(8)
     want = [o.token_ids for o in _llm(folder, "vanilla").generate(prompts, sp)]

@@ -1,0 +1,53 @@
+"""DeltaKV's rebuild at the 128K decode benchmark's shape, on the GPU
+(`python -m sparseengine.kernels.bench_gpu --deltakv-rebuild --out FILE`): one request's
+layer, 2048 chosen entries of which `budget` are history tokens to rebuild from an int4
+codec of a 128K history (8 KV heads, head dim 128, rank 256, 4 neighbours), into a bf16
+paged cache. The fused kernel's tile and warps side by side with the engine's torch path
+(the codec's fixed-width decode, RoPE, then the provider's KV write), each per launch in a
+CUDA graph of 30 launches."""
+from __future__ import annotations
+
+import torch
+
+from sparseengine.kernels.bench_gpu import BF16, D, HKV, PS, emit, per_launch_us
+
+
+def bench_deltakv_rebuild(out_path, n=131072, sink=4, budget=1984, recent=60, rank=256):
+    from sparseengine.kernels import deltakv_rebuild_ref, deltakv_rebuild_triton, paged_kv_write_triton
+    from sparseengine.methods import deltakv_codec as codec
+    from sparseengine.methods.deltakv_store import CodecStore
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hist = n - sink - recent
+    store = CodecStore(hist, 10, 4, 4, 2 * HKV * D, rank, BF16, "cuda")
+    store.write_random(hist, gen)
+    enc = store.full()
+    up = torch.linalg.qr(torch.randn(2 * HKV * D, rank, generator=gen, device="cuda"))[0].T.contiguous()
+    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, D, 2, device="cuda").float() / D)
+    width = sink + budget + recent
+    tokens = torch.sort(torch.randperm(hist, generator=gen, device="cuda")[:width] + sink).values
+    pages = (width + PS - 1) // PS
+    k_cache = torch.zeros(pages, PS, HKV, D, dtype=BF16, device="cuda")
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.arange(width, device="cuda")
+    slots = torch.where((slots >= sink) & (slots < sink + budget), slots, -1)
+    want = k_cache.clone(), v_cache.clone()
+    deltakv_rebuild_ref(enc, up, inv_freq, tokens, slots, *want, sink)
+    bytes_read = budget * (rank // 2 + rank // 32 * 4 + 4 * 2 + 4 * 2 * HKV * D * 2) + 2 * budget * HKV * D * 2
+    shape = {"history": hist, "entries": width, "rebuilt": budget, "hkv": HKV, "head_dim": D, "rank": rank,
+             "latent_bits": 4, "neighbors": 4}
+    for block_m, warps in ((64, 4), (32, 4), (128, 4), (64, 8), (128, 8)):
+        fn = lambda: deltakv_rebuild_triton(enc, up, inv_freq, tokens, slots, k_cache, v_cache, sink,  # noqa: E731
+                                            block_m=block_m, num_warps=warps)
+        fn()
+        err = max((a.float() - b.float()).abs().max().item() for a, b in zip((k_cache, v_cache), want))
+        us = per_launch_us(fn)
+        emit(out_path, {"kind": "deltakv_rebuild", "path": "fused", "block_m": block_m, "num_warps": warps,
+                        **shape, "us_per_launch": us, "GBps": bytes_read / us / 1e3, "max_abs_diff_vs_ref": err})
+
+    def torch_path():  # DeltaKV.rebuild + the provider's write, as on a torch provider
+        kv = codec.decode_at(enc, up, tokens - sink)
+        k, v = codec.split_kv(kv, HKV, D)
+        paged_kv_write_triton(codec.rotate_keys(k, tokens, inv_freq), v, k_cache, v_cache, slots)
+
+    emit(out_path, {"kind": "deltakv_rebuild", "path": "torch", **shape, "us_per_launch": per_launch_us(torch_path)})
