@@ -98,7 +98,7 @@ def deltakv_rebuild_triton(enc, up, inv_freq, tokens, slots, k_cache, v_cache, s
         k_cache, v_cache, n, r, sink, enc.stride,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         HKV=hkv, HALF=d // 2, BLOCK_HALF=max(16, next_pow2(d // 2)), NB=neighbors.shape[1], BITS=bits,
-        GROUP=QUANT_GROUP, PAGE_SIZE=ps, BLOCK_M=block_m, BLOCK_R=max(16, min(64, next_pow2(r))),
+        GROUP=QUANT_GROUP, PAGE_SIZE=ps, BLOCK_M=block_m, BLOCK_R=max(32, min(64, next_pow2(r))),
         DOT_PREC="ieee" if exact else "tf32", num_warps=num_warps,
     )
 
@@ -122,7 +122,7 @@ def _rebuild_kernel(
     center = p // stride_codec
     is_center = p == center * stride_codec
     other = active & (p != center * stride_codec)
-    row = tl.where(other, p - center - 1, 0)
+    row = tl.maximum(p - center - 1, 0)  # read under the mask `other` only
     offs_c = tl.arange(0, BLOCK_HALF)
     c_ok = offs_c < HALF
     lo_cols = is_v * (HKV * 2 * HALF) + kvh * 2 * HALF + offs_c
@@ -130,24 +130,39 @@ def _rebuild_kernel(
     # z @ up over the latent dim, z dequantized on the fly
     acc_lo = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
     acc_hi = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
-    for r0 in range(0, R, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        r_ok = offs_r < R
-        z_mask = other[:, None] & r_ok[None, :]
-        if BITS == 4:
-            byte = tl.load(lat_ptr + row[:, None] * (R // 2) + offs_r[None, :] // 2, mask=z_mask, other=0)
-            code = (byte.to(tl.int32) >> ((offs_r[None, :] % 2) * 4)) & 15
-            group = row[:, None] * (R // GROUP) + offs_r[None, :] // GROUP
+    if BITS == 4:  # a byte holds latents 2b (low nibble) and 2b + 1: two products per tile
+        for b0 in range(0, R // 2, BLOCK_R // 2):
+            offs_b = b0 + tl.arange(0, BLOCK_R // 2)
+            b_ok = offs_b < R // 2
+            z_mask = other[:, None] & b_ok[None, :]
+            byte = tl.load(lat_ptr + row[:, None] * (R // 2) + offs_b[None, :], mask=z_mask, other=0).to(tl.int32)
+            group = row[:, None] * (R // GROUP) + (2 * offs_b[None, :]) // GROUP
             scale = tl.load(scale_ptr + group, mask=z_mask, other=0.0).to(tl.float32)
             zero = tl.load(zero_ptr + group, mask=z_mask, other=0.0).to(tl.float32)
-            z = code.to(tl.float32) * scale + zero
-        else:
+            z_even = (byte & 15).to(tl.float32) * scale + zero
+            z_odd = (byte >> 4).to(tl.float32) * scale + zero
+            w_mask = b_ok[:, None] & c_ok[None, :]
+            even = up_ptr + (2 * offs_b[:, None]) * width
+            odd = even + width
+            w = tl.load(even + lo_cols[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            acc_lo += tl.dot(z_even, w, input_precision=DOT_PREC)
+            w = tl.load(odd + lo_cols[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            acc_lo += tl.dot(z_odd, w, input_precision=DOT_PREC)
+            w = tl.load(even + hi_cols[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            acc_hi += tl.dot(z_even, w, input_precision=DOT_PREC)
+            w = tl.load(odd + hi_cols[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            acc_hi += tl.dot(z_odd, w, input_precision=DOT_PREC)
+    else:
+        for r0 in range(0, R, BLOCK_R):
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            r_ok = offs_r < R
+            z_mask = other[:, None] & r_ok[None, :]
             z = tl.load(lat_ptr + row[:, None] * R + offs_r[None, :], mask=z_mask, other=0.0).to(tl.float32)
-        w_mask = r_ok[:, None] & c_ok[None, :]
-        w_lo = tl.load(up_ptr + offs_r[:, None] * width + lo_cols[None, :], mask=w_mask, other=0.0).to(tl.float32)
-        w_hi = tl.load(up_ptr + offs_r[:, None] * width + hi_cols[None, :], mask=w_mask, other=0.0).to(tl.float32)
-        acc_lo += tl.dot(z, w_lo, input_precision=DOT_PREC)
-        acc_hi += tl.dot(z, w_hi, input_precision=DOT_PREC)
+            w_mask = r_ok[:, None] & c_ok[None, :]
+            w = tl.load(up_ptr + offs_r[:, None] * width + lo_cols[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            acc_lo += tl.dot(z, w, input_precision=DOT_PREC)
+            w = tl.load(up_ptr + offs_r[:, None] * width + hi_cols[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            acc_hi += tl.dot(z, w, input_precision=DOT_PREC)
     # + the mean of the token's valid neighbour centers
     sum_lo = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
     sum_hi = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
