@@ -57,7 +57,7 @@ class CacheManager:
 
     def slots(self, seq: Sequence, positions: torch.Tensor) -> torch.Tensor:
         """Cache slots of the given logical cache indices (any shape)."""
-        table = torch.tensor(seq.page_table, dtype=torch.long, device=positions.device)
+        table = self.upload(seq.page_table).to(positions.device)  # no wait on the queued work
         return table[positions // self.page_size] * self.page_size + positions % self.page_size
 
     def slot(self, seq: Sequence, index: int) -> int:

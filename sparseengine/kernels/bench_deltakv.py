@@ -1,8 +1,8 @@
 """DeltaKV's rebuild at the 128K decode benchmark's shape, on the GPU
 (`python -m sparseengine.kernels.bench_gpu --deltakv-rebuild --out FILE`): one request's
-layer, 2048 chosen entries of which `budget` are history tokens to rebuild from an int4
-codec of a 128K history (8 KV heads, head dim 128, rank 256, 4 neighbours), into a bf16
-paged cache. The fused kernel's tile and warps side by side with the engine's torch path
+layer, 2048 chosen entries (the benchmark's sink 64, budget 1472, recent 512), the
+`budget` history tokens rebuilt from an int4 codec of a 128K history (8 KV heads, head dim
+128, rank 256, 4 neighbours) into a bf16 paged cache. The fused kernel's tile and warps side by side with the engine's torch path
 (the codec's fixed-width decode, RoPE, then the provider's KV write), each per launch in a
 CUDA graph of 30 launches."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from sparseengine.kernels.bench_gpu import BF16, D, HKV, PS, emit, per_launch_us
 
 
-def bench_deltakv_rebuild(out_path, n=131072, sink=4, budget=1984, recent=60, rank=256):
+def bench_deltakv_rebuild(out_path, n=131072, sink=64, budget=1472, recent=512, rank=256):
     from sparseengine.kernels import deltakv_rebuild_ref, deltakv_rebuild_triton, paged_kv_write_triton
     from sparseengine.methods import deltakv_codec as codec
     from sparseengine.methods.deltakv_store import CodecStore
@@ -36,13 +36,15 @@ def bench_deltakv_rebuild(out_path, n=131072, sink=4, budget=1984, recent=60, ra
     bytes_read = budget * (rank // 2 + rank // 32 * 4 + 4 * 2 + 4 * 2 * HKV * D * 2) + 2 * budget * HKV * D * 2
     shape = {"history": hist, "entries": width, "rebuilt": budget, "hkv": HKV, "head_dim": D, "rank": rank,
              "latent_bits": 4, "neighbors": 4}
-    for block_m, warps in ((64, 4), (32, 4), (128, 4), (64, 8), (128, 8)):
-        fn = lambda: deltakv_rebuild_triton(enc, up, inv_freq, tokens, slots, k_cache, v_cache, sink,  # noqa: E731
-                                            block_m=block_m, num_warps=warps)
+    up16 = up.half()  # as the engine runs it on a bf16 cache
+    for block_m, block_r, warps in ((32, 64, 4), (16, 64, 4), (64, 64, 4), (32, 128, 4), (64, 64, 8), (128, 64, 8)):
+        fn = lambda: deltakv_rebuild_triton(enc, up16, inv_freq, tokens, slots, k_cache, v_cache, sink,  # noqa: E731
+                                            block_m=block_m, block_r=block_r, num_warps=warps)
         fn()
         err = max((a.float() - b.float()).abs().max().item() for a, b in zip((k_cache, v_cache), want))
         us = per_launch_us(fn)
-        emit(out_path, {"kind": "deltakv_rebuild", "path": "fused", "block_m": block_m, "num_warps": warps,
+        emit(out_path, {"kind": "deltakv_rebuild", "path": "fused", "block_m": block_m, "block_r": block_r,
+                        "num_warps": warps,
                         **shape, "us_per_launch": us, "GBps": bytes_read / us / 1e3, "max_abs_diff_vs_ref": err})
 
     def torch_path():  # DeltaKV.rebuild + the provider's write, as on a torch provider

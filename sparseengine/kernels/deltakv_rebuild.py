@@ -19,8 +19,9 @@ caches at `slot = page * page_size + offset`, cast to the cache dtype. Entries w
 device (the caller keeps every written entry's position inside the codec).
 
 Triton: one program per (tile of BLOCK_M entries, KV head, K or V); the d/2 halves are two
-float32 accumulators so RoPE is applied in registers. The `z @ up` product runs on tensor
-cores (TF32) for 16-bit caches, exact float32 (IEEE) for float32 caches.
+float32 accumulators so RoPE is applied in registers. The `z @ up` product runs in `up`'s
+dtype with float32 accumulation: float16 on tensor cores (the latents rounded to float16,
+10 mantissa bits, as TF32 would), float32 exactly (IEEE).
 """
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def deltakv_rebuild_ref(enc, up, inv_freq, tokens, slots, k_cache, v_cache, sink
 
 
 def deltakv_rebuild_triton(enc, up, inv_freq, tokens, slots, k_cache, v_cache, sink: int, *,
-                           block_m: int | None = None, num_warps: int = 4) -> None:
+                           block_m: int | None = None, block_r: int | None = None, num_warps: int = 4) -> None:
     centers, neighbors, latents = enc.centers, enc.neighbors, enc.latents
     num_pages, ps, hkv, d = k_cache.shape
     width = 2 * hkv * d
@@ -91,15 +92,17 @@ def deltakv_rebuild_triton(enc, up, inv_freq, tokens, slots, k_cache, v_cache, s
         latents = latents.new_zeros((1, latents.shape[1]))
     scales = enc.scales if bits == 4 and enc.scales.shape[0] else latents  # unread for 16-bit latents
     zeros = enc.zeros if bits == 4 and enc.zeros.shape[0] else latents
-    block_m = block_m or (64 if device.type == "cuda" else 16)
-    exact = k_cache.dtype == torch.float32
+    if up.dtype not in (torch.float16, torch.float32):
+        raise ValueError(f"up must be float16 (tensor-core product) or float32 (exact product), got {up.dtype}")
+    block_m = block_m or (32 if device.type == "cuda" else 16)
+    block_r = block_r or max(32, min(64, next_pow2(r)))
     _rebuild_kernel[(cdiv(n, block_m), hkv, 2)](
         tokens, slots, centers, neighbors, latents, scales, zeros, up.contiguous(), inv_freq.contiguous(),
         k_cache, v_cache, n, r, sink, enc.stride,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         HKV=hkv, HALF=d // 2, BLOCK_HALF=max(16, next_pow2(d // 2)), NB=neighbors.shape[1], BITS=bits,
-        GROUP=QUANT_GROUP, PAGE_SIZE=ps, BLOCK_M=block_m, BLOCK_R=max(32, min(64, next_pow2(r))),
-        DOT_PREC="ieee" if exact else "tf32", num_warps=num_warps,
+        GROUP=QUANT_GROUP, PAGE_SIZE=ps, BLOCK_M=block_m, BLOCK_R=block_r,
+        DOT_PREC="ieee" if up.dtype == torch.float32 else "tf32", num_warps=num_warps,
     )
 
 
@@ -139,29 +142,30 @@ def _rebuild_kernel(
             group = row[:, None] * (R // GROUP) + (2 * offs_b[None, :]) // GROUP
             scale = tl.load(scale_ptr + group, mask=z_mask, other=0.0).to(tl.float32)
             zero = tl.load(zero_ptr + group, mask=z_mask, other=0.0).to(tl.float32)
-            z_even = (byte & 15).to(tl.float32) * scale + zero
-            z_odd = (byte >> 4).to(tl.float32) * scale + zero
+            z_even = ((byte & 15).to(tl.float32) * scale + zero).to(up_ptr.dtype.element_ty)
+            z_odd = ((byte >> 4).to(tl.float32) * scale + zero).to(up_ptr.dtype.element_ty)
             w_mask = b_ok[:, None] & c_ok[None, :]
             even = up_ptr + (2 * offs_b[:, None]) * width
             odd = even + width
-            w = tl.load(even + lo_cols[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            w = tl.load(even + lo_cols[None, :], mask=w_mask, other=0.0)
             acc_lo += tl.dot(z_even, w, input_precision=DOT_PREC)
-            w = tl.load(odd + lo_cols[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            w = tl.load(odd + lo_cols[None, :], mask=w_mask, other=0.0)
             acc_lo += tl.dot(z_odd, w, input_precision=DOT_PREC)
-            w = tl.load(even + hi_cols[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            w = tl.load(even + hi_cols[None, :], mask=w_mask, other=0.0)
             acc_hi += tl.dot(z_even, w, input_precision=DOT_PREC)
-            w = tl.load(odd + hi_cols[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            w = tl.load(odd + hi_cols[None, :], mask=w_mask, other=0.0)
             acc_hi += tl.dot(z_odd, w, input_precision=DOT_PREC)
     else:
         for r0 in range(0, R, BLOCK_R):
             offs_r = r0 + tl.arange(0, BLOCK_R)
             r_ok = offs_r < R
             z_mask = other[:, None] & r_ok[None, :]
-            z = tl.load(lat_ptr + row[:, None] * R + offs_r[None, :], mask=z_mask, other=0.0).to(tl.float32)
+            z = tl.load(lat_ptr + row[:, None] * R + offs_r[None, :], mask=z_mask, other=0.0)
+            z = z.to(up_ptr.dtype.element_ty)
             w_mask = r_ok[:, None] & c_ok[None, :]
-            w = tl.load(up_ptr + offs_r[:, None] * width + lo_cols[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            w = tl.load(up_ptr + offs_r[:, None] * width + lo_cols[None, :], mask=w_mask, other=0.0)
             acc_lo += tl.dot(z, w, input_precision=DOT_PREC)
-            w = tl.load(up_ptr + offs_r[:, None] * width + hi_cols[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            w = tl.load(up_ptr + offs_r[:, None] * width + hi_cols[None, :], mask=w_mask, other=0.0)
             acc_hi += tl.dot(z, w, input_precision=DOT_PREC)
     # + the mean of the token's valid neighbour centers
     sum_lo = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)

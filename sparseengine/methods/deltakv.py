@@ -123,7 +123,10 @@ class DeltaKV(SparseMethodRuntime):
         self.down, self.up, self.checkpoint_meta = load_down_up(
             self.path, model, self.sparse, ratio=self.ratio, stride=self.stride, neighbors=self.neighbors,
             latent_dim=self.latent_dim, device=self.device)
-        self.up = {layer: up.float() for layer, up in self.up.items()}  # the rebuild's product runs in float32
+        self.up = {layer: up.float() for layer, up in self.up.items()}  # the torch rebuild's product: float32
+        # the fused rebuild's: float16 on tensor cores for a 16-bit cache, float32 (exact) for a float32 one
+        exact = cache.kv.k.dtype == torch.float32
+        self.up_dot = self.up if exact else {layer: up.half() for layer, up in self.up.items()}
         self.inv_freq = rope_inv_freq(model.head_dim, model.rope_theta, model.rope_scaling).float().to(self.device)
         self.token_bytes = 2 * model.num_kv_heads * model.head_dim * cache.kv.k.element_size()
         self.bytes_at_end: dict[int, DeltaKVBytes] = {}  # seq_id -> stored_bytes when it finished
@@ -302,7 +305,7 @@ class DeltaKV(SparseMethodRuntime):
         k_cache, v_cache = ctx.kv_cache.layer(layer)
         if ctx.provider.triton_kernels:
             enc = self._state(seq).stores[layer].full()
-            kernels.deltakv_rebuild_triton(enc, self.up[layer], self.inv_freq, positions, slots, k_cache, v_cache,
+            kernels.deltakv_rebuild_triton(enc, self.up_dot[layer], self.inv_freq, positions, slots, k_cache, v_cache,
                                            self.config.sink_tokens)
         else:
             k, v = self.rebuild(seq, layer, positions)
@@ -344,13 +347,14 @@ class DeltaKV(SparseMethodRuntime):
         if end <= st.hist_end or (st.compressed and end - st.hist_end < FLUSH_TOKENS):
             return
         base = sink + budget if st.compressed else sink
-        count = end - st.hist_end
+        count, held = end - st.hist_end, base + length - st.hist_end
         positions = torch.arange(st.hist_end, end, device=self.device)
+        slots = self.cache.slots(seq, torch.arange(base, base + count, device=self.device))  # same in every layer
         for layer in self.sparse:
-            held, want = seq.layer_lens[layer], base + length - st.hist_end
-            if held != want:
-                raise RuntimeError(f"deltakv: layer {layer} holds {held} tokens, expected {want}")
-            k, v = self.cache.gather(seq, layer, base + count, start=base)
+            if seq.layer_lens[layer] != held:
+                raise RuntimeError(f"deltakv: layer {layer} holds {seq.layer_lens[layer]} tokens, expected {held}")
+            k_cache, v_cache = self.cache.kv.layer(layer)
+            k, v = k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots]
             kv = codec.concat_kv(codec.unrotate_keys(k, positions, self.inv_freq).to(k.dtype), v)
             store = st.stores.get(layer)
             if store is None:
@@ -359,9 +363,9 @@ class DeltaKV(SparseMethodRuntime):
                                          latent_bits=self.bits))
             else:
                 store.append(kv, self.down[layer])
-            keep = torch.cat([torch.arange(sink + budget, device=self.device),
-                              torch.arange(base + count, held, device=self.device)])
-            self.cache.compact(seq, layer, keep.expand(self.model.num_kv_heads, -1))
+        keep = torch.cat([torch.arange(sink + budget, device=self.device),
+                          torch.arange(base + count, held, device=self.device)])
+        self.cache.compact_layers(seq, keep.expand(self.model.num_kv_heads, -1), self.sparse)
         self._set_hist_end(st, end)
         self.cache.trim_pages(seq)
 

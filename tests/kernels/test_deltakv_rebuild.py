@@ -74,6 +74,21 @@ def test_triton_matches_ref(n, hkv, d, r, bits, ratio, nb, count, gen, device):
     assert_close(got[1], want[1], 1e-5, "v")
 
 
+@pytest.mark.parametrize("bits", [4, 16])
+def test_float16_product(bits, gen, device):
+    """A float16 Up: the product on tensor cores, latents rounded to float16 (10 mantissa
+    bits, as TF32); float32 accumulation."""
+    hkv, d, sink, ps = 2, 32, 5, 8
+    enc, up = _codec(160, hkv, d, 64, bits, 0.1, 4, gen, device)
+    tokens, slots = _entries(enc, sink, 50, 12, ps, gen, device)
+    inv = _inv_freq(d, device)
+    want, got = _caches(12, ps, hkv, d, device), _caches(12, ps, hkv, d, device)
+    deltakv_rebuild_ref(enc, up, inv, tokens, slots, *want, sink)
+    deltakv_rebuild_triton(enc, up.half(), inv, tokens, slots, *got, sink)
+    assert_close(got[0], want[0], 3e-3, "k")
+    assert_close(got[1], want[1], 3e-3, "v")
+
+
 def test_all_centers(gen, device):
     """Center ratio 1: every token is raw, the latent buffers are empty."""
     hkv, d, sink, ps = 2, 16, 2, 8
@@ -99,6 +114,8 @@ def test_bad_shapes_raise(gen, device):
         deltakv_rebuild_triton(enc, up[:16], inv, tokens, slots, k_cache, v_cache, 0)
     with pytest.raises(ValueError, match="same 1-D shape"):
         deltakv_rebuild_triton(enc, up, inv, tokens, slots[:-1], k_cache, v_cache, 0)
+    with pytest.raises(ValueError, match="float16 .tensor-core product. or float32"):
+        deltakv_rebuild_triton(enc, up.to(torch.bfloat16), inv, tokens, slots, k_cache, v_cache, 0)
     with pytest.raises(ValueError, match="must match"):
         deltakv_rebuild_triton(enc, up, inv, tokens, slots, k_cache, v_cache[:, :4], 0)
 
@@ -107,7 +124,7 @@ def test_bad_shapes_raise(gen, device):
 @pytest.mark.parametrize("bits", [4, 16])
 def test_gpu_bf16_cache(bits, gen):
     """The 128K benchmark's shape: 8 KV heads, head dim 128, rank 256, a 2048-entry pick
-    at positions up to 128K (TF32 product, bf16 cache)."""
+    at positions up to 128K (float16 product, bf16 cache)."""
     hkv, d, sink, ps, pages = 8, 128, 4, 16, 200
     enc, up = _codec(131072 // 8, hkv, d, 256, bits, 0.1, 4, gen, "cuda", torch.bfloat16)
     tokens = sink + torch.randperm(enc.n, generator=gen)[:2048].cuda() * 8 % enc.n  # wide positions
@@ -115,6 +132,6 @@ def test_gpu_bf16_cache(bits, gen):
     inv = _inv_freq(d, "cuda")
     want, got = _caches(pages, ps, hkv, d, "cuda", torch.bfloat16), _caches(pages, ps, hkv, d, "cuda", torch.bfloat16)
     deltakv_rebuild_ref(enc, up, inv, tokens, slots, *want, sink)
-    deltakv_rebuild_triton(enc, up, inv, tokens, slots, *got, sink)
+    deltakv_rebuild_triton(enc, up.half(), inv, tokens, slots, *got, sink)  # as the engine runs it
     assert_close(got[0], want[0], 2e-2, "k")
     assert_close(got[1], want[1], 2e-2, "v")

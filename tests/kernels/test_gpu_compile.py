@@ -45,15 +45,15 @@ for store, combine in ((0, 0), (0, 2), (1, 0), (2, 0), (2, 1), (2, 2)):
         dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16, CHUNK=2048, BLOCK_N=64, MODE=0,
              STORE_LOGITS=store, DOT_PREC="tf32", COMBINE=combine, BLOCK_S=64, STORE_LSE=True), 4)
 
-# DeltaKV's fused rebuild at the engine's GPU tile (64 entries): int4 and float16 latents into
-# a bf16 cache (TF32 product), and a float32 engine's (exact product). The first version
+# DeltaKV's fused rebuild at a GPU tile (64 entries): int4 and float16 latents into a bf16
+# cache (float16 product), and a float32 engine's (exact product). The first version
 # compiled at the interpreter's tile of 16 and failed at 64 (a select on the latent row).
 REBUILD_TYPES = dict(tok_ptr="*i64", slot_ptr="*i64", nb_ptr="*i16", scale_ptr="*fp16", zero_ptr="*fp16",
-                     up_ptr="*fp32", inv_freq_ptr="*fp32")
+                     inv_freq_ptr="*fp32")
 REBUILD_TYPES.update({name: "i32" for name in ("N", "R", "sink", "stride_codec", "stride_cp", "stride_co",
                                                 "stride_ch")})
 for bits, dtype, prec in ((4, "bf16", "tf32"), (16, "bf16", "tf32"), (4, "fp32", "ieee")):
-    types = dict(REBUILD_TYPES, lat_ptr="*u8" if bits == 4 else "*fp16",
+    types = dict(REBUILD_TYPES, lat_ptr="*u8" if bits == 4 else "*fp16", up_ptr="*fp16" if prec == "tf32" else "*fp32",
                  **{name: f"*{dtype}" for name in ("centers_ptr", "k_cache_ptr", "v_cache_ptr")})
     BUILDS[f"deltakv_rebuild-int{bits}-{dtype}"] = (
         "deltakv_rebuild", "_rebuild_kernel", [], types,
