@@ -37,7 +37,7 @@ def bench_deltakv_rebuild(out_path, n=131072, sink=64, budget=1472, recent=512, 
     shape = {"history": hist, "entries": width, "rebuilt": budget, "hkv": HKV, "head_dim": D, "rank": rank,
              "latent_bits": 4, "neighbors": 4}
     up16 = up.half()  # as the engine runs it on a bf16 cache
-    for block_m, block_r, warps in ((32, 64, 4), (16, 64, 4), (64, 64, 4), (32, 128, 4), (64, 64, 8), (128, 64, 8)):
+    for block_m, block_r, warps in ((16, 64, 4), (32, 64, 4), (64, 64, 4), (16, 128, 4), (16, 64, 2), (128, 64, 8)):
         fn = lambda: deltakv_rebuild_triton(enc, up16, inv_freq, tokens, slots, k_cache, v_cache, sink,  # noqa: E731
                                             block_m=block_m, block_r=block_r, num_warps=warps)
         fn()
