@@ -1,27 +1,30 @@
-"""DeltaKV: rebuild chosen history tokens from one layer's codec, straight into the paged cache.
+"""DeltaKV: rebuild chosen history tokens from each request's codec, straight into the paged cache.
 
-The codec (METHODS.md, deltakv; `methods.deltakv_codec`) is passed as `enc`, anything with
-`DeltaKVEncoded`'s fields: `stride`; `centers [C, D]` (raw pre-RoPE `[K | V]`, center i
-at codec position `i * stride`); for the j-th non-center token, `neighbors [M, NB]`
-(center indices, -1 = none) and its latent, int4 (`latents` uint8 `[M, r/2]`, two codes a
-byte, low nibble first; `scales`, `zeros` float16 `[M, r/32]`) or float16 (`latents`
-`[M, r]`).
+Each request's codec of one layer (METHODS.md, deltakv; `methods.deltakv_codec`) is passed
+as `encs[b]`, anything with `DeltaKVEncoded`'s fields (None: a row skipped whatever its slots):
+`stride`; `centers [C, D]` (raw pre-RoPE `[K | V]`, center i at codec position
+`i * stride`); for the j-th non-center token, `neighbors [M, NB]` (center indices, -1 =
+none; int16 or int32) and its latent, int4 (`latents` uint8 `[M, r/2]`, two codes a byte,
+low nibble first; `scales`, `zeros` float16 `[M, r/32]`) or float16 (`latents` `[M, r]`).
 
-For each entry i with `slots[i] >= 0`, the token at position `tokens[i]` is codec position
-`p = tokens[i] - sink`:
+For each entry `(b, i)` with `slots[b, i] >= 0`, the token at position `tokens[b, i]` is
+codec position `p = tokens[b, i] - sink`:
 - a center (`p % stride == 0`): `kv = centers[p // stride]`;
 - otherwise, row `j = p - p // stride - 1`: `kv = z_j @ up + mean of centers[neighbors[j]]`
   (the valid ones), `z_j` dequantized as `code * scale + zero`.
-K (columns `[0, Hkv*d)`, head-major) is rotated at `tokens[i]` in the rotate_half
-convention, `cos/sin(tokens[i] * inv_freq)` in float32; K and V are written to the NHD
-caches at `slot = page * page_size + offset`, cast to the cache dtype. Entries with
-`slots[i] < 0` are skipped and read nothing. Nothing is returned; nothing waits on the
-device (the caller keeps every written entry's position inside the codec).
+K (columns `[0, Hkv*d)`, head-major) is rotated at `tokens[b, i]` in the rotate_half
+convention, `cos/sin(tokens[b, i] * inv_freq)` in float32; K and V are written to the NHD
+caches at `slot = page * page_size + offset`, cast to the cache dtype. Entries with a
+negative slot are skipped and read nothing. Nothing is returned; nothing waits on the
+device (the caller keeps every written entry's position inside its codec).
 
-Triton: one program per (tile of BLOCK_M entries, KV head, K or V); the d/2 halves are two
-float32 accumulators so RoPE is applied in registers. The `z @ up` product runs in `up`'s
-dtype with float32 accumulation: float16 on tensor cores (the latents rounded to float16,
-10 mantissa bits, as TF32 would), float32 exactly (IEEE).
+Triton: one launch for the batch; the requests' buffers are reached through a table of
+their addresses (`codec_pointers`, which a caller may keep on the device and pass as
+`pointers`, so that a CUDA graph reads the table of the step it replays). One program per
+(tile of BLOCK_M entries, KV head and K or V, request); the d/2 halves are two float32
+accumulators so RoPE is applied in registers. The `z @ up` product runs in `up`'s dtype
+with float32 accumulation: float16 on tensor cores (the latents rounded to float16, 10
+mantissa bits, as TF32 would), float32 exactly (IEEE).
 """
 from __future__ import annotations
 
@@ -36,9 +39,25 @@ if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing need
     import triton.language as tl
 
 QUANT_GROUP = 32  # int4 latents: one float16 scale and zero per group of 32 values
+POINTER_FIELDS = ("centers", "neighbors", "latents", "scales", "zeros")  # + a column: neighbours are int32
 
 
-def deltakv_rebuild_ref(enc, up, inv_freq, tokens, slots, k_cache, v_cache, sink: int) -> None:
+def codec_pointers(encs) -> torch.Tensor:
+    """``[B, 6]`` int64 (host): each codec's buffer addresses in ``POINTER_FIELDS`` order and
+    1 where its neighbour indices are int32 (0: int16); zeros for None rows."""
+    rows = [[0] * 6 if e is None else [getattr(e, f).data_ptr() for f in POINTER_FIELDS]
+            + [int(e.neighbors.dtype == torch.int32)] for e in encs]
+    return torch.tensor(rows, dtype=torch.int64).view(len(rows), 6)
+
+
+def deltakv_rebuild_ref(encs, up, inv_freq, tokens, slots, k_cache, v_cache, sink: int) -> None:
+    for b, enc in enumerate(encs):
+        if enc is not None:
+            _rebuild_row_ref(enc, up, inv_freq, tokens[b], slots[b], k_cache, v_cache, sink)
+
+
+def _rebuild_row_ref(enc, up, inv_freq, tokens, slots, k_cache, v_cache, sink: int) -> None:
+    """One row of `deltakv_rebuild_ref`."""
     keep = slots >= 0
     tok, slot = tokens[keep].long(), slots[keep].long()
     p = tok - sink
@@ -67,40 +86,51 @@ def deltakv_rebuild_ref(enc, up, inv_freq, tokens, slots, k_cache, v_cache, sink
     v_cache[slot // ps, slot % ps] = v.to(v_cache.dtype)
 
 
-def deltakv_rebuild_triton(enc, up, inv_freq, tokens, slots, k_cache, v_cache, sink: int, *,
-                           block_m: int | None = None, block_r: int | None = None, num_warps: int = 4) -> None:
-    centers, neighbors, latents = enc.centers, enc.neighbors, enc.latents
+def deltakv_rebuild_triton(encs, up, inv_freq, tokens, slots, k_cache, v_cache, sink: int, *,
+                           pointers: torch.Tensor | None = None, block_m: int | None = None,
+                           block_r: int | None = None, num_warps: int = 4) -> None:
     num_pages, ps, hkv, d = k_cache.shape
-    width = 2 * hkv * d
-    r = up.shape[0]
+    width, r = 2 * hkv * d, up.shape[0]
     if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError(f"k/v caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} must match, head_dim contiguous")
-    if d % 2 or up.shape[1] != width or centers.shape[1] != width or inv_freq.numel() != d // 2:
-        raise ValueError(f"shapes do not match the cache [*, *, {hkv}, {d}]: up {tuple(up.shape)}, centers "
-                         f"{tuple(centers.shape)}, inv_freq {tuple(inv_freq.shape)}")
-    bits = 4 if latents.dtype == torch.uint8 else 16
-    if latents.shape[1] != (r // 2 if bits == 4 else r) or (bits == 4 and r % QUANT_GROUP):
-        raise ValueError(f"latents {tuple(latents.shape)} ({latents.dtype}) do not match up's rank {r}")
-    if tokens.shape != slots.shape or tokens.dim() != 1:
-        raise ValueError(f"tokens {tuple(tokens.shape)} and slots {tuple(slots.shape)} must be one same 1-D shape")
-    device = check_launch(tokens, slots, centers, latents, up, inv_freq, k_cache, v_cache)
-    n = tokens.shape[0]
-    if n == 0:
-        return
-    if latents.shape[0] == 0:  # every token a center: the latent side is never read
-        neighbors = centers.new_full((1, max(1, neighbors.shape[1])), -1, dtype=torch.int32)
-        latents = latents.new_zeros((1, latents.shape[1]))
-    scales = enc.scales if bits == 4 and enc.scales.shape[0] else latents  # unread for 16-bit latents
-    zeros = enc.zeros if bits == 4 and enc.zeros.shape[0] else latents
+    if tokens.shape != slots.shape or tokens.dim() != 2 or tokens.shape[0] != len(encs):
+        raise ValueError(f"tokens {tuple(tokens.shape)} and slots {tuple(slots.shape)} must both be "
+                         f"[B={len(encs)}, K], one row per codec")
     if up.dtype not in (torch.float16, torch.float32):
         raise ValueError(f"up must be float16 (tensor-core product) or float32 (exact product), got {up.dtype}")
+    given = [e for e in encs if e is not None]
+    if not given:
+        return
+    first = given[0]
+    if d % 2 or up.shape[1] != width or inv_freq.numel() != d // 2:
+        raise ValueError(f"shapes do not match the cache [*, *, {hkv}, {d}]: up {tuple(up.shape)}, "
+                         f"inv_freq {tuple(inv_freq.shape)}")
+    for e in given:
+        bits = 4 if e.latents.dtype == torch.uint8 else 16
+        if (e.centers.shape[1] != width or e.centers.dtype != first.centers.dtype
+                or e.latents.dtype != first.latents.dtype or e.stride != first.stride
+                or e.neighbors.shape[1] != first.neighbors.shape[1]):
+            raise ValueError("every codec must share the stride, the neighbour count, the latent and center "
+                             f"dtypes and the cache's K|V width {width}")
+        if e.latents.shape[1] != (r // 2 if bits == 4 else r) or (bits == 4 and r % QUANT_GROUP):
+            raise ValueError(f"latents {tuple(e.latents.shape)} ({e.latents.dtype}) do not match up's rank {r}")
+    device = check_launch(tokens, slots, first.centers, first.latents, up, inv_freq, k_cache, v_cache)
+    if pointers is None:
+        pointers = codec_pointers(encs).to(device)
+    if tuple(pointers.shape) != (len(encs), 6) or pointers.dtype != torch.int64 or pointers.stride(-1) != 1:
+        raise ValueError(f"pointers must be int64 [B={len(encs)}, 6] (codec_pointers), got {tuple(pointers.shape)}")
+    if tokens.shape[1] == 0:
+        return
+    bits = 4 if first.latents.dtype == torch.uint8 else 16
     block_m = block_m or 16  # 45 us per layer of the 128K benchmark on the H200 (bench_deltakv), 32: 56, 64: 49
     block_r = block_r or max(32, min(64, next_pow2(r)))
-    _rebuild_kernel[(cdiv(n, block_m), hkv, 2)](
-        tokens, slots, centers, neighbors, latents, scales, zeros, up.contiguous(), inv_freq.contiguous(),
-        k_cache, v_cache, n, r, sink, enc.stride,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        HKV=hkv, HALF=d // 2, BLOCK_HALF=max(16, next_pow2(d // 2)), NB=neighbors.shape[1], BITS=bits,
+    # typed templates only (each row's buffers come from the table): non-empty, so never a null pointer
+    typed = [t if t.numel() else t.new_empty(1) for t in (first.centers, first.latents, first.scales)]
+    _rebuild_kernel[(cdiv(tokens.shape[1], block_m), 2 * hkv, len(encs))](
+        tokens, slots, pointers, *typed, up.contiguous(), inv_freq.contiguous(),
+        k_cache, v_cache, tokens.shape[1], tokens.stride(0), slots.stride(0), pointers.stride(0), r, sink,
+        first.stride, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        HKV=hkv, HALF=d // 2, BLOCK_HALF=max(16, next_pow2(d // 2)), NB=first.neighbors.shape[1], BITS=bits,
         GROUP=QUANT_GROUP, PAGE_SIZE=ps, BLOCK_M=block_m, BLOCK_R=block_r,
         DOT_PREC="ieee" if up.dtype == torch.float32 else "tf32", num_warps=num_warps,
     )
@@ -108,19 +138,31 @@ def deltakv_rebuild_triton(enc, up, inv_freq, tokens, slots, k_cache, v_cache, s
 
 @lazy_jit
 def _rebuild_kernel(
-    tok_ptr, slot_ptr, centers_ptr, nb_ptr, lat_ptr, scale_ptr, zero_ptr, up_ptr, inv_freq_ptr,
-    k_cache_ptr, v_cache_ptr, N, R, sink, stride_codec, stride_cp, stride_co, stride_ch,
+    tok_ptr, slot_ptr, table_ptr, centers_t, lat_t, scale_t, up_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr,
+    N, stride_tok, stride_slot, stride_table, R, sink, stride_codec, stride_cp, stride_co, stride_ch,
     HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    kvh = tl.program_id(1)
-    is_v = tl.program_id(2)
+    kvh = tl.program_id(1) % HKV
+    is_v = tl.program_id(1) // HKV
+    b = tl.program_id(2).to(tl.int64)
     width = HKV * 4 * HALF
-    slot = tl.load(slot_ptr + offs_m, mask=offs_m < N, other=-1).to(tl.int64)
-    active = slot >= 0
-    tok = tl.load(tok_ptr + offs_m, mask=active, other=0).to(tl.int64)
+    # this request's codec buffers (the centers, latents and scales arguments only type them)
+    row_of = table_ptr + b * stride_table
+    centers_addr = tl.load(row_of)
+    centers_ptr = centers_addr.to(tl.pointer_type(centers_t.dtype.element_ty))
+    nb_addr = tl.load(row_of + 1)
+    lat_ptr = tl.load(row_of + 2).to(tl.pointer_type(lat_t.dtype.element_ty))
+    scale_ptr = tl.load(row_of + 3).to(tl.pointer_type(scale_t.dtype.element_ty))
+    zero_ptr = tl.load(row_of + 4).to(tl.pointer_type(scale_t.dtype.element_ty))
+    nb_wide = tl.load(row_of + 5) != 0
+    nb16_ptr = nb_addr.to(tl.pointer_type(tl.int16))
+    nb32_ptr = nb_addr.to(tl.pointer_type(tl.int32))
+    slot = tl.load(slot_ptr + b * stride_slot + offs_m, mask=offs_m < N, other=-1).to(tl.int64)
+    active = (slot >= 0) & (centers_addr != 0)  # a row without a codec reads nothing
+    tok = tl.load(tok_ptr + b * stride_tok + offs_m, mask=active, other=0).to(tl.int64)
     p = tok - sink
     center = p // stride_codec
     is_center = p == center * stride_codec
@@ -172,7 +214,9 @@ def _rebuild_kernel(
     sum_hi = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
     count = tl.zeros([BLOCK_M], tl.float32)
     for j in tl.static_range(NB):
-        nid = tl.load(nb_ptr + row * NB + j, mask=other, other=-1).to(tl.int64)
+        nid16 = tl.load(nb16_ptr + row * NB + j, mask=other & ~nb_wide, other=-1).to(tl.int64)
+        nid32 = tl.load(nb32_ptr + row * NB + j, mask=other & nb_wide, other=-1).to(tl.int64)
+        nid = tl.where(nb_wide, nid32, nid16)
         ok = nid >= 0
         c_mask = ok[:, None] & c_ok[None, :]
         sum_lo += tl.load(centers_ptr + nid[:, None] * width + lo_cols[None, :], mask=c_mask, other=0.0).to(tl.float32)
