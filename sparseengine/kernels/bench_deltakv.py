@@ -15,7 +15,7 @@ from sparseengine.kernels.bench_gpu import BF16, D, HKV, PS, emit, per_launch_us
 
 def bench_deltakv_rebuild(out_path, n=131072, sink=64, budget=1472, recent=512, rank=256, batch=6):
     from sparseengine.kernels import deltakv_rebuild_ref, deltakv_rebuild_triton, paged_kv_write_triton
-    from sparseengine.kernels.deltakv_rebuild import codec_pointers
+    from sparseengine.kernels.deltakv_rebuild import codec_anchors, codec_table
     from sparseengine.methods import deltakv_codec as codec
     from sparseengine.methods.deltakv_store import CodecStore
 
@@ -52,14 +52,16 @@ def bench_deltakv_rebuild(out_path, n=131072, sink=64, budget=1472, recent=512, 
     for block_m, block_r, warps in ((16, 64, 4), (32, 64, 4), (64, 64, 4), (16, 128, 4), (16, 64, 2)):
         record("fused", 1, lambda: deltakv_rebuild_triton(encs[:1], up16, inv_freq, tokens[:1], slots[:1], k_cache,
                                                           v_cache, sink, block_m=block_m, block_r=block_r,
-                                                          num_warps=warps),
+                                                          num_warps=warps, **one),
                block_m=block_m, block_r=block_r, num_warps=warps)
-    pointers = codec_pointers(encs).cuda()
+    anchors = codec_anchors(BF16, torch.uint8, "cuda")
+    table = codec_table(encs, anchors).cuda()
+    one = dict(table=table[:1], anchors=anchors)
     record("fused", batch, lambda: deltakv_rebuild_triton(encs, up16, inv_freq, tokens, slots, k_cache, v_cache,
-                                                          sink, pointers=pointers))
+                                                          sink, table=table, anchors=anchors))
     record("fused, a launch per request", batch, lambda: [
         deltakv_rebuild_triton(encs[b:b + 1], up16, inv_freq, tokens[b:b + 1], slots[b:b + 1], k_cache, v_cache,
-                               sink, pointers=pointers[b:b + 1]) for b in range(batch)])
+                               sink, table=table[b:b + 1], anchors=anchors) for b in range(batch)])
 
     def torch_path():  # DeltaKV.rebuild + the provider's write, as on a torch provider
         kv = codec.decode_at(encs[0], up, tokens[0] - sink)

@@ -19,8 +19,10 @@ negative slot are skipped and read nothing. Nothing is returned; nothing waits o
 device (the caller keeps every written entry's position inside its codec).
 
 Triton: one launch for the batch; the requests' buffers are reached through a table of
-their addresses (`codec_pointers`, which a caller may keep on the device and pass as
-`pointers`, so that a CUDA graph reads the table of the step it replays). One program per
+their offsets from a few typed anchor buffers (`codec_table`, `codec_anchors`; a caller may
+keep both on the device and pass them, so that a CUDA graph reads the table of the step it
+replays). The offsets are multiples of 16 elements, which the kernel is told, so its loads
+stay vectorised as they are through a typed pointer argument. One program per
 (tile of BLOCK_M entries, KV head and K or V, request); the d/2 halves are two float32
 accumulators so RoPE is applied in registers. The `z @ up` product runs in `up`'s dtype
 with float32 accumulation: float16 on tensor cores (the latents rounded to float16, 10
@@ -39,15 +41,40 @@ if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing need
     import triton.language as tl
 
 QUANT_GROUP = 32  # int4 latents: one float16 scale and zero per group of 32 values
-POINTER_FIELDS = ("centers", "neighbors", "latents", "scales", "zeros")  # + a column: neighbours are int32
+TABLE_FIELDS = ("centers", "neighbors", "latents", "scales", "zeros")  # + neighbours are int32, + a codec
+ALIGN = 16  # elements: every buffer's offset from its anchor is a multiple (vector loads stay possible)
 
 
-def codec_pointers(encs) -> torch.Tensor:
-    """``[B, 6]`` int64 (host): each codec's buffer addresses in ``POINTER_FIELDS`` order and
-    1 where its neighbour indices are int32 (0: int16); zeros for None rows."""
-    rows = [[0] * 6 if e is None else [getattr(e, f).data_ptr() for f in POINTER_FIELDS]
-            + [int(e.neighbors.dtype == torch.int32)] for e in encs]
-    return torch.tensor(rows, dtype=torch.int64).view(len(rows), 6)
+def codec_anchors(centers_dtype: torch.dtype, latents_dtype: torch.dtype, device) -> tuple:
+    """Small typed buffers that codec tables count offsets from (`codec_table`): centers,
+    int16 and int32 neighbours, latents, scales. A caller that keeps a table on the device
+    keeps its anchors too."""
+    return tuple(torch.zeros(512 // torch.tensor([], dtype=t).element_size(), dtype=t, device=device)
+                 for t in (centers_dtype, torch.int16, torch.int32, latents_dtype, torch.float16))
+
+
+def codec_table(encs, anchors) -> torch.Tensor:
+    """``[B, 7]`` int64 (host): per codec, its buffers' offsets in elements from the anchors
+    of their dtype (``TABLE_FIELDS`` order), 1 where its neighbour indices are int32 (else
+    int16), and 1 for a codec (0: a None row, all zeros)."""
+    centers, nb16, nb32, latents, scales = anchors
+    rows = []
+    for e in encs:
+        if e is None:
+            rows.append([0] * 7)
+            continue
+        wide = e.neighbors.dtype == torch.int32
+        row = []
+        for t, anchor in zip((e.centers, e.neighbors, e.latents, e.scales, e.zeros),
+                             (centers, nb32 if wide else nb16, latents, scales, scales)):
+            if t.dtype != anchor.dtype:
+                raise ValueError(f"a codec buffer is {t.dtype}, its anchor {anchor.dtype}")
+            gap = t.data_ptr() - anchor.data_ptr() if t.numel() else 0
+            if gap % (ALIGN * t.element_size()):
+                raise ValueError(f"codec buffers must start {ALIGN * t.element_size()}-byte aligned")
+            row.append(gap // t.element_size())
+        rows.append(row + [int(wide), 1])
+    return torch.tensor(rows, dtype=torch.int64).view(len(rows), 7)
 
 
 def deltakv_rebuild_ref(encs, up, inv_freq, tokens, slots, k_cache, v_cache, sink: int) -> None:
@@ -87,7 +114,8 @@ def _rebuild_row_ref(enc, up, inv_freq, tokens, slots, k_cache, v_cache, sink: i
 
 
 def deltakv_rebuild_triton(encs, up, inv_freq, tokens, slots, k_cache, v_cache, sink: int, *,
-                           pointers: torch.Tensor | None = None, block_m: int | None = None,
+                           table: torch.Tensor | None = None, anchors: tuple | None = None,
+                           block_m: int | None = None,
                            block_r: int | None = None, num_warps: int = 4) -> None:
     num_pages, ps, hkv, d = k_cache.shape
     width, r = 2 * hkv * d, up.shape[0]
@@ -115,53 +143,53 @@ def deltakv_rebuild_triton(encs, up, inv_freq, tokens, slots, k_cache, v_cache, 
         if e.latents.shape[1] != (r // 2 if bits == 4 else r) or (bits == 4 and r % QUANT_GROUP):
             raise ValueError(f"latents {tuple(e.latents.shape)} ({e.latents.dtype}) do not match up's rank {r}")
     device = check_launch(tokens, slots, first.centers, first.latents, up, inv_freq, k_cache, v_cache)
-    if pointers is None:
-        pointers = codec_pointers(encs).to(device)
-    if tuple(pointers.shape) != (len(encs), 6) or pointers.dtype != torch.int64 or pointers.stride(-1) != 1:
-        raise ValueError(f"pointers must be int64 [B={len(encs)}, 6] (codec_pointers), got {tuple(pointers.shape)}")
+    if (table is None) != (anchors is None):
+        raise ValueError("pass a codec table together with the anchors it counts from, or neither")
+    if table is None:
+        anchors = codec_anchors(first.centers.dtype, first.latents.dtype, device)
+        table = codec_table(encs, anchors).to(device)
+    if tuple(table.shape) != (len(encs), 7) or table.dtype != torch.int64 or table.stride(-1) != 1:
+        raise ValueError(f"table must be int64 [B={len(encs)}, 7] (codec_table), got {tuple(table.shape)}")
     if tokens.shape[1] == 0:
         return
     bits = 4 if first.latents.dtype == torch.uint8 else 16
     block_m = block_m or 16  # 45 us per layer of the 128K benchmark on the H200 (bench_deltakv), 32: 56, 64: 49
     block_r = block_r or max(32, min(64, next_pow2(r)))
-    # typed templates only (each row's buffers come from the table): non-empty, so never a null pointer
-    typed = [t if t.numel() else t.new_empty(1) for t in (first.centers, first.latents, first.scales)]
     _rebuild_kernel[(cdiv(tokens.shape[1], block_m), 2 * hkv, len(encs))](
-        tokens, slots, pointers, *typed, up.contiguous(), inv_freq.contiguous(),
-        k_cache, v_cache, tokens.shape[1], tokens.stride(0), slots.stride(0), pointers.stride(0), r, sink,
+        tokens, slots, table, *anchors, up.contiguous(), inv_freq.contiguous(),
+        k_cache, v_cache, tokens.shape[1], tokens.stride(0), slots.stride(0), table.stride(0), r, sink,
         first.stride, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         HKV=hkv, HALF=d // 2, BLOCK_HALF=max(16, next_pow2(d // 2)), NB=first.neighbors.shape[1], BITS=bits,
-        GROUP=QUANT_GROUP, PAGE_SIZE=ps, BLOCK_M=block_m, BLOCK_R=block_r,
+        GROUP=QUANT_GROUP, ALIGN=ALIGN, PAGE_SIZE=ps, BLOCK_M=block_m, BLOCK_R=block_r,
         DOT_PREC="ieee" if up.dtype == torch.float32 else "tf32", num_warps=num_warps,
     )
 
 
 @lazy_jit
 def _rebuild_kernel(
-    tok_ptr, slot_ptr, table_ptr, centers_t, lat_t, scale_t, up_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr,
-    N, stride_tok, stride_slot, stride_table, R, sink, stride_codec, stride_cp, stride_co, stride_ch,
+    tok_ptr, slot_ptr, table_ptr, centers_a, nb16_a, nb32_a, lat_a, scale_a, up_ptr, inv_freq_ptr, k_cache_ptr,
+    v_cache_ptr, N, stride_tok, stride_slot, stride_table, R, sink, stride_codec, stride_cp, stride_co, stride_ch,
     HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr,
-    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    GROUP: tl.constexpr, ALIGN: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     kvh = tl.program_id(1) % HKV
     is_v = tl.program_id(1) // HKV
     b = tl.program_id(2).to(tl.int64)
     width = HKV * 4 * HALF
-    # this request's codec buffers (the centers, latents and scales arguments only type them)
+    # this request's codec buffers: aligned offsets from the anchors
     row_of = table_ptr + b * stride_table
-    centers_addr = tl.load(row_of)
-    centers_ptr = centers_addr.to(tl.pointer_type(centers_t.dtype.element_ty))
-    nb_addr = tl.load(row_of + 1)
-    lat_ptr = tl.load(row_of + 2).to(tl.pointer_type(lat_t.dtype.element_ty))
-    scale_ptr = tl.load(row_of + 3).to(tl.pointer_type(scale_t.dtype.element_ty))
-    zero_ptr = tl.load(row_of + 4).to(tl.pointer_type(scale_t.dtype.element_ty))
+    centers_ptr = centers_a + tl.multiple_of(tl.load(row_of), ALIGN)
+    nb16_ptr = nb16_a + tl.multiple_of(tl.load(row_of + 1), ALIGN)
+    nb32_ptr = nb32_a + tl.multiple_of(tl.load(row_of + 1), ALIGN)
+    lat_ptr = lat_a + tl.multiple_of(tl.load(row_of + 2), ALIGN)
+    scale_ptr = scale_a + tl.multiple_of(tl.load(row_of + 3), ALIGN)
+    zero_ptr = scale_a + tl.multiple_of(tl.load(row_of + 4), ALIGN)
     nb_wide = tl.load(row_of + 5) != 0
-    nb16_ptr = nb_addr.to(tl.pointer_type(tl.int16))
-    nb32_ptr = nb_addr.to(tl.pointer_type(tl.int32))
+    live = tl.load(row_of + 6) != 0
     slot = tl.load(slot_ptr + b * stride_slot + offs_m, mask=offs_m < N, other=-1).to(tl.int64)
-    active = (slot >= 0) & (centers_addr != 0)  # a row without a codec reads nothing
+    active = (slot >= 0) & live  # a row without a codec reads nothing
     tok = tl.load(tok_ptr + b * stride_tok + offs_m, mask=active, other=0).to(tl.int64)
     p = tok - sink
     center = p // stride_codec

@@ -134,11 +134,13 @@ class DeltaKV(SparseMethodRuntime):
         self._picked: tuple[torch.Tensor, torch.Tensor] | None = None  # pure decode: (tokens [B, K], counts [B])
         self._mapped: tuple[torch.Tensor, ...] | None = None  # pure decode: _map of the pick
         self._no_history = torch.tensor(-1, dtype=torch.long, device=self.device)  # rows not compressed
-        # the fused rebuild's codec addresses, per sparse layer and batch row (kernels.codec_pointers),
-        # refreshed before every pure-decode step whose requests' buffers changed: a captured step
-        # reads this one table, whatever requests it replays for
-        self._pointers = torch.zeros(len(self.sparse), config.max_num_seqs, 6, dtype=torch.long, device=self.device)
-        self._pointer_rows: list | None = None  # what _pointers holds: per row (seq_id, buffer generations)
+        # the fused rebuild's codec table, per sparse layer and batch row (kernels.codec_table, offsets
+        # from these anchors), refreshed before every pure-decode step whose requests' buffers changed:
+        # a captured step reads this one table, whatever requests it replays for
+        self._anchors = kernels.codec_anchors(cache.kv.k.dtype, torch.uint8 if self.bits == 4 else torch.float16,
+                                              self.device)
+        self._table = torch.zeros(len(self.sparse), config.max_num_seqs, 7, dtype=torch.long, device=self.device)
+        self._table_rows: list | None = None  # what _table holds: per row (seq_id, buffer generations)
         self._sparse_row = {layer: i for i, layer in enumerate(self.sparse)}
 
     # ---- engine hooks ---------------------------------------------------------------------
@@ -212,28 +214,28 @@ class DeltaKV(SparseMethodRuntime):
         super().begin_step(ctx)
         self._chosen = self._picked = self._mapped = None
         if ctx.is_decode and ctx.provider.triton_kernels:
-            self._stage_pointers(ctx.seqs)
+            self._stage_table(ctx.seqs)
 
     def begin_step_graph(self, seqs) -> None:
         super().begin_step_graph(seqs)
         self._chosen = self._picked = self._mapped = None
-        self._stage_pointers(seqs)
+        self._stage_table(seqs)
 
-    def _stage_pointers(self, seqs) -> None:
-        """Write the step's rows of the codec address table, where they changed (a new batch
+    def _stage_table(self, seqs) -> None:
+        """Write the step's rows of the codec table, where they changed (a new batch
         or a buffer that moved); sent from pinned memory behind the queued work."""
         rows = [None if s is None or not self._state(s).compressed else (s.seq_id, self._state(s).graph_state())
                 for s in seqs]
-        if rows == self._pointer_rows:
+        if rows == self._table_rows:
             return
-        table = torch.zeros(len(self.sparse), len(seqs), 6, dtype=torch.long)
+        table = torch.zeros(len(self.sparse), len(seqs), 7, dtype=torch.long)
         for b, (seq, row) in enumerate(zip(seqs, rows)):
             if row is not None:
                 stores = self._state(seq).stores
-                table[:, b] = kernels.codec_pointers([stores[layer].full() for layer in self.sparse])
-        self._pointers[:, : len(seqs)].copy_(table.pin_memory() if self.device.type == "cuda" else table,
+                table[:, b] = kernels.codec_table([stores[layer].full() for layer in self.sparse], self._anchors)
+        self._table[:, : len(seqs)].copy_(table.pin_memory() if self.device.type == "cuda" else table,
                                              non_blocking=True)
-        self._pointer_rows = rows
+        self._table_rows = rows
 
     def graph_key(self, seqs):
         """A pure-decode step bakes in, per request, whether its layers are compressed and
@@ -333,9 +335,10 @@ class DeltaKV(SparseMethodRuntime):
         k_cache, v_cache = ctx.kv_cache.layer(layer)
         encs = [None if s is None else self._state(s).stores[layer].full() for s in seqs]
         if ctx.provider.triton_kernels:
-            pointers = self._pointers[self._sparse_row[layer], : len(seqs)] if batched else None
+            staged = dict(table=self._table[self._sparse_row[layer], : len(seqs)], anchors=self._anchors) \
+                if batched else {}
             kernels.deltakv_rebuild_triton(encs, self.up_dot[layer], self.inv_freq, positions, slots, k_cache,
-                                           v_cache, self.config.sink_tokens, pointers=pointers)
+                                           v_cache, self.config.sink_tokens, **staged)
             return
         for b, seq in enumerate(seqs):
             if seq is not None:

@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 import torch
 
-from sparseengine.kernels import deltakv_rebuild_ref, deltakv_rebuild_triton
+from sparseengine.kernels import codec_anchors, codec_table, deltakv_rebuild_ref, deltakv_rebuild_triton
 from sparseengine.kernels.testing import assert_close, randn
 from sparseengine.methods import deltakv_codec as codec
 
@@ -151,9 +151,16 @@ def test_bad_inputs_raise(gen, device):
         deltakv_rebuild_triton([enc], up.to(torch.bfloat16), inv, tokens, slots, k_cache, v_cache, 0)
     with pytest.raises(ValueError, match="must match"):
         deltakv_rebuild_triton([enc], up, inv, tokens, slots, k_cache, v_cache[:, :4], 0)
-    with pytest.raises(ValueError, match="codec_pointers"):
-        deltakv_rebuild_triton([enc], up, inv, tokens, slots, k_cache, v_cache, 0,
-                               pointers=torch.zeros(1, 5, dtype=torch.int64, device=device))
+    anchors = codec_anchors(enc.centers.dtype, enc.latents.dtype, device)
+    with pytest.raises(ValueError, match="codec_table"):
+        deltakv_rebuild_triton([enc], up, inv, tokens, slots, k_cache, v_cache, 0, anchors=anchors,
+                               table=torch.zeros(1, 5, dtype=torch.int64, device=device))
+    with pytest.raises(ValueError, match="together with the anchors"):
+        deltakv_rebuild_triton([enc], up, inv, tokens, slots, k_cache, v_cache, 0, anchors=anchors)
+    with pytest.raises(ValueError, match="aligned"):
+        rows, dim = enc.centers.shape
+        shifted = enc.centers.view(-1)[1:1 + (rows - 1) * dim].view(rows - 1, dim)  # one element off
+        codec_table([dataclasses.replace(enc, centers=shifted)], anchors)
 
 
 @pytest.mark.gpu
