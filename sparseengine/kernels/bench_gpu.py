@@ -93,7 +93,7 @@ def check_kernels(out_path):
 
     def rebuild(fn):
         caches = kv.k_cache.clone(), kv.v_cache.clone()
-        fn([codec.full()], up.half(), inv_freq, tok[None], tok_slots[None], *caches, 4)
+        fn(codec.full(), up, inv_freq, tok, tok_slots, *caches, 4)
         return caches
 
     def minmax(fn):

@@ -1,32 +1,27 @@
-"""DeltaKV: rebuild chosen history tokens from each request's codec, straight into the paged cache.
+"""DeltaKV: rebuild chosen history tokens from one layer's codec, straight into the paged cache.
 
-Each request's codec of one layer (METHODS.md, deltakv; `methods.deltakv_codec`) is passed
-as `encs[b]`, anything with `DeltaKVEncoded`'s fields (None: a row skipped whatever its slots):
-`stride`; `centers [C, D]` (raw pre-RoPE `[K | V]`, center i at codec position
-`i * stride`); for the j-th non-center token, `neighbors [M, NB]` (center indices, -1 =
-none; int16 or int32) and its latent, int4 (`latents` uint8 `[M, r/2]`, two codes a byte,
-low nibble first; `scales`, `zeros` float16 `[M, r/32]`) or float16 (`latents` `[M, r]`).
+The codec (METHODS.md, deltakv; `methods.deltakv_codec`) is passed as `enc`, anything with
+`DeltaKVEncoded`'s fields: `stride`; `centers [C, D]` (raw pre-RoPE `[K | V]`, center i
+at codec position `i * stride`); for the j-th non-center token, `neighbors [M, NB]`
+(center indices, -1 = none) and its latent, int4 (`latents` uint8 `[M, r/2]`, two codes a
+byte, low nibble first; `scales`, `zeros` float16 `[M, r/32]`) or float16 (`latents`
+`[M, r]`).
 
-For each entry `(b, i)` with `slots[b, i] >= 0`, the token at position `tokens[b, i]` is
-codec position `p = tokens[b, i] - sink`:
+For each entry i with `slots[i] >= 0`, the token at position `tokens[i]` is codec position
+`p = tokens[i] - sink`:
 - a center (`p % stride == 0`): `kv = centers[p // stride]`;
 - otherwise, row `j = p - p // stride - 1`: `kv = z_j @ up + mean of centers[neighbors[j]]`
   (the valid ones), `z_j` dequantized as `code * scale + zero`.
-K (columns `[0, Hkv*d)`, head-major) is rotated at `tokens[b, i]` in the rotate_half
-convention, `cos/sin(tokens[b, i] * inv_freq)` in float32; K and V are written to the NHD
-caches at `slot = page * page_size + offset`, cast to the cache dtype. Entries with a
-negative slot are skipped and read nothing. Nothing is returned; nothing waits on the
-device (the caller keeps every written entry's position inside its codec).
+K (columns `[0, Hkv*d)`, head-major) is rotated at `tokens[i]` in the rotate_half
+convention, `cos/sin(tokens[i] * inv_freq)` in float32; K and V are written to the NHD
+caches at `slot = page * page_size + offset`, cast to the cache dtype. Entries with
+`slots[i] < 0` are skipped and read nothing. Nothing is returned; nothing waits on the
+device (the caller keeps every written entry's position inside the codec).
 
-Triton: one launch for the batch; the requests' buffers are reached through a table of
-their offsets from a few typed anchor buffers (`codec_table`, `codec_anchors`; a caller may
-keep both on the device and pass them, so that a CUDA graph reads the table of the step it
-replays). The offsets are multiples of 16 elements, which the kernel is told, so its loads
-stay vectorised as they are through a typed pointer argument. One program per
-(tile of BLOCK_M entries, KV head and K or V, request); the d/2 halves are two float32
-accumulators so RoPE is applied in registers. The `z @ up` product runs in `up`'s dtype
-with float32 accumulation: float16 on tensor cores (the latents rounded to float16, 10
-mantissa bits, as TF32 would), float32 exactly (IEEE).
+Triton: one program per (tile of BLOCK_M entries, KV head, K or V); the d/2 halves are two
+float32 accumulators so RoPE is applied in registers. The `z @ up` product runs in `up`'s
+dtype with float32 accumulation: float16 on tensor cores (the latents rounded to float16,
+10 mantissa bits, as TF32 would), float32 exactly (IEEE).
 """
 from __future__ import annotations
 
@@ -34,56 +29,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import _common
 from ._common import cdiv, check_launch, lazy_jit, next_pow2
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
 
 QUANT_GROUP = 32  # int4 latents: one float16 scale and zero per group of 32 values
-TABLE_FIELDS = ("centers", "neighbors", "latents", "scales", "zeros")  # + neighbours are int32, + a codec
-ALIGN = 16  # elements: every buffer's offset from its anchor is a multiple (vector loads stay possible)
 
 
-def codec_anchors(centers_dtype: torch.dtype, latents_dtype: torch.dtype, device) -> tuple:
-    """Small typed buffers that codec tables count offsets from (`codec_table`): centers,
-    int16 and int32 neighbours, latents, scales. A caller that keeps a table on the device
-    keeps its anchors too."""
-    return tuple(torch.zeros(512 // torch.tensor([], dtype=t).element_size(), dtype=t, device=device)
-                 for t in (centers_dtype, torch.int16, torch.int32, latents_dtype, torch.float16))
-
-
-def codec_table(encs, anchors) -> torch.Tensor:
-    """``[B, 7]`` int64 (host): per codec, its buffers' offsets in elements from the anchors
-    of their dtype (``TABLE_FIELDS`` order), 1 where its neighbour indices are int32 (else
-    int16), and 1 for a codec (0: a None row, all zeros)."""
-    centers, nb16, nb32, latents, scales = anchors
-    rows = []
-    for e in encs:
-        if e is None:
-            rows.append([0] * 7)
-            continue
-        wide = e.neighbors.dtype == torch.int32
-        row = []
-        for t, anchor in zip((e.centers, e.neighbors, e.latents, e.scales, e.zeros),
-                             (centers, nb32 if wide else nb16, latents, scales, scales)):
-            if t.dtype != anchor.dtype:
-                raise ValueError(f"a codec buffer is {t.dtype}, its anchor {anchor.dtype}")
-            gap = t.data_ptr() - anchor.data_ptr() if t.numel() else 0
-            if gap % (ALIGN * t.element_size()):
-                raise ValueError(f"codec buffers must start {ALIGN * t.element_size()}-byte aligned")
-            row.append(gap // t.element_size())
-        rows.append(row + [int(wide), 1])
-    return torch.tensor(rows, dtype=torch.int64).view(len(rows), 7)
-
-
-def deltakv_rebuild_ref(encs, up, inv_freq, tokens, slots, k_cache, v_cache, sink: int) -> None:
-    for b, enc in enumerate(encs):
-        if enc is not None:
-            _rebuild_row_ref(enc, up, inv_freq, tokens[b], slots[b], k_cache, v_cache, sink)
-
-
-def _rebuild_row_ref(enc, up, inv_freq, tokens, slots, k_cache, v_cache, sink: int) -> None:
-    """One row of `deltakv_rebuild_ref`."""
+def deltakv_rebuild_ref(enc, up, inv_freq, tokens, slots, k_cache, v_cache, sink: int) -> None:
     keep = slots >= 0
     tok, slot = tokens[keep].long(), slots[keep].long()
     p = tok - sink
@@ -112,84 +67,60 @@ def _rebuild_row_ref(enc, up, inv_freq, tokens, slots, k_cache, v_cache, sink: i
     v_cache[slot // ps, slot % ps] = v.to(v_cache.dtype)
 
 
-def deltakv_rebuild_triton(encs, up, inv_freq, tokens, slots, k_cache, v_cache, sink: int, *,
-                           table: torch.Tensor | None = None, anchors: tuple | None = None,
-                           block_m: int | None = None,
-                           block_r: int | None = None, num_warps: int = 4) -> None:
+def deltakv_rebuild_triton(enc, up, inv_freq, tokens, slots, k_cache, v_cache, sink: int, *,
+                           block_m: int | None = None, block_r: int | None = None, num_warps: int = 4) -> None:
+    centers, neighbors, latents = enc.centers, enc.neighbors, enc.latents
     num_pages, ps, hkv, d = k_cache.shape
-    width, r = 2 * hkv * d, up.shape[0]
+    width = 2 * hkv * d
+    r = up.shape[0]
     if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError(f"k/v caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} must match, head_dim contiguous")
-    if tokens.shape != slots.shape or tokens.dim() != 2 or tokens.shape[0] != len(encs):
-        raise ValueError(f"tokens {tuple(tokens.shape)} and slots {tuple(slots.shape)} must both be "
-                         f"[B={len(encs)}, K], one row per codec")
+    if d % 2 or up.shape[1] != width or centers.shape[1] != width or inv_freq.numel() != d // 2:
+        raise ValueError(f"shapes do not match the cache [*, *, {hkv}, {d}]: up {tuple(up.shape)}, centers "
+                         f"{tuple(centers.shape)}, inv_freq {tuple(inv_freq.shape)}")
+    bits = 4 if latents.dtype == torch.uint8 else 16
+    if latents.shape[1] != (r // 2 if bits == 4 else r) or (bits == 4 and r % QUANT_GROUP):
+        raise ValueError(f"latents {tuple(latents.shape)} ({latents.dtype}) do not match up's rank {r}")
+    if tokens.shape != slots.shape or tokens.dim() != 1:
+        raise ValueError(f"tokens {tuple(tokens.shape)} and slots {tuple(slots.shape)} must be one same 1-D shape")
+    device = check_launch(tokens, slots, centers, latents, up, inv_freq, k_cache, v_cache)
+    n = tokens.shape[0]
+    if n == 0:
+        return
+    if latents.shape[0] == 0:  # every token a center: the latent side is never read
+        neighbors = centers.new_full((1, max(1, neighbors.shape[1])), -1, dtype=torch.int32)
+        latents = latents.new_zeros((1, latents.shape[1]))
+    scales = enc.scales if bits == 4 and enc.scales.shape[0] else latents  # unread for 16-bit latents
+    zeros = enc.zeros if bits == 4 and enc.zeros.shape[0] else latents
     if up.dtype not in (torch.float16, torch.float32):
         raise ValueError(f"up must be float16 (tensor-core product) or float32 (exact product), got {up.dtype}")
-    given = [e for e in encs if e is not None]
-    if not given:
-        return
-    first = given[0]
-    if d % 2 or up.shape[1] != width or inv_freq.numel() != d // 2:
-        raise ValueError(f"shapes do not match the cache [*, *, {hkv}, {d}]: up {tuple(up.shape)}, "
-                         f"inv_freq {tuple(inv_freq.shape)}")
-    for e in given:
-        bits = 4 if e.latents.dtype == torch.uint8 else 16
-        if (e.centers.shape[1] != width or e.centers.dtype != first.centers.dtype
-                or e.latents.dtype != first.latents.dtype or e.stride != first.stride
-                or e.neighbors.shape[1] != first.neighbors.shape[1]):
-            raise ValueError("every codec must share the stride, the neighbour count, the latent and center "
-                             f"dtypes and the cache's K|V width {width}")
-        if e.latents.shape[1] != (r // 2 if bits == 4 else r) or (bits == 4 and r % QUANT_GROUP):
-            raise ValueError(f"latents {tuple(e.latents.shape)} ({e.latents.dtype}) do not match up's rank {r}")
-    device = check_launch(tokens, slots, first.centers, first.latents, up, inv_freq, k_cache, v_cache)
-    if (table is None) != (anchors is None):
-        raise ValueError("pass a codec table together with the anchors it counts from, or neither")
-    if table is None:
-        anchors = codec_anchors(first.centers.dtype, first.latents.dtype, device)
-        table = codec_table(encs, anchors).to(device)
-    if tuple(table.shape) != (len(encs), 7) or table.dtype != torch.int64 or table.stride(-1) != 1:
-        raise ValueError(f"table must be int64 [B={len(encs)}, 7] (codec_table), got {tuple(table.shape)}")
-    if tokens.shape[1] == 0:
-        return
-    bits = 4 if first.latents.dtype == torch.uint8 else 16
     block_m = block_m or 16  # 45 us per layer of the 128K benchmark on the H200 (bench_deltakv), 32: 56, 64: 49
     block_r = block_r or max(32, min(64, next_pow2(r)))
-    _rebuild_kernel[(cdiv(tokens.shape[1], block_m), 2 * hkv, len(encs))](
-        tokens, slots, table, *anchors, up.contiguous(), inv_freq.contiguous(),
-        k_cache, v_cache, tokens.shape[1], tokens.stride(0), slots.stride(0), table.stride(0), r, sink,
-        first.stride, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        HKV=hkv, HALF=d // 2, BLOCK_HALF=max(16, next_pow2(d // 2)), NB=first.neighbors.shape[1], BITS=bits,
-        GROUP=QUANT_GROUP, ALIGN=ALIGN, PAGE_SIZE=ps, BLOCK_M=block_m, BLOCK_R=block_r,
+    _rebuild_kernel[(cdiv(n, block_m), hkv, 2)](
+        tokens, slots, centers, neighbors, latents, scales, zeros, up.contiguous(), inv_freq.contiguous(),
+        k_cache, v_cache, n, r, sink, enc.stride,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        HKV=hkv, HALF=d // 2, BLOCK_HALF=max(16, next_pow2(d // 2)), NB=neighbors.shape[1], BITS=bits,
+        GROUP=QUANT_GROUP, PAGE_SIZE=ps, BLOCK_M=block_m, BLOCK_R=block_r,
         DOT_PREC="ieee" if up.dtype == torch.float32 else "tf32", num_warps=num_warps,
     )
 
 
 @lazy_jit
 def _rebuild_kernel(
-    tok_ptr, slot_ptr, table_ptr, centers_a, nb16_a, nb32_a, lat_a, scale_a, up_ptr, inv_freq_ptr, k_cache_ptr,
-    v_cache_ptr, N, stride_tok, stride_slot, stride_table, R, sink, stride_codec, stride_cp, stride_co, stride_ch,
+    tok_ptr, slot_ptr, centers_ptr, nb_ptr, lat_ptr, scale_ptr, zero_ptr, up_ptr, inv_freq_ptr,
+    k_cache_ptr, v_cache_ptr, N, R, sink, stride_codec, stride_cp, stride_co, stride_ch,
     HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr,
-    GROUP: tl.constexpr, ALIGN: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_R: tl.constexpr, DOT_PREC: tl.constexpr,
+    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    kvh = tl.program_id(1) % HKV
-    is_v = tl.program_id(1) // HKV
-    b = tl.program_id(2).to(tl.int64)
+    kvh = tl.program_id(1)
+    is_v = tl.program_id(2)
     width = HKV * 4 * HALF
-    # this request's codec buffers: aligned offsets from the anchors
-    row_of = table_ptr + b * stride_table
-    centers_ptr = centers_a + tl.multiple_of(tl.load(row_of), ALIGN)
-    nb16_ptr = nb16_a + tl.multiple_of(tl.load(row_of + 1), ALIGN)
-    nb32_ptr = nb32_a + tl.multiple_of(tl.load(row_of + 1), ALIGN)
-    lat_ptr = lat_a + tl.multiple_of(tl.load(row_of + 2), ALIGN)
-    scale_ptr = scale_a + tl.multiple_of(tl.load(row_of + 3), ALIGN)
-    zero_ptr = scale_a + tl.multiple_of(tl.load(row_of + 4), ALIGN)
-    nb_wide = tl.load(row_of + 5) != 0
-    live = tl.load(row_of + 6) != 0
-    slot = tl.load(slot_ptr + b * stride_slot + offs_m, mask=offs_m < N, other=-1).to(tl.int64)
-    active = (slot >= 0) & live  # a row without a codec reads nothing
-    tok = tl.load(tok_ptr + b * stride_tok + offs_m, mask=active, other=0).to(tl.int64)
+    slot = tl.load(slot_ptr + offs_m, mask=offs_m < N, other=-1).to(tl.int64)
+    active = slot >= 0
+    tok = tl.load(tok_ptr + offs_m, mask=active, other=0).to(tl.int64)
     p = tok - sink
     center = p // stride_codec
     is_center = p == center * stride_codec
@@ -241,9 +172,7 @@ def _rebuild_kernel(
     sum_hi = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
     count = tl.zeros([BLOCK_M], tl.float32)
     for j in tl.static_range(NB):
-        nid16 = tl.load(nb16_ptr + row * NB + j, mask=other & ~nb_wide, other=-1).to(tl.int64)
-        nid32 = tl.load(nb32_ptr + row * NB + j, mask=other & nb_wide, other=-1).to(tl.int64)
-        nid = tl.where(nb_wide, nid32, nid16)
+        nid = tl.load(nb_ptr + row * NB + j, mask=other, other=-1).to(tl.int64)
         ok = nid >= 0
         c_mask = ok[:, None] & c_ok[None, :]
         sum_lo += tl.load(centers_ptr + nid[:, None] * width + lo_cols[None, :], mask=c_mask, other=0.0).to(tl.float32)

@@ -134,14 +134,6 @@ class DeltaKV(SparseMethodRuntime):
         self._picked: tuple[torch.Tensor, torch.Tensor] | None = None  # pure decode: (tokens [B, K], counts [B])
         self._mapped: tuple[torch.Tensor, ...] | None = None  # pure decode: _map of the pick
         self._no_history = torch.tensor(-1, dtype=torch.long, device=self.device)  # rows not compressed
-        # the fused rebuild's codec table, per sparse layer and batch row (kernels.codec_table, offsets
-        # from these anchors), refreshed before every pure-decode step whose requests' buffers changed:
-        # a captured step reads this one table, whatever requests it replays for
-        self._anchors = kernels.codec_anchors(cache.kv.k.dtype, torch.uint8 if self.bits == 4 else torch.float16,
-                                              self.device)
-        self._table = torch.zeros(len(self.sparse), config.max_num_seqs, 7, dtype=torch.long, device=self.device)
-        self._table_rows: list | None = None  # what _table holds: per row (seq_id, buffer generations)
-        self._sparse_row = {layer: i for i, layer in enumerate(self.sparse)}
 
     # ---- engine hooks ---------------------------------------------------------------------
     @classmethod
@@ -213,29 +205,10 @@ class DeltaKV(SparseMethodRuntime):
     def begin_step(self, ctx) -> None:
         super().begin_step(ctx)
         self._chosen = self._picked = self._mapped = None
-        if ctx.is_decode and ctx.provider.triton_kernels:
-            self._stage_table(ctx.seqs)
 
     def begin_step_graph(self, seqs) -> None:
         super().begin_step_graph(seqs)
         self._chosen = self._picked = self._mapped = None
-        self._stage_table(seqs)
-
-    def _stage_table(self, seqs) -> None:
-        """Write the step's rows of the codec table, where they changed (a new batch
-        or a buffer that moved); sent from pinned memory behind the queued work."""
-        rows = [None if s is None or not self._state(s).compressed else (s.seq_id, self._state(s).graph_state())
-                for s in seqs]
-        if rows == self._table_rows:
-            return
-        table = torch.zeros(len(self.sparse), len(seqs), 7, dtype=torch.long)
-        for b, (seq, row) in enumerate(zip(seqs, rows)):
-            if row is not None:
-                stores = self._state(seq).stores
-                table[:, b] = kernels.codec_table([stores[layer].full() for layer in self.sparse], self._anchors)
-        self._table[:, : len(seqs)].copy_(table.pin_memory() if self.device.type == "cuda" else table,
-                                             non_blocking=True)
-        self._table_rows = rows
 
     def graph_key(self, seqs):
         """A pure-decode step bakes in, per request, whether its layers are compressed and
@@ -269,7 +242,7 @@ class DeltaKV(SparseMethodRuntime):
         count = torch.full((1,), chosen.numel(), dtype=torch.long, device=chosen.device)
         idx, slots, positions = self._map([seq], chosen[None], count, table)
         if self._state(seq).compressed:
-            self._rebuild_into([seq], layer, positions, slots, ctx)
+            self._rebuild_into(seq, layer, positions[0], slots[0], ctx)
         return idx[0]
 
     def score_rows(self, layer, ctx):
@@ -292,9 +265,9 @@ class DeltaKV(SparseMethodRuntime):
         if self._mapped is None:
             self._mapped = self._map(ctx.seqs, tokens, counts, ctx.views[layer].page_table)
         idx, slots, positions = self._mapped
-        seqs = [s if s is not None and self._state(s).compressed else None for s in ctx.seqs]  # None: padding too
-        if any(seqs):
-            self._rebuild_into(seqs, layer, positions, slots, ctx, batched=True)
+        for b, seq in enumerate(ctx.seqs):  # None: a captured graph's padding row
+            if seq is not None and self._state(seq).compressed:
+                self._rebuild_into(seq, layer, positions[b], slots[b], ctx)
         B, width, hkv = tokens.shape[0], tokens.shape[1], self.model.num_kv_heads
         return Selection(idx[:, None, :].expand(B, hkv, width), counts[:, None].expand(B, hkv).contiguous(),
                          dense=(False,) * B)
@@ -325,25 +298,18 @@ class DeltaKV(SparseMethodRuntime):
         slots = torch.where(hist, pages * page_size + at % page_size, -1)
         return idx, slots, torch.minimum(tokens.clamp(min=sink), (hist_end - 1).clamp(min=sink))
 
-    def _rebuild_into(self, seqs, layer: int, positions: torch.Tensor, slots: torch.Tensor, ctx,
-                      batched: bool = False) -> None:
-        """Rebuild the history tokens at ``positions [B, K]`` of the requests ``seqs`` (None:
-        none) into this layer's cache at ``slots`` (-1: skipped): one fused Triton launch for
-        the batch on a Triton provider (``batched``: through the staged address table), else
-        the codec's torch path per request (which rebuilds every entry, then writes the
-        named ones)."""
+    def _rebuild_into(self, seq, layer: int, positions: torch.Tensor, slots: torch.Tensor, ctx) -> None:
+        """Rebuild the history tokens at ``positions`` into this layer's cache at ``slots``
+        (entries with slot -1 skipped): the fused Triton kernel on a Triton provider, else
+        the codec's torch path (which rebuilds every entry, then writes the named ones)."""
         k_cache, v_cache = ctx.kv_cache.layer(layer)
-        encs = [None if s is None else self._state(s).stores[layer].full() for s in seqs]
         if ctx.provider.triton_kernels:
-            staged = dict(table=self._table[self._sparse_row[layer], : len(seqs)], anchors=self._anchors) \
-                if batched else {}
-            kernels.deltakv_rebuild_triton(encs, self.up_dot[layer], self.inv_freq, positions, slots, k_cache,
-                                           v_cache, self.config.sink_tokens, **staged)
-            return
-        for b, seq in enumerate(seqs):
-            if seq is not None:
-                k, v = self.rebuild(seq, layer, positions[b])
-                ctx.provider.write_kv(k_cache, v_cache, k, v, slots[b])
+            enc = self._state(seq).stores[layer].full()
+            kernels.deltakv_rebuild_triton(enc, self.up_dot[layer], self.inv_freq, positions, slots, k_cache, v_cache,
+                                           self.config.sink_tokens)
+        else:
+            k, v = self.rebuild(seq, layer, positions)
+            ctx.provider.write_kv(k_cache, v_cache, k, v, slots)
 
     def _choose(self, layer, q, ctx) -> list[torch.Tensor | None]:
         """OmniKV's choice at a full layer: token positions (== its cache indices)."""

@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 import torch
 
-from sparseengine.kernels import codec_anchors, codec_table, deltakv_rebuild_ref, deltakv_rebuild_triton
+from sparseengine.kernels import deltakv_rebuild_ref, deltakv_rebuild_triton
 from sparseengine.kernels.testing import assert_close, randn
 from sparseengine.methods import deltakv_codec as codec
 
@@ -44,7 +44,7 @@ def test_ref_follows_the_codec(gen):
     tokens, slots = _entries(enc, sink, 120, 20, ps, gen, "cpu")
     inv = _inv_freq(d, "cpu")
     k_cache, v_cache = _caches(20, ps, hkv, d, "cpu")
-    deltakv_rebuild_ref([enc], up, inv, tokens[None], slots[None], k_cache, v_cache, sink)
+    deltakv_rebuild_ref(enc, up, inv, tokens, slots, k_cache, v_cache, sink)
     keep = slots >= 0
     k, v = codec.split_kv(codec.decode(enc, up, tokens[keep] - sink), hkv, d)
     k = codec.rotate_keys(k, tokens[keep], inv)
@@ -63,43 +63,17 @@ CASES = [  # n, hkv, d, r, bits, center ratio, neighbours, entries
 ]
 
 
-def _batch(n, hkv, d, r, bits, ratio, nb, count, sink, pages, ps, gen, device):
-    """Three requests' codecs of one layer (different histories; the second with int32
-    neighbour indices, as a history past 32767 centers has) and a row with none, decoded
-    with the first one's Up."""
-    encs, tokens, slots, up = [], [], [], None
-    free = torch.randperm(pages * ps, generator=gen)
-    for b, size in enumerate((n, n // 2 + 7, None, n + 11)):
-        s = free[b * count:(b + 1) * count].clone()
-        s[torch.rand(count, generator=gen) < 0.25] = -1
-        if size is None:  # named slots, no codec: nothing read or written
-            encs.append(None)
-            tokens.append(torch.zeros(count, dtype=torch.long, device=device))
-            slots.append(s.clamp(min=0).to(device))
-            continue
-        enc, own_up = _codec(size, hkv, d, r, bits, ratio, nb, gen, device)
-        up = own_up if up is None else up
-        if b == 1:
-            enc = dataclasses.replace(enc, neighbors=enc.neighbors.to(torch.int32))
-        encs.append(enc)
-        tokens.append((sink + torch.randint(0, enc.n, (count,), generator=gen)).to(device))
-        slots.append(s.to(device))
-    return encs, up, torch.stack(tokens), torch.stack(slots)
-
-
 @pytest.mark.parametrize("n,hkv,d,r,bits,ratio,nb,count", CASES)
 def test_triton_matches_ref(n, hkv, d, r, bits, ratio, nb, count, gen, device):
-    """One launch for a batch of requests, each through its own codec's buffers."""
-    sink, ps, pages = 3, 4, 100
-    encs, up, tokens, slots = _batch(n, hkv, d, r, bits, ratio, nb, count, sink, pages, ps, gen, device)
+    sink, ps, pages = 3, 4, 60
+    enc, up = _codec(n, hkv, d, r, bits, ratio, nb, gen, device)
+    tokens, slots = _entries(enc, sink, count, pages, ps, gen, device)
     inv = _inv_freq(d, device)
     want, got = _caches(pages, ps, hkv, d, device), _caches(pages, ps, hkv, d, device)
-    deltakv_rebuild_ref(encs, up, inv, tokens, slots, *want, sink)
-    deltakv_rebuild_triton(encs, up, inv, tokens, slots, *got, sink)
+    deltakv_rebuild_ref(enc, up, inv, tokens, slots, *want, sink)
+    deltakv_rebuild_triton(enc, up, inv, tokens, slots, *got, sink)
     assert_close(got[0], want[0], 1e-5, "k")
     assert_close(got[1], want[1], 1e-5, "v")
-    named = sum(int((slots[b] >= 0).sum()) for b, e in enumerate(encs) if e is not None)
-    assert int((~want[0].isnan()).any(-1).any(-1).sum()) == named  # every named slot of a codec's row written
 
 
 @pytest.mark.parametrize("bits", [4, 16])
@@ -111,10 +85,24 @@ def test_float16_product(bits, gen, device):
     tokens, slots = _entries(enc, sink, 50, 12, ps, gen, device)
     inv = _inv_freq(d, device)
     want, got = _caches(12, ps, hkv, d, device), _caches(12, ps, hkv, d, device)
-    deltakv_rebuild_ref([enc], up, inv, tokens[None], slots[None], *want, sink)
-    deltakv_rebuild_triton([enc], up.half(), inv, tokens[None], slots[None], *got, sink)
+    deltakv_rebuild_ref(enc, up, inv, tokens, slots, *want, sink)
+    deltakv_rebuild_triton(enc, up.half(), inv, tokens, slots, *got, sink)
     assert_close(got[0], want[0], 3e-3, "k")
     assert_close(got[1], want[1], 3e-3, "v")
+
+
+def test_int32_neighbour_indices(gen, device):
+    """A history past 32767 centers stores int32 neighbour indices (codec.index_dtype)."""
+    hkv, d, sink, ps = 2, 16, 3, 4
+    enc, up = _codec(120, hkv, d, 32, 4, 0.1, 3, gen, device)
+    enc = dataclasses.replace(enc, neighbors=enc.neighbors.to(torch.int32))
+    tokens, slots = _entries(enc, sink, 60, 30, ps, gen, device)
+    inv = _inv_freq(d, device)
+    want, got = _caches(30, ps, hkv, d, device), _caches(30, ps, hkv, d, device)
+    deltakv_rebuild_ref(enc, up, inv, tokens, slots, *want, sink)
+    deltakv_rebuild_triton(enc, up, inv, tokens, slots, *got, sink)
+    assert_close(got[0], want[0], 1e-5, "k")
+    assert_close(got[1], want[1], 1e-5, "v")
 
 
 def test_all_centers(gen, device):
@@ -125,42 +113,27 @@ def test_all_centers(gen, device):
     tokens, slots = _entries(enc, sink, 25, 10, ps, gen, device)
     want, got = _caches(10, ps, hkv, d, device), _caches(10, ps, hkv, d, device)
     inv = _inv_freq(d, device)
-    deltakv_rebuild_ref([enc], up, inv, tokens[None], slots[None], *want, sink)
-    deltakv_rebuild_triton([enc], up, inv, tokens[None], slots[None], *got, sink)
+    deltakv_rebuild_ref(enc, up, inv, tokens, slots, *want, sink)
+    deltakv_rebuild_triton(enc, up, inv, tokens, slots, *got, sink)
     assert_close(got[0], want[0], 1e-5, "k")
     assert_close(got[1], want[1], 1e-5, "v")
 
 
-def test_bad_inputs_raise(gen, device):
+def test_bad_shapes_raise(gen, device):
     enc, up = _codec(50, 2, 16, 32, 4, 0.1, 2, gen, device)
-    other, _ = _codec(50, 2, 16, 32, 4, 0.5, 2, gen, device)
-    tokens, slots = (t[None] for t in _entries(enc, 0, 10, 10, 8, gen, device))
+    tokens, slots = _entries(enc, 0, 10, 10, 8, gen, device)
     k_cache, v_cache = _caches(10, 8, 2, 16, device)
     inv = _inv_freq(16, device)
     with pytest.raises(ValueError, match="do not match the cache"):
-        deltakv_rebuild_triton([enc], up[:, :-2], inv, tokens, slots, k_cache, v_cache, 0)
+        deltakv_rebuild_triton(enc, up[:, :-2], inv, tokens, slots, k_cache, v_cache, 0)
     with pytest.raises(ValueError, match="rank"):
-        deltakv_rebuild_triton([enc], up[:16], inv, tokens, slots, k_cache, v_cache, 0)
-    with pytest.raises(ValueError, match="one row per codec"):
-        deltakv_rebuild_triton([enc], up, inv, tokens, slots[:, :-1], k_cache, v_cache, 0)
-    with pytest.raises(ValueError, match="one row per codec"):
-        deltakv_rebuild_triton([enc, enc], up, inv, tokens, slots, k_cache, v_cache, 0)
-    with pytest.raises(ValueError, match="share the stride"):
-        deltakv_rebuild_triton([enc, other], up, inv, tokens.expand(2, -1), slots.expand(2, -1), k_cache, v_cache, 0)
+        deltakv_rebuild_triton(enc, up[:16], inv, tokens, slots, k_cache, v_cache, 0)
+    with pytest.raises(ValueError, match="same 1-D shape"):
+        deltakv_rebuild_triton(enc, up, inv, tokens, slots[:-1], k_cache, v_cache, 0)
     with pytest.raises(ValueError, match="float16 .tensor-core product. or float32"):
-        deltakv_rebuild_triton([enc], up.to(torch.bfloat16), inv, tokens, slots, k_cache, v_cache, 0)
+        deltakv_rebuild_triton(enc, up.to(torch.bfloat16), inv, tokens, slots, k_cache, v_cache, 0)
     with pytest.raises(ValueError, match="must match"):
-        deltakv_rebuild_triton([enc], up, inv, tokens, slots, k_cache, v_cache[:, :4], 0)
-    anchors = codec_anchors(enc.centers.dtype, enc.latents.dtype, device)
-    with pytest.raises(ValueError, match="codec_table"):
-        deltakv_rebuild_triton([enc], up, inv, tokens, slots, k_cache, v_cache, 0, anchors=anchors,
-                               table=torch.zeros(1, 5, dtype=torch.int64, device=device))
-    with pytest.raises(ValueError, match="together with the anchors"):
-        deltakv_rebuild_triton([enc], up, inv, tokens, slots, k_cache, v_cache, 0, anchors=anchors)
-    with pytest.raises(ValueError, match="aligned"):
-        rows, dim = enc.centers.shape
-        shifted = enc.centers.view(-1)[1:1 + (rows - 1) * dim].view(rows - 1, dim)  # one element off
-        codec_table([dataclasses.replace(enc, centers=shifted)], anchors)
+        deltakv_rebuild_triton(enc, up, inv, tokens, slots, k_cache, v_cache[:, :4], 0)
 
 
 @pytest.mark.gpu
@@ -174,7 +147,7 @@ def test_gpu_bf16_cache(bits, gen):
     slots = torch.randperm(pages * ps, generator=gen)[:2048].cuda()
     inv = _inv_freq(d, "cuda")
     want, got = _caches(pages, ps, hkv, d, "cuda", torch.bfloat16), _caches(pages, ps, hkv, d, "cuda", torch.bfloat16)
-    deltakv_rebuild_ref([enc], up, inv, tokens[None], slots[None], *want, sink)
-    deltakv_rebuild_triton([enc], up.half(), inv, tokens[None], slots[None], *got, sink)  # as the engine runs it
+    deltakv_rebuild_ref(enc, up, inv, tokens, slots, *want, sink)
+    deltakv_rebuild_triton(enc, up.half(), inv, tokens, slots, *got, sink)  # as the engine runs it
     assert_close(got[0], want[0], 2e-2, "k")
     assert_close(got[1], want[1], 2e-2, "v")

@@ -48,17 +48,17 @@ for store, combine in ((0, 0), (0, 2), (1, 0), (2, 0), (2, 1), (2, 2)):
 # DeltaKV's fused rebuild at a GPU tile (64 entries): int4 and float16 latents into a bf16
 # cache (float16 product), and a float32 engine's (exact product). The first version
 # compiled at the interpreter's tile of 16 and failed at 64 (a select on the latent row).
-REBUILD_TYPES = dict(tok_ptr="*i64", slot_ptr="*i64", table_ptr="*i64", nb16_a="*i16", nb32_a="*i32",
-                     scale_a="*fp16", inv_freq_ptr="*fp32")
-REBUILD_TYPES.update({name: "i32" for name in ("N", "stride_tok", "stride_slot", "stride_table", "R", "sink",
-                                                "stride_codec", "stride_cp", "stride_co", "stride_ch")})
+REBUILD_TYPES = dict(tok_ptr="*i64", slot_ptr="*i64", nb_ptr="*i16", scale_ptr="*fp16", zero_ptr="*fp16",
+                     inv_freq_ptr="*fp32")
+REBUILD_TYPES.update({name: "i32" for name in ("N", "R", "sink", "stride_codec", "stride_cp", "stride_co",
+                                                "stride_ch")})
 for bits, dtype, prec in ((4, "bf16", "tf32"), (16, "bf16", "tf32"), (4, "fp32", "ieee")):
-    types = dict(REBUILD_TYPES, lat_a="*u8" if bits == 4 else "*fp16", up_ptr="*fp16" if prec == "tf32" else "*fp32",
-                 **{name: f"*{dtype}" for name in ("centers_a", "k_cache_ptr", "v_cache_ptr")})
+    types = dict(REBUILD_TYPES, lat_ptr="*u8" if bits == 4 else "*fp16", up_ptr="*fp16" if prec == "tf32" else "*fp32",
+                 **{name: f"*{dtype}" for name in ("centers_ptr", "k_cache_ptr", "v_cache_ptr")})
     BUILDS[f"deltakv_rebuild-int{bits}-{dtype}"] = (
         "deltakv_rebuild", "_rebuild_kernel", [], types,
-        dict(HKV=8, HALF=64, BLOCK_HALF=64, NB=4, BITS=bits, GROUP=32, ALIGN=16, PAGE_SIZE=16, BLOCK_M=64,
-             BLOCK_R=64, DOT_PREC=prec), 4)
+        dict(HKV=8, HALF=64, BLOCK_HALF=64, NB=4, BITS=bits, GROUP=32, PAGE_SIZE=16, BLOCK_M=64, BLOCK_R=64,
+             DOT_PREC=prec), 4)
 
 CHILD = """
 import importlib, json, sys
@@ -169,9 +169,9 @@ def launch_every_kernel(device):
     for bits in (4, 16):  # the engine's store: bf16 centers, int16 neighbours; float32 Up
         store = CodecStore(60, 10, bits, 4, 2 * hkv * d, 32, bf, device)
         store.write_random(60, gen)
-        K.deltakv_rebuild_triton([store.full(), None], randn(32, 2 * hkv * d, generator=gen, device=device).half(),
-                                 torch.ones(d // 2, device=device), torch.arange(4, 18, device=device).view(2, 7),
-                                 torch.arange(14, device=device).view(2, 7), kv.k_cache, kv.v_cache, 4)
+        K.deltakv_rebuild_triton(store.full(), randn(32, 2 * hkv * d, generator=gen, device=device),
+                                 torch.ones(d // 2, device=device), torch.arange(4, 11, device=device),
+                                 torch.arange(7, device=device), kv.k_cache, kv.v_cache, 4)
     pool_s = torch.zeros(3, 8, ps, hkv, device=device)
     pool_p = torch.zeros(3, 8, ps, hkv, dtype=torch.int32, device=device)
     table = torch.arange(8, dtype=torch.int32, device=device).view(2, 4)

@@ -155,9 +155,8 @@ def test_pure_decode_path_equals_the_per_request_path(folder, ckpt32, monkeypatc
 
 def test_fused_rebuild_equals_the_torch_path(folder, ckpt32, monkeypatch):
     """On a Triton provider the sparse layers rebuild through the fused kernel (interpreted
-    here): in pure-decode steps one launch per layer for both requests, through the staged
-    address table, and in the mixed step where one prompt's last chunk meets the other's
-    decoding, one per request; the tokens equal those of the torch provider, which rebuilds
+    here), in pure-decode steps and in the mixed step where one prompt's last chunk meets
+    the other's decoding; the tokens equal those of the torch provider, which rebuilds
     through the codec."""
     prompts, sp = [PROMPT, PROMPT2], _greedy(12)
     kw = dict(deltakv_latent_dim=32, deltakv_checkpoint_path=str(ckpt32.path), prefill_chunk_size=64)
@@ -165,12 +164,10 @@ def test_fused_rebuild_equals_the_torch_path(folder, ckpt32, monkeypatch):
     fused = []
     kernel = deltakv.kernels.deltakv_rebuild_triton
     monkeypatch.setattr(deltakv.kernels, "deltakv_rebuild_triton",
-                        lambda *a, **k: (fused.append((a[4] >= 0).sum(1).tolist()), kernel(*a, **k))[1])
+                        lambda *a, **k: (fused.append(int((a[4] >= 0).sum())), kernel(*a, **k))[1])
     got = [o.token_ids for o in _llm(folder, attention_provider="triton", **kw).generate(prompts, sp)]
     assert got == want
-    assert len(fused) >= 2 * 11  # both sparse layers, every step
-    assert max(max(rows) for rows in fused) == BUDGET
-    assert sum(1 for rows in fused if len(rows) == 2 and min(rows) > 0) >= 2 * 8  # both requests in one launch
+    assert len(fused) >= 2 * 2 * 11 and max(fused) == BUDGET  # both sparse layers, both requests, every step
 
 
 def test_budget_covering_the_prompt_equals_vanilla(folder, ckpt32):
