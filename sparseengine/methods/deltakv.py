@@ -129,7 +129,6 @@ class DeltaKV(SparseMethodRuntime):
         self.up_dot = self.up if exact else {layer: up.half() for layer, up in self.up.items()}
         self.inv_freq = rope_inv_freq(model.head_dim, model.rope_theta, model.rope_scaling).float().to(self.device)
         self.token_bytes = 2 * model.num_kv_heads * model.head_dim * cache.kv.k.element_size()
-        self._sparse_t = torch.tensor(self.sparse, dtype=torch.long, device=self.device)
         self.bytes_at_end: dict[int, DeltaKVBytes] = {}  # seq_id -> stored_bytes when it finished
         self._chosen: list[torch.Tensor | None] | None = None  # mixed steps: per request
         self._picked: tuple[torch.Tensor, torch.Tensor] | None = None  # pure decode: (tokens [B, K], counts [B])
@@ -354,28 +353,29 @@ class DeltaKV(SparseMethodRuntime):
         wrong = [layer for layer in self.sparse if seq.layer_lens[layer] != held]
         if wrong:
             raise RuntimeError(f"deltakv: layer {wrong[0]} holds {seq.layer_lens[wrong[0]]} tokens, expected {held}")
-        kv = self._history_kv(slots, positions)  # [sparse layers, count, D], pre-RoPE
-        if st.compressed:  # every layer's store grows by the same tokens: encoded together
-            CodecStore.append_layers([st.stores[layer] for layer in self.sparse], kv,
+        if st.compressed:  # every layer's store grows by the same tokens (FLUSH_TOKENS in decode): encoded together
+            CodecStore.append_layers([st.stores[layer] for layer in self.sparse],
+                                     self._history_kv(slots, positions, self.sparse),
                                      [self.down[layer] for layer in self.sparse])
-        else:
-            for i, layer in enumerate(self.sparse):
+        else:  # the first history is the prompt's: one layer at a time bounds the memory it takes
+            for layer in self.sparse:
                 st.stores[layer] = self._new_store(seq)
-                st.stores[layer].write(codec.encode(kv[i], self.down[layer], center_ratio=self.ratio,
-                                                    neighbors=self.neighbors, latent_bits=self.bits))
+                st.stores[layer].write(codec.encode(self._history_kv(slots, positions, [layer])[0], self.down[layer],
+                                                    center_ratio=self.ratio, neighbors=self.neighbors,
+                                                    latent_bits=self.bits))
         keep = torch.cat([torch.arange(sink + budget, device=self.device),
                           torch.arange(base + count, held, device=self.device)])
         self.cache.compact_layers(seq, keep.expand(self.model.num_kv_heads, -1), self.sparse)
         self._set_hist_end(st, end)
         self.cache.trim_pages(seq)
 
-    def _history_kv(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``[sparse layers, n, 2 * Hkv * d]``: the cached tokens at ``slots`` (at ``positions``)
-        of every sparse layer, keys un-rotated (pre-RoPE), K then V (``codec.concat_kv``)."""
+    def _history_kv(self, slots: torch.Tensor, positions: torch.Tensor, layers: list[int]) -> torch.Tensor:
+        """``[len(layers), n, 2 * Hkv * d]``: the cached tokens at ``slots`` (at ``positions``)
+        of ``layers``, keys un-rotated (pre-RoPE), K then V (``codec.concat_kv``)."""
         kv = self.cache.kv
-        layers = self._sparse_t[:, None]
-        k = kv.k.flatten(1, 2)[layers, slots[None, :]]  # [Ls, n, Hkv, d]
-        v = kv.v.flatten(1, 2)[layers, slots[None, :]]
+        rows = self.cache.upload(layers)[:, None]
+        k = kv.k.flatten(1, 2)[rows, slots[None, :]]  # [layers, n, Hkv, d]
+        v = kv.v.flatten(1, 2)[rows, slots[None, :]]
         ls, n, hkv, d = k.shape
         k = codec.unrotate_keys(k.transpose(0, 1).reshape(n, ls * hkv, d), positions, self.inv_freq)
         k = k.to(v.dtype).reshape(n, ls, hkv * d).transpose(0, 1)
