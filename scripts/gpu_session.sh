@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU runs, one device call per phase; every output lands in $OUT (or ./gpu_out).
 #   bash scripts/gpu_session.sh check        # GPU tests, kernels (+FlashInfer side by side), TTFT, profiles
-#   bash scripts/gpu_session.sh profiles     # GPU tests (no FlashInfer), per-kernel decode profiles (vanilla b1, quest b6, omnikv b6, snapkv b183, h2o b128, deltakv b1 and b6)
+#   bash scripts/gpu_session.sh profiles     # GPU tests (no FlashInfer), per-kernel decode profiles (vanilla b1, quest b6, omnikv b6, snapkv b183, h2o b128, deltakv b1 and b6), DeltaKV's flush times
 #   bash scripts/gpu_session.sh throughput [hydra overrides]   # python run.py -m experiment=decode_throughput_128k
 #   bash scripts/gpu_session.sh accuracy [hydra overrides]     # python run.py -m experiment=accuracy_smollm2 on the GPU
 # Wheels the device lacks travel in .whl/<set>/ (see results/README.md); the embedded GGUF
@@ -64,6 +64,10 @@ profiles)
     timeout 120 python scripts/profile_decode_step.py --method $1 --batch $2 --steps 8 --commit "$COMMIT" \
       --engine-arg deltakv_checkpoint_path=$dk --out "$OUT/profile_$1_b$2.json" 2>&1 \
       | grep -v -E "it/s\]|s/it\]" | tail -8
+  done
+  for b in 1 6; do  # DeltaKV's eager history flushes (outside the graphs the profiles time)
+    timeout 120 python scripts/time_deltakv_flush.py --batch $b --commit "$COMMIT" \
+      --engine-arg deltakv_checkpoint_path=$dk --out "$OUT/flush_deltakv_b$b.json" 2>&1 | tail -1
   done
   ;;
 throughput)
