@@ -35,33 +35,15 @@ from ._common import cdiv, check_launch, lazy_jit, next_pow2
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
 
-QUANT_GROUP = 32  # int4 latents: one float16 scale and zero per group of 32 values
-
-
 def deltakv_rebuild_ref(enc, up, inv_freq, tokens, slots, k_cache, v_cache, sink: int) -> None:
+    """The codec's own decode (``deltakv_codec.decode_at``, the definition) and RoPE, written
+    at the named slots."""
+    from sparseengine.methods import deltakv_codec as codec  # late: the codec imports this package
+
     keep = slots >= 0
     tok, slot = tokens[keep].long(), slots[keep].long()
-    p = tok - sink
-    center = p // enc.stride
-    row = (p - center - 1).clamp(min=0)
-    kv = enc.centers[center].float()
-    if enc.latents.shape[0]:
-        if enc.latents.dtype == torch.uint8:
-            lat = enc.latents[row]
-            codes = torch.stack([lat & 15, lat >> 4], dim=-1).flatten(1).float()
-            groups = codes.view(codes.shape[0], -1, QUANT_GROUP)
-            z = (groups * enc.scales[row].float()[..., None] + enc.zeros[row].float()[..., None]).flatten(1)
-        else:
-            z = enc.latents[row].float()
-        nb = enc.neighbors[row].long()
-        valid = (nb >= 0).float()
-        mean = (enc.centers[nb.clamp(min=0)].float() * valid[..., None]).sum(1) / valid.sum(1, keepdim=True).clamp(min=1)
-        kv = torch.where((p % enc.stride == 0)[:, None], kv, z @ up.float() + mean)
-    hkv, d = k_cache.shape[2], k_cache.shape[3]
-    k, v = kv[:, : hkv * d].reshape(-1, hkv, d), kv[:, hkv * d:].reshape(-1, hkv, d)
-    angle = tok.float()[:, None, None] * inv_freq.float()[None, None, :]
-    cos, sin, lo, hi = angle.cos(), angle.sin(), k[..., : d // 2], k[..., d // 2:]
-    k = torch.cat([lo * cos - hi * sin, hi * cos + lo * sin], dim=-1)
+    k, v = codec.split_kv(codec.decode_at(enc, up, tok - sink), k_cache.shape[2], k_cache.shape[3])
+    k = codec.rotate_keys(k, tok, inv_freq)
     ps = k_cache.shape[1]
     k_cache[slot // ps, slot % ps] = k.to(k_cache.dtype)
     v_cache[slot // ps, slot % ps] = v.to(v_cache.dtype)
@@ -79,8 +61,10 @@ def deltakv_rebuild_triton(enc, up, inv_freq, tokens, slots, k_cache, v_cache, s
         raise ValueError(f"shapes do not match the cache [*, *, {hkv}, {d}]: up {tuple(up.shape)}, centers "
                          f"{tuple(centers.shape)}, inv_freq {tuple(inv_freq.shape)}")
     bits = 4 if latents.dtype == torch.uint8 else 16
-    if latents.shape[1] != (r // 2 if bits == 4 else r) or (bits == 4 and r % QUANT_GROUP):
-        raise ValueError(f"latents {tuple(latents.shape)} ({latents.dtype}) do not match up's rank {r}")
+    group = r // max(1, enc.scales.shape[1]) if bits == 4 else r  # int4: one scale and zero per group
+    if latents.shape[1] != (r // 2 if bits == 4 else r) or (bits == 4 and group * enc.scales.shape[1] != r):
+        raise ValueError(f"latents {tuple(latents.shape)} ({latents.dtype}) and scales {tuple(enc.scales.shape)} "
+                         f"do not match up's rank {r}")
     if tokens.shape != slots.shape or tokens.dim() != 1:
         raise ValueError(f"tokens {tuple(tokens.shape)} and slots {tuple(slots.shape)} must be one same 1-D shape")
     device = check_launch(tokens, slots, centers, latents, up, inv_freq, k_cache, v_cache)
@@ -101,7 +85,7 @@ def deltakv_rebuild_triton(enc, up, inv_freq, tokens, slots, k_cache, v_cache, s
         k_cache, v_cache, n, r, sink, enc.stride,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         HKV=hkv, HALF=d // 2, BLOCK_HALF=max(16, next_pow2(d // 2)), NB=neighbors.shape[1], BITS=bits,
-        GROUP=QUANT_GROUP, PAGE_SIZE=ps, BLOCK_M=block_m, BLOCK_R=block_r,
+        GROUP=group, PAGE_SIZE=ps, BLOCK_M=block_m, BLOCK_R=block_r,
         DOT_PREC="ieee" if up.dtype == torch.float32 else "tf32", num_warps=num_warps,
     )
 

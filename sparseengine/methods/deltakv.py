@@ -350,36 +350,24 @@ class DeltaKV(SparseMethodRuntime):
         count, held = end - st.hist_end, base + length - st.hist_end
         positions = torch.arange(st.hist_end, end, device=self.device)
         slots = self.cache.slots(seq, torch.arange(base, base + count, device=self.device))  # same in every layer
-        wrong = [layer for layer in self.sparse if seq.layer_lens[layer] != held]
-        if wrong:
-            raise RuntimeError(f"deltakv: layer {wrong[0]} holds {seq.layer_lens[wrong[0]]} tokens, expected {held}")
-        if st.compressed:  # every layer's store grows by the same tokens (FLUSH_TOKENS in decode): encoded together
-            CodecStore.append_layers([st.stores[layer] for layer in self.sparse],
-                                     self._history_kv(slots, positions, self.sparse),
-                                     [self.down[layer] for layer in self.sparse])
-        else:  # the first history is the prompt's: one layer at a time bounds the memory it takes
-            for layer in self.sparse:
-                st.stores[layer] = self._new_store(seq)
-                st.stores[layer].write(codec.encode(self._history_kv(slots, positions, [layer])[0], self.down[layer],
-                                                    center_ratio=self.ratio, neighbors=self.neighbors,
-                                                    latent_bits=self.bits))
+        for layer in self.sparse:
+            if seq.layer_lens[layer] != held:
+                raise RuntimeError(f"deltakv: layer {layer} holds {seq.layer_lens[layer]} tokens, expected {held}")
+            k_cache, v_cache = self.cache.kv.layer(layer)
+            k, v = k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots]
+            kv = codec.concat_kv(codec.unrotate_keys(k, positions, self.inv_freq).to(k.dtype), v)
+            store = st.stores.get(layer)
+            if store is None:
+                store = st.stores[layer] = self._new_store(seq)
+                store.write(codec.encode(kv, self.down[layer], center_ratio=self.ratio, neighbors=self.neighbors,
+                                         latent_bits=self.bits))
+            else:
+                store.append(kv, self.down[layer])
         keep = torch.cat([torch.arange(sink + budget, device=self.device),
                           torch.arange(base + count, held, device=self.device)])
         self.cache.compact_layers(seq, keep.expand(self.model.num_kv_heads, -1), self.sparse)
         self._set_hist_end(st, end)
         self.cache.trim_pages(seq)
-
-    def _history_kv(self, slots: torch.Tensor, positions: torch.Tensor, layers: list[int]) -> torch.Tensor:
-        """``[len(layers), n, 2 * Hkv * d]``: the cached tokens at ``slots`` (at ``positions``)
-        of ``layers``, keys un-rotated (pre-RoPE), K then V (``codec.concat_kv``)."""
-        kv = self.cache.kv
-        rows = self.cache.upload(layers)[:, None]
-        k = kv.k.flatten(1, 2)[rows, slots[None, :]]  # [layers, n, Hkv, d]
-        v = kv.v.flatten(1, 2)[rows, slots[None, :]]
-        ls, n, hkv, d = k.shape
-        k = codec.unrotate_keys(k.transpose(0, 1).reshape(n, ls * hkv, d), positions, self.inv_freq)
-        k = k.to(v.dtype).reshape(n, ls, hkv * d).transpose(0, 1)
-        return torch.cat([k, v.reshape(ls, n, hkv * d)], dim=2)
 
     # ---- accounting -----------------------------------------------------------------------
     def stored_bytes(self, seq) -> DeltaKVBytes:

@@ -268,48 +268,6 @@ def encode_tail(centers_old, n_old, kv_new, down, stride, neighbors, bits):
     return centers, idx.to(index_dtype(centers.shape[0])), lat, scales, zeros
 
 
-def encode_tail_layers(centers_old: list[torch.Tensor], n_old: int, kv_new: torch.Tensor, downs: list[torch.Tensor],
-                       stride: int, neighbors: int, bits: int):
-    """:func:`encode_tail` of several layers' histories of the same length at once (one
-    request's layers at a flush): ``kv_new [L, m, D]`` at positions ``n_old ...`` in every
-    layer. Each layer's result is bit for bit its own ``encode_tail``'s (its distances,
-    top-k, neighbour mean and ``Down`` product are its own ops; the element-wise steps and
-    the quantisation run once for all layers). Returns ``(centers [L, nc, D]`` new ones,
-    ``neighbors, latents, scales, zeros`` each ``[L, mo, ...])``."""
-    L, m, _ = kv_new.shape
-    pos = torch.arange(n_old, n_old + m)
-    is_center = pos % stride == 0
-    dev = kv_new.device
-    ci, oi = is_center.nonzero()[:, 0].to(dev), (~is_center).nonzero()[:, 0].to(dev)  # host: no wait
-    new_centers = kv_new[:, ci]
-    c_all = centers_old[0].shape[0] + ci.numel()
-    centers = [torch.cat([c, new_centers[layer].to(c.dtype)]) for layer, c in enumerate(centers_old)]
-    x = kv_new[:, oi].float()  # [L, mo, D]
-    opos = pos[~is_center].to(dev)
-    mo = x.shape[1]
-    idx = torch.full((L, mo, neighbors), -1, dtype=torch.long, device=dev)
-    take = min(neighbors, c_all)
-    if mo and take:
-        cfs = [c.float() for c in centers]
-        cross = torch.stack([(2.0 * x[layer]) @ cf.T for layer, cf in enumerate(cfs)])  # as _assign computes it
-        c_sq = torch.stack([(cf * cf).sum(dim=1) for cf in cfs])
-        dist = (x * x).sum(dim=2, keepdim=True) - cross + c_sq[:, None, :]
-        c_pos = torch.arange(c_all, device=dev) * stride
-        dist = dist.masked_fill(c_pos[None, None, :] >= opos[None, :, None], float("inf"))
-        for layer in range(L):
-            val, near = torch.topk(dist[layer], take, dim=1, largest=False, sorted=True)
-            idx[layer, :, :take] = near.masked_fill(torch.isinf(val), -1)
-    valid = idx >= 0
-    weight = valid / valid.sum(dim=2, keepdim=True).clamp(min=1)
-    res = x - torch.stack([torch.einsum("mk,mkd->md", weight[layer], c[idx[layer].clamp(min=0)].float())
-                           for layer, c in enumerate(centers)])
-    z = torch.stack([res[layer] @ down.float() for layer, down in enumerate(downs)])
-    r = z.shape[2]
-    lat, scales, zeros = _store_latents(z.reshape(L * mo, r), bits)
-    parts = (t.reshape(L, mo, *t.shape[1:]) for t in (lat, scales, zeros))
-    return new_centers, idx.to(index_dtype(c_all)), *parts
-
-
 def _check_down(down: torch.Tensor, dim: int) -> torch.Tensor:
     _matrix_arg("down", down, "[D, r]")
     if down.shape[0] != dim:

@@ -86,24 +86,6 @@ class CodecStore:
         self.n += kv_new.shape[0]
         self.c, self.m = centers.shape[0], self.m + idx.shape[0]
 
-    @staticmethod
-    @torch.inference_mode()
-    def append_layers(stores: list["CodecStore"], kv_new: torch.Tensor, downs: list[torch.Tensor]) -> None:
-        """``stores[l].append(kv_new[l], downs[l])`` for every layer of one request (histories
-        of the same length and codec settings), encoded together
-        (``deltakv_codec.encode_tail_layers``): the same bits, a fraction of the calls."""
-        m, first = kv_new.shape[1], stores[0]
-        if any((st.n, st.c, st.m) != (first.n, first.c, first.m) for st in stores):
-            raise ValueError("append_layers: the stores hold histories of different lengths")
-        for st in stores:
-            if st.n + m > st.capacity:
-                st._allocate(max(st.n + m, 2 * st.capacity))
-        centers, idx, lat, scales, zeros = codec.encode_tail_layers(
-            [st.centers[: st.c] for st in stores], first.n, kv_new, downs, first.stride, first.neighbors, first.bits)
-        for layer, st in enumerate(stores):
-            st._put(st.c, st.m, centers[layer], idx[layer], lat[layer], scales[layer], zeros[layer])
-            st.n, st.c, st.m = st.n + m, st.c + centers.shape[1], st.m + idx.shape[1]
-
     def write_random(self, n: int, gen: torch.Generator) -> None:
         """Store a random history of ``n`` tokens with the shapes and sizes an encoding of
         n tokens has (a synthesised prefill: decode benchmarks); each token's neighbours are

@@ -41,29 +41,3 @@ def test_appends_store_what_encode_stores(bits, capacity):
     assert torch.equal(dk.decode_at(store.full(), up, pos), dk.decode_at(view, up, pos))
     with pytest.raises(RuntimeError, match="append to it"):
         store.write(whole)
-
-
-@pytest.mark.parametrize("bits", [4, 16])
-def test_layers_appended_together_store_what_each_append_stores(bits):
-    """One request's layers at a flush: encoded together (one top-k and one product per
-    layer, the rest batched), each layer stores bit for bit what its own append stores,
-    across a buffer move (capacity 60 < 157 tokens)."""
-    layers = 3
-    kv = torch.stack([_kv(157, 64, seed=10 + layer) for layer in range(layers)])
-    downs = [deltakv_fit.fit_down_up(dk.residuals(kv[layer], 0.125, 3)[0], 32)[0] for layer in range(layers)]
-    alone = [CodecStore(60, 8, bits, 3, 64, 32, kv.dtype, "cpu") for _ in range(layers)]
-    together = [CodecStore(60, 8, bits, 3, 64, 32, kv.dtype, "cpu") for _ in range(layers)]
-    for layer in range(layers):
-        for st in (alone[layer], together[layer]):
-            st.write(dk.encode(kv[layer, :41], downs[layer], center_ratio=0.125, neighbors=3, latent_bits=bits))
-    for lo, hi in ((41, 100), (100, 101), (101, 157)):
-        for layer in range(layers):
-            alone[layer].append(kv[layer, lo:hi], downs[layer])
-        CodecStore.append_layers(together, kv[:, lo:hi], downs)
-    for a, t in zip(alone, together):
-        assert (t.n, t.c, t.m, t.generation) == (a.n, a.c, a.m, a.generation)
-        for name in FIELDS:
-            assert torch.equal(getattr(t.view(), name), getattr(a.view(), name)), name
-    with pytest.raises(ValueError, match="different lengths"):
-        CodecStore.append_layers([together[0], CodecStore(60, 8, bits, 3, 64, 32, kv.dtype, "cpu")], kv[:2, :5],
-                                 downs[:2])
