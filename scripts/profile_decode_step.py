@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from sparseengine import LLM, SamplingParams
+from sparseengine.kernels import pdl_enabled
 
 
 def step_time(llm, prompts, steps: int, warmup: int = 8) -> float:
@@ -139,7 +140,8 @@ def main() -> None:
     bw = args.bandwidth_gbps or roofline.measure_copy_bandwidth(torch.device("cuda"))
     out = {"model": args.model, "method": args.method, "batch": args.batch, "prompt_len": args.prompt_len,
            "provider": args.provider, "device": torch.cuda.get_device_name(), "commit": args.commit,
-           "torch": torch.__version__, "bandwidth_gbps": bw, "merge_in_split_kernel": args.merge_in_split_kernel}
+           "torch": torch.__version__, "bandwidth_gbps": bw, "merge_in_split_kernel": args.merge_in_split_kernel,
+           "pdl": pdl_enabled()}
     with LLM(**kw) as llm:
         out["graph_step_ms"] = 1e3 * step_time(llm, prompts, 64)
         out["graph_steps_used"] = llm.runner.graph_steps > 0

@@ -347,7 +347,7 @@ def main(argv=None):
     parser.add_argument("--deltakv-rebuild", action="store_true",
                         help="run only DeltaKV's fused rebuild (tiles, warps) beside its torch path")
     parser.add_argument("--quest-select", action="store_true",
-                        help="run only Quest's page selection and page score variants side by side")
+                        help="run only Quest's page selection, page score and sparse-page attention variants side by side")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu needs a CUDA GPU")
@@ -362,6 +362,7 @@ def main(argv=None):
 
         bench_quest.bench_quest_select(args.out)
         bench_quest.bench_quest_scores(args.out)
+        bench_quest.bench_quest_attention(args.out)
         return
     if args.splits:
         for B, L, capacity in ((1, 131072, 133120), (6, 131072, 133120), (32, 32768, 32768), (183, 2304, 133120)):

@@ -49,13 +49,45 @@ def bench_quest_scores(out_path, B=6, P=8320, n=131072):
     args = (q, kmax, kmin, table, kv_lens, PS)
     want = quest_page_scores_triton(*args)
     nbytes = 2 * B * (n // PS) * HKV * D * 2
-    for block_p, num_warps, num_stages in ((64, 4, None), (32, 4, None), (32, 2, None), (128, 4, None),
-                                           (128, 8, None), (64, 8, None), (256, 8, None)):
-        fn = lambda: quest_page_scores_triton(*args, block_p=block_p, num_warps=num_warps,  # noqa: E731
-                                              num_stages=num_stages)
+    for block_p, iters, num_warps, num_stages in (
+            (64, 1, 4, None), (32, 1, 2, None), (128, 1, 4, None), (64, 2, 4, 2), (64, 2, 4, 3), (64, 4, 4, 3),
+            (32, 4, 2, 3), (32, 4, 4, 3), (64, 4, 8, 3), (128, 2, 8, 3), (32, 8, 4, 4), (64, 8, 4, 4)):
+        fn = lambda: quest_page_scores_triton(*args, block_p=block_p, iters=iters,  # noqa: E731
+                                              num_warps=num_warps, num_stages=num_stages)
         err = (fn() - want).abs().nan_to_num(0.0).max().item()
         us = per_launch_us(fn)
         emit(out_path, {"kind": "quest_scores", "batch": B, "hkv": HKV, "pages": P, "kv_len": n,
-                        "block_p": block_p, "num_warps": num_warps, "num_stages": num_stages,
-                         "us_per_launch": us, "GBps": nbytes / us / 1e3, "max_abs_diff_vs_default": err})
+                        "block_p": block_p, "iters": iters, "num_warps": num_warps, "num_stages": num_stages,
+                        "us_per_launch": us, "GBps": nbytes / us / 1e3, "max_abs_diff_vs_default": err})
+
+
+def bench_quest_attention(out_path, B=6, P=8320, n=131072, width=129):
+    """Quest's sparse layers' attention at the 128K decode benchmark's shape: every (request,
+    KV head) attends over `width` chosen pages (4 sink + 92 top + 33 recent) of an
+    8320-page table scattered over the pool, per launch in a CUDA graph of 30 launches:
+    the split plan (tokens per split) x tile x warps x stages."""
+    from sparseengine.kernels import sparse_page_decode_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    pool = B * P
+    k_cache, v_cache = (torch.randn(pool, PS, HKV, D, generator=gen, device="cuda").to(BF16) for _ in range(2))
+    table = torch.randperm(pool, generator=gen, device="cuda").int().view(B, P)
+    kv_lens = torch.full((B,), n, dtype=torch.int32, device="cuda")
+    q = torch.randn(B, HQ, D, generator=gen, device="cuda").to(BF16)
+    chosen = torch.rand(B, HKV, n // PS, generator=gen, device="cuda").argsort(-1)[..., :width]
+    pages = chosen.sort(-1).values.contiguous()
+    counts = torch.full((B, HKV), width, dtype=torch.int32, device="cuda")
+    args = (q, k_cache, v_cache, table, kv_lens, pages, counts)
+    want = sparse_page_decode_triton(*args).float()
+    nbytes = 2 * B * HKV * width * PS * D * 2
+    for chunk, block_n, num_warps, num_stages in (
+            (None, 64, 4, 2), (128, 64, 4, 2), (128, 32, 4, 2), (128, 32, 2, 3), (64, 32, 2, 2), (64, 16, 2, 2),
+            (256, 32, 4, 3), (256, 64, 4, 3), (512, 64, 4, 3), (128, 64, 4, 3), (64, 64, 4, 2), (2048, 64, 4, 3)):
+        fn = lambda: sparse_page_decode_triton(*args, kv_chunk=chunk, block_n=block_n,  # noqa: E731
+                                               num_warps=num_warps, num_stages=num_stages)
+        err = (fn().float() - want).abs().max().item()
+        us = per_launch_us(fn)
+        emit(out_path, {"kind": "quest_attention", "batch": B, "hkv": HKV, "pages": width, "kv_len": n,
+                        "kv_chunk": chunk, "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages,
+                        "us_per_launch": us, "GBps": nbytes / us / 1e3, "max_abs_diff_vs_default": err})
 

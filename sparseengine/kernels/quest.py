@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import _common
-from ._common import cdiv, check_launch, lazy_jit, next_pow2
+from ._common import cdiv, check_launch, lazy_jit, next_pow2, wait_prior
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
@@ -114,10 +114,10 @@ def quest_page_scores_torch(q, kmax, kmin, page_table, kv_lens, page_size):
     return upper.amax(2).masked_fill(~valid[:, None, :], float("-inf"))
 
 
-def quest_page_scores_triton(q, kmax, kmin, page_table, kv_lens, page_size, *, block_p=64, num_warps=4,
+def quest_page_scores_triton(q, kmax, kmin, page_table, kv_lens, page_size, *, block_p=64, iters=1, num_warps=4,
                              num_stages=None):
-    """`block_p` pages per program, `num_warps`, `num_stages`: launch tuning (`bench_gpu
-    --quest-scores` sweeps them)."""
+    """`block_p` pages per tile, `iters` tiles per program (a loop the compiler pipelines),
+    `num_warps`, `num_stages`: launch tuning (`bench_gpu --quest-select` sweeps them)."""
     B, Hq, d = q.shape
     Hkv = kmax.shape[1]
     device = check_launch(q, kmax, kmin, page_table, kv_lens)
@@ -128,11 +128,11 @@ def quest_page_scores_triton(q, kmax, kmin, page_table, kv_lens, page_size, *, b
     g, P = Hq // Hkv, page_table.shape[1]
     scores = _common.empty((B, Hkv, P), torch.float32, device)
     tuning = {} if num_stages is None else {"num_stages": num_stages}
-    _page_scores_kernel[(B * Hkv, cdiv(P, block_p))](
+    _page_scores_kernel[(B * Hkv, cdiv(P, block_p * iters))](
         q, kmax, kmin, page_table, kv_lens, scores, q.stride(0), q.stride(1),
         kmax.stride(0), kmax.stride(1), page_table.stride(0), P, Hkv,
         GROUP=g, BLOCK_H=max(16, next_pow2(g)), PAGE_SIZE=page_size, HEAD_DIM=d,
-        BLOCK_D=max(16, next_pow2(d)), BLOCK_P=block_p, DOT_PREC=_common.dot_precision(kmax.dtype),
+        BLOCK_D=max(16, next_pow2(d)), BLOCK_P=block_p, ITERS=iters, DOT_PREC=_common.dot_precision(kmax.dtype),
         num_warps=num_warps, **tuning,
     )
     return scores
@@ -144,6 +144,7 @@ def _minmax_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_O: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
+    wait_prior()
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     page = slot // PAGE_SIZE
@@ -177,29 +178,32 @@ def _page_scores_kernel(
     q_ptr, kmax_ptr, kmin_ptr, page_table_ptr, kv_lens_ptr, scores_ptr,
     stride_qb, stride_qh, stride_mp, stride_mh, stride_pt, P, HKV,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, ITERS: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
+    wait_prior()
     pid_bh = tl.program_id(0)
     b = pid_bh // HKV
     kvh = pid_bh % HKV
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
     h_ok = offs_h < GROUP
     d_ok = offs_d < HEAD_DIM
     n_pages = (tl.load(kv_lens_ptr + b) + PAGE_SIZE - 1) // PAGE_SIZE
-    p_ok = offs_p < n_pages
     q = tl.load(q_ptr + b * stride_qb + (kvh * GROUP + offs_h)[:, None] * stride_qh + offs_d[None, :],
                 mask=h_ok[:, None] & d_ok[None, :], other=0.0).to(kmax_ptr.dtype.element_ty)
-    page = tl.load(page_table_ptr + b * stride_pt + offs_p, mask=p_ok, other=0).to(tl.int64)
-    meta = page[:, None] * stride_mp + kvh * stride_mh + offs_d[None, :]
-    m_ok = p_ok[:, None] & d_ok[None, :]
-    hi = tl.load(kmax_ptr + meta, mask=m_ok, other=0.0)
-    lo = tl.load(kmin_ptr + meta, mask=m_ok, other=0.0)
     # max(q_c M_c, q_c m_c) = max(q_c, 0) M_c + min(q_c, 0) m_c since M_c >= m_c: two dots.
     q_pos = tl.where(q > 0, q, tl.zeros_like(q))
-    upper = tl.dot(q_pos, tl.trans(hi), input_precision=DOT_PREC)
-    upper += tl.dot(q - q_pos, tl.trans(lo), input_precision=DOT_PREC)  # [BLOCK_H, BLOCK_P]
-    upper = tl.where(h_ok[:, None], upper, float("-inf"))
-    best = tl.where(p_ok, tl.max(upper, 0), float("-inf"))
-    tl.store(scores_ptr + pid_bh * P + offs_p, best, mask=offs_p < P)
+    q_neg = q - q_pos
+    for it in range(ITERS):
+        offs_p = (tl.program_id(1) * ITERS + it) * BLOCK_P + tl.arange(0, BLOCK_P)
+        p_ok = offs_p < n_pages
+        page = tl.load(page_table_ptr + b * stride_pt + offs_p, mask=p_ok, other=0).to(tl.int64)
+        meta = page[:, None] * stride_mp + kvh * stride_mh + offs_d[None, :]
+        m_ok = p_ok[:, None] & d_ok[None, :]
+        hi = tl.load(kmax_ptr + meta, mask=m_ok, other=0.0)
+        lo = tl.load(kmin_ptr + meta, mask=m_ok, other=0.0)
+        upper = tl.dot(q_pos, tl.trans(hi), input_precision=DOT_PREC)
+        upper += tl.dot(q_neg, tl.trans(lo), input_precision=DOT_PREC)  # [BLOCK_H, BLOCK_P]
+        upper = tl.where(h_ok[:, None], upper, float("-inf"))
+        best = tl.where(p_ok, tl.max(upper, 0), float("-inf"))
+        tl.store(scores_ptr + pid_bh * P + offs_p, best, mask=offs_p < P)

@@ -68,11 +68,13 @@ def sparse_page_decode_ref(q, k_cache, v_cache, page_table, kv_lens, page_indice
 
 
 def sparse_page_decode_triton(q, k_cache, v_cache, page_table, kv_lens, page_indices, num_pages_selected,
-                              scale=None, return_lse=False, *, kv_chunk=None):
+                              scale=None, return_lse=False, *, kv_chunk=None, **tuning):
+    """`tuning`: `split_k_decode`'s launch knobs (block_n, num_warps, num_stages; the bench sweeps them)."""
     _check_selection(q, k_cache, page_indices, num_pages_selected)
     return split_k_decode(q, k_cache, v_cache, page_table, kv_lens, mode=MODE_PAGES,
                           capacity=page_indices.shape[2] * k_cache.shape[1], sel=page_indices,
-                          num_sel=num_pages_selected, scale=scale, return_lse=return_lse, kv_chunk=kv_chunk)
+                          num_sel=num_pages_selected, scale=scale, return_lse=return_lse, kv_chunk=kv_chunk,
+                          **tuning)
 
 
 def _check_selection(q, k_cache, sel, num_sel):

@@ -71,6 +71,21 @@ def test_page_scores(case, gen, device):
         assert torch.isneginf(ref[b, :, -(-n // ps):]).all()
 
 
+@pytest.mark.parametrize("iters", [2, 3])
+def test_page_scores_loop_over_tiles(iters, gen, device):
+    """Several 16-page tiles per program: 75 and 38 pages of 4 tokens, so the programs'
+    last tiles are partial or empty."""
+    hq, hkv, d, ps, lens = 8, 2, 32, 4, [300, 150]
+    kv = random_paged_kv(lens, hkv, d, ps, generator=gen, device=device)
+    hi, lo = _nan_meta(kv), _nan_meta(kv)
+    for b in range(len(lens)):
+        pages = kv.page_table[b, : -(-lens[b] // ps)].long()
+        hi[pages], lo[pages] = _dense_minmax(kv, b)
+    q = randn(len(lens), hq, d, generator=gen, device=device)
+    args = (q, hi, lo, kv.page_table, kv.kv_lens, ps)
+    assert_close(quest_page_scores_triton(*args, block_p=16, iters=iters), quest_page_scores_ref(*args), 1e-4)
+
+
 @pytest.mark.gpu
 def test_gpu_32k(gen):
     lens, hkv, d, ps = [32768, 5000], 8, 128, 16
