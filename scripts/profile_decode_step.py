@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -121,6 +122,8 @@ def main() -> None:
     ap.add_argument("--bandwidth-gbps", type=float, default=None, help="default: measured here")
     ap.add_argument("--merge-in-split-kernel", action="store_true",
                     help="split-K decode: merge the splits in the split kernel (default: a second kernel)")
+    ap.add_argument("--combine-d-tile", type=int, default=None,
+                    help="split-K decode's merge kernel: channels per program (0: a whole row per program)")
     ap.add_argument("--engine-arg", action="append", type=_engine_arg, default=[], metavar="KEY=VALUE",
                     help="another LLM(...) argument, e.g. deltakv_checkpoint_path=FILE (repeatable)")
     ap.add_argument("--host-profile", action="store_true",
@@ -132,6 +135,8 @@ def main() -> None:
     from sparseengine.kernels import paged_decode
 
     paged_decode.MERGE_IN_SPLIT_KERNEL = args.merge_in_split_kernel
+    if args.combine_d_tile is not None:
+        paged_decode.COMBINE_D_TILE = args.combine_d_tile or None
 
     kw = dict(model=args.model, load_format="dummy", dtype="bfloat16", sparse_method=args.method,
               attention_provider=args.provider, max_num_seqs=max(8, args.batch), sink_tokens=64, recent_tokens=512,
@@ -141,7 +146,8 @@ def main() -> None:
     out = {"model": args.model, "method": args.method, "batch": args.batch, "prompt_len": args.prompt_len,
            "provider": args.provider, "device": torch.cuda.get_device_name(), "commit": args.commit,
            "torch": torch.__version__, "bandwidth_gbps": bw, "merge_in_split_kernel": args.merge_in_split_kernel,
-           "pdl": pdl_enabled()}
+           "pdl": pdl_enabled(), "pdl_mode": os.environ.get("SPARSEENGINE_PDL", "0"),
+           "combine_d_tile": paged_decode.COMBINE_D_TILE}
     with LLM(**kw) as llm:
         out["graph_step_ms"] = 1e3 * step_time(llm, prompts, 64)
         out["graph_steps_used"] = llm.runner.graph_steps > 0

@@ -42,6 +42,9 @@ MAX_SPLIT_COUNTERS = 1 << 16
 # step 8.84 ms; merged in the split kernel 4.60 ms, step 9.30 ms. So the second kernel is
 # the default; one split writes the output directly.
 MERGE_IN_SPLIT_KERNEL = False
+# The merge kernel's programs each take one query row's COMBINE_D_TILE channels (None: all
+# of them, one program per row): at batch 1 a row per program is only B * Hq = 32 programs.
+COMBINE_D_TILE: int | None = 32
 _split_counters: dict[torch.device, torch.Tensor] = {}
 
 
@@ -157,9 +160,11 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
         MODE=mode, STORE_LOGITS=store_logits, DOT_PREC=_common.dot_precision(q.dtype),
         COMBINE=combine, **merge_args, num_warps=num_warps, num_stages=num_stages,
     )
-    if combine == _PARTIALS:
-        _combine_splits_kernel[(B * Hq,)](
-            part_out, part_lse, out, lse, num_splits, out.stride(0), out.stride(1), Hq, **merge_args, num_warps=4,
+    if combine == _PARTIALS:  # a program per (query row, COMBINE_D_TILE channels): more programs than rows
+        tile = min(merge_args["BLOCK_D"], COMBINE_D_TILE or merge_args["BLOCK_D"])
+        _combine_splits_kernel[(B * Hq, merge_args["BLOCK_D"] // tile)](
+            part_out, part_lse, out, lse, num_splits, out.stride(0), out.stride(1), Hq,
+            **dict(merge_args, BLOCK_D=tile, BLOCK_S=min(4096 // tile, next_pow2(num_splits))), num_warps=4,
         )
     return (out, lse) if return_lse else out
 
@@ -297,7 +302,7 @@ def _decode_split_kernel(
             counter = counter_ptr + pid_bh
             if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n_active - 1:
                 for i in range(GROUP):
-                    _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, b * HQ + kvh * GROUP + i,
+                    _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, b * HQ + kvh * GROUP + i, 0,
                                   num_splits, n_active, stride_ob, stride_oh, HQ, HEAD_DIM, BLOCK_D, BLOCK_S,
                                   STORE_LSE)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
@@ -309,19 +314,21 @@ def _combine_splits_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
     wait_prior()
-    _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, tl.program_id(0), num_splits, num_splits,
-                  stride_ob, stride_oh, HQ, HEAD_DIM, BLOCK_D, BLOCK_S, STORE_LSE)
+    _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, tl.program_id(0), tl.program_id(1) * BLOCK_D,
+                  num_splits, num_splits, stride_ob, stride_oh, HQ, HEAD_DIM, BLOCK_D, BLOCK_S, STORE_LSE)
 
 
-def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, row, num_splits, n_read, stride_ob, stride_oh, HQ,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, STORE_LSE: tl.constexpr):
-    """Merge query row `row` = b * HQ + h: its first `n_read` log2-domain partials (of
-    `num_splits` slots) -> out (and lse, natural log). Loads bypass L1 (.cg): in the fused
-    kernel other programs wrote the partials just now."""
+def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, row, d_start, num_splits, n_read, stride_ob,
+                  stride_oh, HQ, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                  STORE_LSE: tl.constexpr):
+    """Merge query row `row` = b * HQ + h, channels `d_start .. d_start + BLOCK_D`: its first
+    `n_read` log2-domain partials (of `num_splits` slots) -> out (and, from the channels
+    starting at 0, lse, natural log). Loads bypass L1 (.cg): in the fused kernel other
+    programs wrote the partials just now."""
     b = row // HQ
     h = row % HQ
     offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = d_start + tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     lse_row = part_lse_ptr + row * num_splits
     m_vec = tl.full([BLOCK_S], float("-inf"), tl.float32)
@@ -343,5 +350,6 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, row, num_splits,
     out = acc / tl.where(w_sum > 0, w_sum, 1.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
     if STORE_LSE:
-        lse = tl.where(w_sum > 0, m + tl.log2(tl.where(w_sum > 0, w_sum, 1.0)), float("-inf"))
-        tl.store(lse_ptr + row, lse * 0.6931471805599453)
+        if d_start == 0:
+            lse = tl.where(w_sum > 0, m + tl.log2(tl.where(w_sum > 0, w_sum, 1.0)), float("-inf"))
+            tl.store(lse_ptr + row, lse * 0.6931471805599453)

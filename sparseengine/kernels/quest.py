@@ -114,10 +114,12 @@ def quest_page_scores_torch(q, kmax, kmin, page_table, kv_lens, page_size):
     return upper.amax(2).masked_fill(~valid[:, None, :], float("-inf"))
 
 
-def quest_page_scores_triton(q, kmax, kmin, page_table, kv_lens, page_size, *, block_p=64, iters=1, num_warps=4,
-                             num_stages=None):
+def quest_page_scores_triton(q, kmax, kmin, page_table, kv_lens, page_size, *, block_p=64, iters=2, num_warps=4,
+                             num_stages=2):
     """`block_p` pages per tile, `iters` tiles per program (a loop the compiler pipelines),
-    `num_warps`, `num_stages`: launch tuning (`bench_gpu --quest-select` sweeps them)."""
+    `num_warps`, `num_stages`: launch tuning (`bench_gpu --quest-select` sweeps them; at the
+    128K benchmark's shape two tiles of 64 in two stages took 52.6 us a launch against 56.7
+    for one tile a program, results/quest_kernels_h200.jsonl)."""
     B, Hq, d = q.shape
     Hkv = kmax.shape[1]
     device = check_launch(q, kmax, kmin, page_table, kv_lens)

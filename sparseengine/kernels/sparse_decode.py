@@ -69,7 +69,10 @@ def sparse_page_decode_ref(q, k_cache, v_cache, page_table, kv_lens, page_indice
 
 def sparse_page_decode_triton(q, k_cache, v_cache, page_table, kv_lens, page_indices, num_pages_selected,
                               scale=None, return_lse=False, *, kv_chunk=None, **tuning):
-    """`tuning`: `split_k_decode`'s launch knobs (block_n, num_warps, num_stages; the bench sweeps them)."""
+    """`tuning`: `split_k_decode`'s launch knobs (block_n, num_warps, num_stages; `bench_gpu
+    --quest-select` sweeps them). Three stages by default: at Quest's 128K shape (6 x 8 rows
+    of 129 pages) 22.8 us a launch against 27.1 with two (results/quest_kernels_h200.jsonl)."""
+    tuning.setdefault("num_stages", 3)
     _check_selection(q, k_cache, page_indices, num_pages_selected)
     return split_k_decode(q, k_cache, v_cache, page_table, kv_lens, mode=MODE_PAGES,
                           capacity=page_indices.shape[2] * k_cache.shape[1], sel=page_indices,

@@ -44,21 +44,29 @@ def test_every_kernel_waits_for_the_previous_one_first(name):
         f"{name}'s first statement must be wait_prior(): it is launched with PDL on sm_90+")
 
 
-def test_pdl_is_off_under_the_interpreter_and_when_switched_off(monkeypatch):
+def test_pdl_is_off_by_default_under_the_interpreter_and_refuses_unknown_modes(monkeypatch):
     monkeypatch.setattr(_common, "_pdl", None)
-    monkeypatch.setenv("SPARSEENGINE_PDL", "0")
+    monkeypatch.delenv("SPARSEENGINE_PDL", raising=False)
+    assert _common.pdl_enabled() is False
+    monkeypatch.setattr(_common, "_pdl", None)
+    monkeypatch.setenv("SPARSEENGINE_PDL", "wait")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert _common.pdl_enabled() is False
     monkeypatch.setattr(_common, "_pdl", None)
     monkeypatch.setenv("SPARSEENGINE_PDL", "1")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert _common.pdl_enabled() is False
+    with pytest.raises(ValueError, match="SPARSEENGINE_PDL='1'; valid: 0, wait, early"):
+        _common.pdl_enabled()
 
 
 @pytest.mark.gpu
-def test_a_graph_of_dependent_pdl_launches_equals_the_torch_chain():
+def test_a_graph_of_dependent_pdl_launches_equals_the_torch_chain(monkeypatch):
     """200 RMSNorms with the residual add, each reading the previous one's outputs, in one
-    CUDA graph (PDL launches where the GPU has it): bit for bit the torch chain."""
+    CUDA graph, launched with PDL (sm_90+): bit for bit the torch chain."""
     from sparseengine.kernels.fused_ops import add_rms_norm_ref, add_rms_norm_triton
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs sm_90")
+    monkeypatch.setattr(_common, "_pdl", True)
 
     gen = torch.Generator().manual_seed(0)
     x0 = randn(6, 4096, generator=gen, dtype=torch.bfloat16, device="cuda")
