@@ -2,7 +2,6 @@
 # GPU runs, one device call per phase; every output lands in $OUT (or ./gpu_out).
 #   bash scripts/gpu_session.sh check        # GPU tests, kernels (+FlashInfer side by side), TTFT, profiles
 #   bash scripts/gpu_session.sh profiles     # GPU tests (no FlashInfer), per-kernel decode profiles (vanilla b1, quest b6, omnikv b6, snapkv b183, h2o b128, deltakv b1 and b6), DeltaKV's flush times
-#   bash scripts/gpu_session.sh pdl          # PDL modes and merge tiles side by side (profiles), Quest's kernel variants, GPU tests
 #   bash scripts/gpu_session.sh throughput [hydra overrides]   # python run.py -m experiment=decode_throughput_128k
 #   bash scripts/gpu_session.sh accuracy [hydra overrides]     # python run.py -m experiment=accuracy_smollm2 on the GPU
 # Wheels the device lacks travel in .whl/<set>/ (see results/README.md); the embedded GGUF
@@ -70,27 +69,6 @@ profiles)
     timeout 120 python scripts/time_deltakv_flush.py --batch $b --commit "$COMMIT" \
       --engine-arg deltakv_checkpoint_path=$dk --out "$OUT/flush_deltakv_b$b.json" 2>&1 | tail -1
   done
-  ;;
-pdl)
-  # PDL modes (PDL_MODES, default "0 wait early") and the merge kernel's channel tiles
-  # (0: a row per program, 32) side by side: the PDL GPU test, decode profiles of vanilla b1
-  # and quest b6, Quest's kernel variants, then the GPU tests (PDL as the default)
-  SPARSEENGINE_PDL=wait timeout 60 python -m pytest tests/kernels/test_pdl.py -q -m gpu -p no:cacheprovider 2>&1 \
-    | tail -3 | tee "$OUT/gpu_tests.log"
-  for spec in "vanilla 1" "quest 6"; do
-    set -- $spec
-    for pdl in ${PDL_MODES:-0 wait early}; do
-      SPARSEENGINE_PDL=$pdl timeout 120 python scripts/profile_decode_step.py --method $1 --batch $2 --steps 8 \
-        --commit "$COMMIT" --out "$OUT/profile_$1_b$2_pdl$pdl.json" 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -1
-    done
-    timeout 120 python scripts/profile_decode_step.py --method $1 --batch $2 --steps 8 --combine-d-tile 0 \
-      --commit "$COMMIT" --out "$OUT/profile_$1_b$2_rowmerge.json" 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -1
-  done
-  [ -n "${SKIP_BENCH:-}" ] || timeout 120 python -m sparseengine.kernels.bench_gpu --quest-select \
-    --out "$OUT/quest_kernels.jsonl" 2>&1 | tail -3
-  timeout "${TEST_TIMEOUT:-200}" python -m pytest tests/kernels tests/methods tests/attention \
-    tests/test_decode_graph_inputs.py tests/test_engine_behaviour.py tests/test_method_behaviour.py -q -m gpu \
-    -k "not flashinfer" -p no:cacheprovider -rs 2>&1 | tail -12 | tee -a "$OUT/gpu_tests.log"
   ;;
 throughput)
   install_wheels .whl/hydra

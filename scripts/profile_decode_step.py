@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -26,7 +25,6 @@ from pathlib import Path
 import torch
 
 from sparseengine import LLM, SamplingParams
-from sparseengine.kernels import pdl_enabled
 
 
 def step_time(llm, prompts, steps: int, warmup: int = 8) -> float:
@@ -146,7 +144,6 @@ def main() -> None:
     out = {"model": args.model, "method": args.method, "batch": args.batch, "prompt_len": args.prompt_len,
            "provider": args.provider, "device": torch.cuda.get_device_name(), "commit": args.commit,
            "torch": torch.__version__, "bandwidth_gbps": bw, "merge_in_split_kernel": args.merge_in_split_kernel,
-           "pdl": pdl_enabled(), "pdl_mode": os.environ.get("SPARSEENGINE_PDL", "0"),
            "combine_d_tile": paged_decode.COMBINE_D_TILE}
     with LLM(**kw) as llm:
         out["graph_step_ms"] = 1e3 * step_time(llm, prompts, 64)

@@ -26,11 +26,8 @@ class TaskEnv:
         from sparseengine import LLM
 
         llm = LLM(**{**self.engine_kwargs, **overrides})
-        from sparseengine.kernels import pdl_enabled
-
         self.log({"attention/provider": llm.provider.name,
-                  **{f"attention/ops/{op}": impl for op, impl in llm.provider.ops().items()},
-                  "attention/pdl": pdl_enabled()})  # Triton kernels launched with PDL (sm_90+)
+                  **{f"attention/ops/{op}": impl for op, impl in llm.provider.ops().items()}})
         return llm
 
     def sample(self, row: dict[str, Any]) -> None:

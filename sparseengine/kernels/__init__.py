@@ -6,7 +6,6 @@ they need TRITON_INTERPRET=1 (tests only). Importing this package needs no Trito
 from .attention_colsum import (decode_colsum_ref, decode_colsum_triton, prefill_window_colsum_ref,
                                prefill_window_colsum_triton)
 from . import block_sparse_paged_prefill
-from ._common import pdl_enabled
 from .block_sparse_paged_prefill import block_sparse_paged_prefill_ref, block_sparse_paged_prefill_triton
 from .block_sparse_prefill import block_sparse_prefill_ref, block_sparse_prefill_triton
 from .deltakv_rebuild import deltakv_rebuild_ref, deltakv_rebuild_triton
@@ -51,7 +50,6 @@ __all__ = [
     "paged_kv_write_triton",
     "paged_prefill_ref",
     "paged_prefill_triton",
-    "pdl_enabled",
     "prefill_window_colsum_ref",
     "prefill_window_colsum_triton",
     "quest_page_scores_ref",

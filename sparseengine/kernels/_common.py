@@ -12,12 +12,8 @@ import functools
 import math
 import operator
 import os
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:  # bound at first use (`gpu_wait_prior`): importing needs no Triton
-    import triton.language as tl
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -49,10 +45,7 @@ def interpreting() -> bool:
 
 
 class LazyKernel:
-    """A `@triton.jit` kernel built at first launch: `kernel[grid](...)`. On a GPU with
-    programmatic dependent launch (`pdl_enabled`), every launch asks for it: the kernel's
-    blocks may start while the previous kernel in the stream drains, so each kernel's first
-    statement is `wait_prior()` (tests/kernels/test_pdl.py checks that every kernel has it)."""
+    """A `@triton.jit` kernel built at first launch: `kernel[grid](...)`."""
 
     def __init__(self, fn):
         self.fn = fn
@@ -64,77 +57,12 @@ class LazyKernel:
             import triton.language
 
             self.fn.__globals__["tl"] = triton.language
-            if not interpreting():
-                self.fn.__globals__["wait_prior"] = gpu_wait_prior()
             self._jitted = triton.jit(self.fn)
-        launch = self._jitted[grid]
-        return functools.partial(launch, launch_pdl=True) if pdl_enabled() else launch
+        return self._jitted[grid]
 
 
 def lazy_jit(fn) -> LazyKernel:
     return LazyKernel(fn)
-
-
-def wait_prior():
-    """A kernel's first statement: wait until the previous kernel in the stream has
-    finished and its writes are visible. Compiled (`gpu_wait_prior`) it is PTX
-    `griddepcontrol.wait` (a no-op for a launch without PDL), and with
-    SPARSEENGINE_PDL=early also `launch_dependents` (the next kernel's blocks may launch at
-    once, not when this kernel's blocks exit); under the interpreter, this: nothing."""
-
-
-def _gdc_wait():
-    tl.extra.cuda.gdc_wait()
-
-
-def _gdc_wait_early():
-    tl.extra.cuda.gdc_wait()
-    tl.extra.cuda.gdc_launch_dependents()
-
-
-def _gdc_none():
-    pass
-
-
-_gpu_wait = None
-
-
-def gpu_wait_prior():
-    """`wait_prior` as compiled kernels call it: jitted at first use (griddepcontrol needs
-    sm_90; older GPUs get a jitted no-op)."""
-    global _gpu_wait, tl
-    if _gpu_wait is None:
-        import triton
-        import triton.language
-
-        tl = triton.language
-        sm90 = not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] >= 9
-        early = _pdl_mode() == "early"
-        _gpu_wait = triton.jit((_gdc_wait_early if early else _gdc_wait) if sm90 else _gdc_none)
-    return _gpu_wait
-
-
-PDL_MODES = ("0", "wait", "early")
-_pdl: bool | None = None
-
-
-def _pdl_mode() -> str:
-    mode = os.environ.get("SPARSEENGINE_PDL", "0")
-    if mode not in PDL_MODES:
-        raise ValueError(f"SPARSEENGINE_PDL={mode!r}; valid: {', '.join(PDL_MODES)}")
-    return mode
-
-
-def pdl_enabled() -> bool:
-    """Launch with programmatic dependent launch: a CUDA GPU of compute capability 9.0 or
-    newer, not the interpreter, and SPARSEENGINE_PDL `wait` or `early` (read once per
-    process; default `0`, off: on the H200 at 7df7f4a, `early` made vanilla's b=1 graph
-    step 9.02 ms against 8.86 without PDL, and Quest's b=6 9.71 against 9.59)."""
-    global _pdl
-    if _pdl is None:
-        _pdl = (_pdl_mode() != "0" and not interpreting()
-                and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9)
-    return _pdl
 
 
 def check_launch(*tensors: torch.Tensor) -> torch.device:

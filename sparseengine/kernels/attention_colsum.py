@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import _common
-from ._common import LOG2E, cdiv, check_cache, check_launch, lazy_jit, next_pow2, wait_prior
+from ._common import LOG2E, cdiv, check_cache, check_launch, lazy_jit, next_pow2
 from .paged_decode import MODE_DENSE, split_k_decode
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
@@ -129,7 +129,6 @@ def prefill_window_colsum_triton(q, k_cache, page_table, kv_lens, cu_q_lens, win
 @lazy_jit
 def _probs_colsum_kernel(logits_ptr, lse_ptr, kv_lens_ptr, colsum_ptr, L, logits_len, HKV, HQ,
                          GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
-    wait_prior()
     pid_bh = tl.program_id(0)
     b = pid_bh // HKV
     kvh = pid_bh % HKV
@@ -154,7 +153,6 @@ def _window_lse_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    wait_prior()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     q_start = tl.load(cu_q_ptr + b)
@@ -198,7 +196,6 @@ def _window_colsum_kernel(
     BLOCK_R: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    wait_prior()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     q_start = tl.load(cu_q_ptr + b)

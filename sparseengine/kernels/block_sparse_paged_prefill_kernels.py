@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._common import lazy_jit, wait_prior
+from ._common import lazy_jit
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
@@ -29,7 +29,6 @@ def _paged_block_sparse_kernel(
     SUB: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     STORE_LSE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    wait_prior()
     h = tl.program_id(0)
     b = tl.program_id(2)
     q_start = tl.load(cu_q_ptr + b)
@@ -115,7 +114,6 @@ def _masked_window_colsum_kernel(
     BLOCK_R: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    wait_prior()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     HKV = tl.num_programs(1)

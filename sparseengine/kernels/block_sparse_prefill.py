@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import _common
-from ._common import LOG2E, cdiv, check_launch, lazy_jit, next_pow2, wait_prior
+from ._common import LOG2E, cdiv, check_launch, lazy_jit, next_pow2
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
@@ -77,7 +77,6 @@ def _block_sparse_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    wait_prior()
     qb = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // GROUP

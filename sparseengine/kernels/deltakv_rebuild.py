@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import _common
-from ._common import cdiv, check_launch, lazy_jit, next_pow2, wait_prior
+from ._common import cdiv, check_launch, lazy_jit, next_pow2
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
@@ -98,7 +98,6 @@ def _rebuild_kernel(
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    wait_prior()
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     kvh = tl.program_id(1)
     is_v = tl.program_id(2)

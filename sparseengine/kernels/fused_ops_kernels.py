@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._common import LazyKernel, interpreting, wait_prior
+from ._common import LazyKernel, interpreting
 
 if TYPE_CHECKING:  # bound at first launch (`_bind_jit_helpers`): importing needs no Triton
     import triton.language as tl
@@ -143,7 +143,6 @@ def _rms_norm_kernel(
     LOG_BW: tl.constexpr, LOG_YS: tl.constexpr, CPU_LANES: tl.constexpr, BLOCK_N: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    wait_prior()
     row = tl.program_id(0)
     a, b = (row // B).to(tl.int64), (row % B).to(tl.int64)
     x_row = x_ptr + a * stride_xa + b * stride_xb
@@ -195,7 +194,6 @@ def _rotary_qk_kernel(
     HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    wait_prior()
     t = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, BLOCK_HALF)[None, :]
     mask = j < HALF
@@ -211,7 +209,6 @@ def _rotary_qk_kernel(
 
 @_Kernel
 def _silu_mul_kernel(gu_ptr, out_ptr, stride_t, I, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
-    wait_prior()
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I

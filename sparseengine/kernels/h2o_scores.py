@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._common import cdiv, check_launch, lazy_jit, next_pow2, wait_prior
+from ._common import cdiv, check_launch, lazy_jit, next_pow2
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
@@ -107,7 +107,6 @@ def _accumulate_kernel(
 ):
     # one program per (request, block of tokens), every KV head: a slot's Hkv entries are
     # adjacent in the pools, so the tile [BLOCK_N, Hkv] reads and writes whole sectors
-    wait_prior()
     b = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_h = tl.arange(0, BLOCK_H)
@@ -170,7 +169,6 @@ def _victim_kernel(
     sink, recent,
     HKV: tl.constexpr, BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    wait_prior()
     g = tl.program_id(0)
     li = tl.program_id(1)
     base = tl.load(layers_ptr + li).to(tl.int64) * stride_layer

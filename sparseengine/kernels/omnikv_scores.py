@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import _common
-from ._common import cdiv, check_cache, check_launch, lazy_jit, next_pow2, wait_prior
+from ._common import cdiv, check_cache, check_launch, lazy_jit, next_pow2
 from .paged_decode import MODE_DENSE, paged_decode_ref, split_k_decode
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
@@ -171,7 +171,6 @@ def _omnikv_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PHASE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     # PHASE 0: max logits; 1: per-tile softmax partials (max, sum); 2: max probs given lse.
-    wait_prior()
     b = tl.program_id(0)
     tile = tl.program_id(1)
     kv_len = tl.load(kv_lens_ptr + b)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import _common
-from ._common import LOG2E, cdiv, check_cache, check_launch, lazy_jit, next_pow2, wait_prior
+from ._common import LOG2E, cdiv, check_cache, check_launch, lazy_jit, next_pow2
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
@@ -212,7 +212,6 @@ def _decode_split_kernel(
     STORE_LOGITS: tl.constexpr, DOT_PREC: tl.constexpr, COMBINE: tl.constexpr, BLOCK_S: tl.constexpr,
     STORE_LSE: tl.constexpr,
 ):
-    wait_prior()
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = pid_bh // HKV
@@ -313,7 +312,6 @@ def _combine_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_splits, stride_ob, stride_oh, HQ,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
-    wait_prior()
     _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, tl.program_id(0), tl.program_id(1) * BLOCK_D,
                   num_splits, num_splits, stride_ob, stride_oh, HQ, HEAD_DIM, BLOCK_D, BLOCK_S, STORE_LSE)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._common import check_launch, lazy_jit, next_pow2, wait_prior
+from ._common import check_launch, lazy_jit, next_pow2
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
@@ -50,7 +50,6 @@ def _kv_write_kernel(
     stride_kcp, stride_kco, stride_kch, stride_vcp, stride_vco, stride_vch,
     HKV, HEAD_DIM, PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    wait_prior()
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import _common
-from ._common import LOG2E, cdiv, check_cache, check_launch, lazy_jit, next_pow2, wait_prior
+from ._common import LOG2E, cdiv, check_cache, check_launch, lazy_jit, next_pow2
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
@@ -86,7 +86,6 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, STORE_LSE: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    wait_prior()
     b = tl.program_id(0)
     tile = tl.program_id(1)
     kvh = tl.program_id(2)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import _common
-from ._common import cdiv, check_launch, lazy_jit, next_pow2, wait_prior
+from ._common import cdiv, check_launch, lazy_jit, next_pow2
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
@@ -146,7 +146,6 @@ def _minmax_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_O: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
-    wait_prior()
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     page = slot // PAGE_SIZE
@@ -182,7 +181,6 @@ def _page_scores_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, ITERS: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    wait_prior()
     pid_bh = tl.program_id(0)
     b = pid_bh // HKV
     kvh = pid_bh % HKV

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._common import LazyKernel, cdiv, check_launch, int_arg, interpreting, next_pow2, wait_prior
+from ._common import LazyKernel, cdiv, check_launch, int_arg, interpreting, next_pow2
 
 MAX_GROUPS = 512  # shortlist: the most page groups a row is cut into (group = next_pow2(P / this))
 
@@ -207,7 +207,6 @@ def _select_kernel(
     SHORT_RADIX: tl.constexpr,
     SHORTLIST: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, CAP: tl.constexpr,
 ):
-    wait_prior()
     pid = tl.program_id(0)
     b = pid // HKV
     row = scores_ptr + b.to(tl.int64) * stride_sb + (pid % HKV).to(tl.int64) * stride_sh

@@ -113,13 +113,9 @@ def compile_for_gpu(kernel, helpers, types: dict, constexprs: dict, *, num_warps
     fn = kernel.fn
     module = fn.__globals__
     helpers = _helpers(fn) if helpers is None else helpers
-    saved = {name: module.get(name) for name in (*helpers, "tl", "libdevice", "wait_prior")}
+    saved = {name: module.get(name) for name in (*helpers, "tl", "libdevice")}
     try:
         module["tl"] = triton.language
-        if "wait_prior" in fn.__code__.co_names:  # the PDL wait, as LazyKernel binds it on a GPU
-            from ._common import gpu_wait_prior
-
-            module["wait_prior"] = gpu_wait_prior()
         if "libdevice" in fn.__code__.co_names or any("libdevice" in getattr(module[h], "__code__", fn.__code__)
                                                        .co_names for h in helpers):
             from triton.language.extra.cuda import libdevice
