@@ -24,6 +24,16 @@ from profile_decode_step import _engine_arg  # scripts/, on the path when run as
 from sparseengine import LLM, SamplingParams
 
 
+def top_ops(prof, rows: int = 25) -> list[dict]:
+    """The profiled flush's ops, most host time first: calls, host us (self), device us (self)."""
+    out = []
+    for e in prof.key_averages():
+        device_us = getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
+        out.append({"op": e.key[:120], "calls": e.count, "host_us": round(e.self_cpu_time_total, 1),
+                    "device_us": round(device_us, 1)})
+    return sorted(out, key=lambda r: -r["host_us"])[:rows] + sorted(out, key=lambda r: -r["device_us"])[:rows]
+
+
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -40,6 +50,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--engine-arg", action="append", type=_engine_arg, default=[], metavar="KEY=VALUE",
                     help="another LLM(...) argument, e.g. deltakv_checkpoint_path=FILE (repeatable)")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="also profile the N-th timed flush (torch.profiler): its top ops by host and device time")
     ap.add_argument("--commit", default="")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -49,13 +61,19 @@ def main() -> None:
     prompts = [[(7 * i + j) % 30000 + 3 for j in range(args.prompt_len)] for i in range(args.batch)]
     with LLM(**kw) as llm:
         rt = llm.method
-        flush, times = rt._flush, []
+        flush, times, ops = rt._flush, [], {}
 
         def timed(seq):
             before = rt._state(seq).hist_end
             sync(args.device)
             start = time.perf_counter()
-            flush(seq)
+            if args.profile and len(times) + 1 == args.profile:
+                with torch.profiler.profile() as prof:
+                    flush(seq)
+                    sync(args.device)
+                ops["profile"] = top_ops(prof)
+            else:
+                flush(seq)
             sync(args.device)
             if rt._state(seq).hist_end != before:
                 times.append(1e3 * (time.perf_counter() - start))
@@ -68,7 +86,7 @@ def main() -> None:
     out = {"model": args.model, "batch": args.batch, "prompt_len": args.prompt_len, "tokens": args.tokens,
            "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device,
            "commit": args.commit, "torch": torch.__version__, "flush_ms": [round(t, 2) for t in times],
-           "generate_s": round(wall, 3), "generated": [len(o.token_ids) for o in outs]}
+           "generate_s": round(wall, 3), "generated": [len(o.token_ids) for o in outs], **ops}
     Path(args.out).write_text(json.dumps(out, indent=1))
     print(json.dumps(out))
 

@@ -118,8 +118,8 @@ def quest_page_scores_triton(q, kmax, kmin, page_table, kv_lens, page_size, *, b
                              num_stages=2):
     """`block_p` pages per tile, `iters` tiles per program (a loop the compiler pipelines),
     `num_warps`, `num_stages`: launch tuning (`bench_gpu --quest-select` sweeps them; at the
-    128K benchmark's shape two tiles of 64 in two stages took 52.6 us a launch against 56.7
-    for one tile a program, results/quest_kernels_h200.jsonl)."""
+    128K benchmark's shape two tiles of 64 in two stages took 52.6 us a launch against 57.4
+    for one tile a program, results/quest_kernels_h200.jsonl, commit 3b57167)."""
     B, Hq, d = q.shape
     Hkv = kmax.shape[1]
     device = check_launch(q, kmax, kmin, page_table, kv_lens)

@@ -71,7 +71,8 @@ def sparse_page_decode_triton(q, k_cache, v_cache, page_table, kv_lens, page_ind
                               scale=None, return_lse=False, *, kv_chunk=None, **tuning):
     """`tuning`: `split_k_decode`'s launch knobs (block_n, num_warps, num_stages; `bench_gpu
     --quest-select` sweeps them). Three stages by default: at Quest's 128K shape (6 x 8 rows
-    of 129 pages) 22.8 us a launch against 27.1 with two (results/quest_kernels_h200.jsonl)."""
+    of 129 pages) 23.0 us a launch against 25.3 with two (results/quest_kernels_h200.jsonl,
+    commit 3b57167)."""
     tuning.setdefault("num_stages", 3)
     _check_selection(q, k_cache, page_indices, num_pages_selected)
     return split_k_decode(q, k_cache, v_cache, page_table, kv_lens, mode=MODE_PAGES,
