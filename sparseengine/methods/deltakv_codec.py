@@ -192,7 +192,7 @@ def quantize_int4(z: torch.Tensor):
     step = (hi - zero.float()) / 15
     scale = step.half()
     scale = torch.where(scale.float() < step, torch.nextafter(scale, torch.full_like(scale, math.inf)), scale)
-    if not (torch.isfinite(zero).all() and torch.isfinite(scale).all()):
+    if not (torch.isfinite(zero).all() & torch.isfinite(scale).all()):  # one device sync
         raise ValueError("latent values overflow the float16 int4 scale/min; use deltakv_latent_bits=16")
     sf = scale.float()[..., None]
     codes = torch.where(sf > 0, torch.round((zg - zero.float()[..., None]) / sf.clamp(min=1e-30)), 0.0)
@@ -258,14 +258,26 @@ def encode_tail(centers_old, n_old, kv_new, down, stride, neighbors, bits):
     """Encode tokens at positions ``n_old ...`` after a history with centers
     ``centers_old``: ``(centers`` old and new, and the new others' ``neighbors, latents,
     scales, zeros)``."""
-    pos = torch.arange(n_old, n_old + kv_new.shape[0], device=kv_new.device)
-    is_center = pos % stride == 0
-    centers = torch.cat([centers_old, kv_new[is_center].to(centers_old.dtype)])
-    others = ~is_center
-    idx = _assign(centers, stride, kv_new[others], pos[others], neighbors)
-    res = kv_new[others].float() - _neighbor_mean(centers, idx)
+    center_rows, other_rows = split_rows(n_old, kv_new.shape[0], stride, kv_new.device)
+    centers = torch.cat([centers_old, kv_new.index_select(0, center_rows).to(centers_old.dtype)])
+    others = kv_new.index_select(0, other_rows)
+    idx = _assign(centers, stride, others, n_old + other_rows, neighbors)
+    res = others.float() - _neighbor_mean(centers, idx)
     lat, scales, zeros = _store_latents(res @ down.float(), bits)
     return centers, idx.to(index_dtype(centers.shape[0])), lat, scales, zeros
+
+
+def split_rows(n_old: int, m: int, stride: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``m`` tokens at positions ``n_old ...`` that are centers (position a multiple
+    of ``stride``) and the others, each ascending, computed from the integers alone (no
+    boolean mask: indexing by one would sync the device with the host)."""
+    first = (-n_old) % stride  # the first center row
+    centers = torch.arange(first, max(first, m), stride, device=device)
+    # the j-th other row: the `first` rows before the first center, then stride - 1 rows
+    # after each center
+    j = torch.arange(m - centers.numel(), device=device)
+    k = (j - first).clamp(min=0)
+    return centers, torch.where(j < first, j, first + 1 + k + k // max(stride - 1, 1))
 
 
 def _check_down(down: torch.Tensor, dim: int) -> torch.Tensor:

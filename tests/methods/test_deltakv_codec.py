@@ -164,6 +164,19 @@ def test_decode_subset_and_extend(bits):
     assert torch.equal(dk.decode(whole, up, centers), kv[centers].float())  # centers come back exactly
 
 
+def test_split_rows_equals_the_position_masks():
+    """The rows `encode_tail` reads without a boolean mask: centers (position a multiple of
+    the stride) and the others, each ascending, for appends at every offset."""
+    for stride in (1, 2, 3, 10):
+        for n_old in range(0, 25):
+            for m in (0, 1, 2, 7, 13, 64):
+                pos = torch.arange(n_old, n_old + m)
+                centers, others = dk.split_rows(n_old, m, stride, "cpu")
+                is_center = pos % stride == 0
+                assert torch.equal(centers, torch.nonzero(is_center).flatten()), (stride, n_old, m)
+                assert torch.equal(others, torch.nonzero(~is_center).flatten()), (stride, n_old, m)
+
+
 # ---------------------------------------------------------------------------- bytes
 
 
