@@ -45,17 +45,25 @@ def test_update_page_minmax(case, gen, device):
         assert torch.equal(hi_ref[pages], dense_hi) and torch.equal(lo_ref[pages], dense_lo)
 
 
-@pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_page_scores(case, gen, device):
+def _scored_cache(case, gen, device):
+    """A random paged cache with exact page bounds (NaN elsewhere) and a query: `(kv,
+    (q, kmax, kmin, page_table, kv_lens, page_size))`."""
     hq, hkv, d, ps, lens = case
-    g = hq // hkv
     kv = random_paged_kv(lens, hkv, d, ps, generator=gen, device=device)
     hi, lo = _nan_meta(kv), _nan_meta(kv)
     for b in range(len(lens)):
         pages = kv.page_table[b, : -(-lens[b] // ps)].long()
         hi[pages], lo[pages] = _dense_minmax(kv, b)
     q = randn(len(lens), hq, d, generator=gen, device=device)
-    args = (q, hi, lo, kv.page_table, kv.kv_lens, ps)
+    return kv, (q, hi, lo, kv.page_table, kv.kv_lens, ps)
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_page_scores(case, gen, device):
+    hq, hkv, d, ps, lens = case
+    g = hq // hkv
+    kv, args = _scored_cache(case, gen, device)
+    q = args[0]
     ref = quest_page_scores_ref(*args)
     assert_close(quest_page_scores_triton(*args), ref, 1e-4)
     # plainest check: a channel loop; and U bounds every q.k in the page
@@ -75,14 +83,7 @@ def test_page_scores(case, gen, device):
 def test_page_scores_loop_over_tiles(iters, gen, device):
     """Several 16-page tiles per program: 75 and 38 pages of 4 tokens, so the programs'
     last tiles are partial or empty."""
-    hq, hkv, d, ps, lens = 8, 2, 32, 4, [300, 150]
-    kv = random_paged_kv(lens, hkv, d, ps, generator=gen, device=device)
-    hi, lo = _nan_meta(kv), _nan_meta(kv)
-    for b in range(len(lens)):
-        pages = kv.page_table[b, : -(-lens[b] // ps)].long()
-        hi[pages], lo[pages] = _dense_minmax(kv, b)
-    q = randn(len(lens), hq, d, generator=gen, device=device)
-    args = (q, hi, lo, kv.page_table, kv.kv_lens, ps)
+    _, args = _scored_cache((8, 2, 32, 4, [300, 150]), gen, device)
     assert_close(quest_page_scores_triton(*args, block_p=16, iters=iters), quest_page_scores_ref(*args), 1e-4)
 
 
