@@ -45,7 +45,9 @@ def interpreting() -> bool:
 
 
 class LazyKernel:
-    """A `@triton.jit` kernel built at first launch: `kernel[grid](...)`."""
+    """A `@triton.jit` kernel built at first launch: `kernel[grid](...)`. The shared helpers
+    it calls (`shared_helper`) are jitted into its module then (the interpreter calls them
+    as Python)."""
 
     def __init__(self, fn):
         self.fn = fn
@@ -57,8 +59,26 @@ class LazyKernel:
             import triton.language
 
             self.fn.__globals__["tl"] = triton.language
+            for name, helper in SHARED_HELPERS.items():
+                helper.__globals__["tl"] = triton.language
+                if name in self.fn.__code__.co_names and not interpreting():
+                    if name not in _jitted_helpers:
+                        _jitted_helpers[name] = triton.jit(helper)
+                    self.fn.__globals__[name] = _jitted_helpers[name]
             self._jitted = triton.jit(self.fn)
         return self._jitted[grid]
+
+
+SHARED_HELPERS: dict = {}  # name -> plain function that kernels of several modules call
+_jitted_helpers: dict = {}
+
+
+def shared_helper(fn):
+    """Register a plain function that kernels of several modules call (e.g. the online
+    softmax step): `LazyKernel` jits it into each calling kernel's module at the first
+    launch, where the compiler inlines it; the interpreter runs it as Python."""
+    SHARED_HELPERS[fn.__name__] = fn
+    return fn
 
 
 def lazy_jit(fn) -> LazyKernel:

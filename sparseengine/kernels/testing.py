@@ -110,12 +110,18 @@ def compile_for_gpu(kernel, helpers, types: dict, constexprs: dict, *, num_warps
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
+    from ._common import SHARED_HELPERS
+
     fn = kernel.fn
     module = fn.__globals__
     helpers = _helpers(fn) if helpers is None else helpers
-    saved = {name: module.get(name) for name in (*helpers, "tl", "libdevice")}
+    shared = [name for name in SHARED_HELPERS if name in fn.__code__.co_names]
+    saved = {name: module.get(name) for name in (*helpers, *shared, "tl", "libdevice")}
     try:
         module["tl"] = triton.language
+        for name in shared:  # as LazyKernel binds them
+            SHARED_HELPERS[name].__globals__["tl"] = triton.language
+            module[name] = JITFunction(SHARED_HELPERS[name])
         if "libdevice" in fn.__code__.co_names or any("libdevice" in getattr(module[h], "__code__", fn.__code__)
                                                        .co_names for h in helpers):
             from triton.language.extra.cuda import libdevice
