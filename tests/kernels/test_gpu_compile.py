@@ -78,12 +78,46 @@ print(json.dumps(out))
 """
 
 
-def compile_in_child(builds: dict) -> dict:
+LAZY_CHILD = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+from sparseengine.kernels import paged_decode
+b = json.loads(sys.stdin.read())
+kernel = paged_decode._decode_split_kernel
+kernel[(1,)]  # what a launch does first (nothing runs): jit the kernel and bind its shared helpers
+assert isinstance(kernel.fn.__globals__["softmax_step"], JITFunction), kernel.fn.__globals__["softmax_step"]
+paged_decode._jit_merge_helper()  # as split_k_decode does before its launch
+signature = {name: b["types"].get(name, "constexpr") for name in kernel._jitted.arg_names}
+compiled = triton.compile(ASTSource(fn=kernel._jitted, signature=signature, constexprs=b["constexprs"]),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+print(json.dumps("ok" if compiled.asm.get("cubin") else "no cubin"))
+"""
+
+
+def child_env() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    return env
+
+
+def test_a_launch_binds_the_shared_helpers_the_compiler_needs():
+    """The engine's path, not the test builder's: a LazyKernel's first launch jits the
+    shared online-softmax step into the kernel's module; the kernel it jitted then builds
+    for sm_90 as it is."""
+    _, _, _, types, consts, _ = BUILDS["split_decode-logits0-combine0"]
+    run = subprocess.run([sys.executable, "-c", LAZY_CHILD], input=json.dumps(dict(types=types, constexprs=consts)),
+                         capture_output=True, text=True, env=child_env(), timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == "ok"
+
+
+def compile_in_child(builds: dict) -> dict:
     run = subprocess.run([sys.executable, "-c", CHILD], input=json.dumps(builds), capture_output=True, text=True,
-                         env=env, timeout=900)
+                         env=child_env(), timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
