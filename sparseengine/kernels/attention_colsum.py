@@ -26,6 +26,7 @@ import torch
 from . import _common
 from ._common import LOG2E, cdiv, check_cache, check_launch, lazy_jit, next_pow2
 from .paged_decode import MODE_DENSE, split_k_decode
+from .window_rows import window_rows
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
@@ -161,13 +162,8 @@ def _window_lse_kernel(
     w_eff = tl.minimum(q_len, WINDOW)
     offs_r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
-    w = offs_r // G_PAD
-    hh = offs_r % G_PAD
-    row_ok = (w < w_eff) & (hh < GROUP)
-    i = q_len - w_eff + w
-    pos = kv_len - q_len + i
-    hq = kvh * GROUP + hh
-    q = tl.load(q_ptr + (q_start + i)[:, None] * stride_qt + hq[:, None] * stride_qh + offs_d[None, :],
+    row_ok, pos, hq, t = window_rows(offs_r, w_eff, q_len, kv_len, q_start, kvh, GROUP, G_PAD)
+    q = tl.load(q_ptr + t[:, None] * stride_qt + hq[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
     m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
@@ -185,7 +181,7 @@ def _window_lse_kernel(
         l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
         m_i = m_new
     lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-    tl.store(lse_ptr + (q_start + i) * HQ + hq, lse * 0.6931471805599453, mask=row_ok)
+    tl.store(lse_ptr + t * HQ + hq, lse * 0.6931471805599453, mask=row_ok)
 
 
 @lazy_jit
@@ -212,13 +208,7 @@ def _window_colsum_kernel(
     col = tl.zeros([BLOCK_N], tl.float32)
     for r0 in range(0, W_ROWS, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
-        w = offs_r // G_PAD
-        hh = offs_r % G_PAD
-        row_ok = (w < w_eff) & (hh < GROUP)
-        i = q_len - w_eff + w
-        pos = kv_len - q_len + i
-        hq = kvh * GROUP + hh
-        t = q_start + i
+        row_ok, pos, hq, t = window_rows(offs_r, w_eff, q_len, kv_len, q_start, kvh, GROUP, G_PAD)
         q = tl.load(q_ptr + t[:, None] * stride_qt + hq[:, None] * stride_qh + offs_d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         lse = tl.load(lse_ptr + t * HQ + hq, mask=row_ok, other=0.0) * 1.4426950408889634

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from ._common import lazy_jit
 from .online_softmax import softmax_step
+from .window_rows import window_rows
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
@@ -134,13 +135,7 @@ def _masked_window_colsum_kernel(
     col = tl.zeros([BLOCK_N], tl.float32)
     for r0 in range(0, W_ROWS, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
-        w = offs_r // G_PAD
-        hh = offs_r % G_PAD
-        row_ok = (w < w_eff) & (hh < GROUP)
-        i = q_len - w_eff + w
-        pos = first + i
-        hq = kvh * GROUP + hh
-        t = q_start + i
+        row_ok, pos, hq, t = window_rows(offs_r, w_eff, q_len, kv_len, q_start, kvh, GROUP, G_PAD)
         q = tl.load(q_ptr + t[:, None] * stride_qt + hq[:, None] * stride_qh + offs_d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         lse = tl.load(lse_ptr + t * HQ + hq, mask=row_ok, other=0.0) * 1.4426950408889634
