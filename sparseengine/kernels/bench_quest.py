@@ -1,8 +1,9 @@
 """Quest's kernels at the 128K decode benchmark's shape, variants side by side on the GPU
 (`python -m sparseengine.kernels.bench_gpu --quest-select --out FILE`): the page
 selection (full search against the shortlist, its radix, groups and room) and the page
-scores (pages per program, warps). Each is timed per launch inside a CUDA graph of 30
-launches, so launch overhead does not count."""
+scores (pages per program, warps; the decode step's bounds folded in or updated first).
+Each is timed per launch inside a CUDA graph of 30 launches, so launch overhead does not
+count."""
 from __future__ import annotations
 
 import torch
@@ -25,7 +26,8 @@ def bench_quest_select(out_path, B=6, P=8320, n=131072):
     want = select_pages_batched(*args)
     variants = [dict(radix_bits=2, shortlist=False), dict(radix_bits=1), dict(radix_bits=2), dict(radix_bits=4),
                 dict(radix_bits=2, max_groups=2048, shortlist_cap=1024), dict(radix_bits=2, max_groups=256),
-                dict(radix_bits=2, max_groups=1024)]
+                dict(radix_bits=2, max_groups=1024), dict(radix_bits=4, num_warps=4), dict(radix_bits=4, num_warps=8),
+                dict(radix_bits=4, block_p=4096, num_warps=8), dict(radix_bits=4, block_p=2048, num_warps=4)]
     for kw in variants:
         fn = lambda: quest_select_pages_triton(*args, **kw)  # noqa: E731
         same = all(torch.equal(g, w) for g, w in zip(fn(), want))
@@ -59,6 +61,27 @@ def bench_quest_scores(out_path, B=6, P=8320, n=131072):
         emit(out_path, {"kind": "quest_scores", "batch": B, "hkv": HKV, "pages": P, "kv_len": n,
                         "block_p": block_p, "iters": iters, "num_warps": num_warps, "num_stages": num_stages,
                         "us_per_launch": us, "GBps": nbytes / us / 1e3, "max_abs_diff_vs_default": err})
+    bench_quest_fold(out_path, q, kmax, kmin, table, kv_lens)
+
+
+def bench_quest_fold(out_path, q, kmax, kmin, table, kv_lens):
+    """A decode step's bounds update then the scores (two launches) against the scoring
+    that folds the step's keys in (one), per step in a CUDA graph of 30 steps."""
+    from sparseengine.kernels import quest_page_scores_triton, update_page_minmax_triton
+
+    B, P = table.shape
+    k_cache = torch.randn(kmax.shape[0], PS, HKV, D, device="cuda").to(BF16)
+    n = int(kv_lens[0])
+    slots = table[:, (n - 1) // PS].long() * PS + (n - 1) % PS
+    bounds = kmax.clone(), kmin.clone()
+    runs = {"update_then_scores": lambda: (update_page_minmax_triton(k_cache, slots, *bounds),
+                                           quest_page_scores_triton(q, *bounds, table, kv_lens, PS))[1],
+            "fold_in_scores": lambda: quest_page_scores_triton(q, *bounds, table, kv_lens, PS, k_cache=k_cache,
+                                                               new_slots=slots)}
+    want = runs["update_then_scores"]()
+    for name, fn in runs.items():
+        emit(out_path, {"kind": "quest_fold", "variant": name, "batch": B, "hkv": HKV, "pages": P, "kv_len": n,
+                        "us_per_step": per_launch_us(fn), "equals_update_then_scores": torch.equal(fn(), want)})
 
 
 def bench_quest_attention(out_path, B=6, P=8320, n=131072, width=129):

@@ -9,8 +9,9 @@ rule, below; boolean indexing, so it syncs on CUDA): no loop over slots.
 request's page bounds, no loop, no host sync).
 `quest_page_scores_*(q, kmax, kmin, page_table, kv_lens, page_size)` -> `[B, Hkv,
 max_pages]` fp32: `max over the group's query heads of sum_c max(q_c M_c, q_c m_c)`
-(unscaled), -inf for logical pages at or past `ceil(kv_lens / page_size)`. Top-k is left
-to `torch.topk`. The Triton kernel casts q to the metadata dtype and computes the bound as
+(unscaled), -inf for logical pages at or past `ceil(kv_lens / page_size)`; on a decode
+step the Triton scoring can fold the step's new keys into their pages' bounds first (one
+launch instead of the update's and the scores'). Top-k is left to `torch.topk`. The Triton kernel casts q to the metadata dtype and computes the bound as
 `max(q, 0) . M + min(q, 0) . m` (equal since M >= m): two tensor-core dots per page tile.
 
 Triton update: tokens are appended in order, so a page's metadata after this step is
@@ -114,15 +115,22 @@ def quest_page_scores_torch(q, kmax, kmin, page_table, kv_lens, page_size):
     return upper.amax(2).masked_fill(~valid[:, None, :], float("-inf"))
 
 
-def quest_page_scores_triton(q, kmax, kmin, page_table, kv_lens, page_size, *, block_p=64, iters=2, num_warps=4,
-                             num_stages=2):
+def quest_page_scores_triton(q, kmax, kmin, page_table, kv_lens, page_size, *, k_cache=None, new_slots=None,
+                             block_p=64, iters=2, num_warps=4, num_stages=2):
     """`block_p` pages per tile, `iters` tiles per program (a loop the compiler pipelines),
     `num_warps`, `num_stages`: launch tuning (`bench_gpu --quest-select` sweeps them; at the
     128K benchmark's shape two tiles of 64 in two stages took 52.6 us a launch against 57.4
-    for one tile a program, results/quest_kernels_h200.jsonl, commit 3b57167)."""
+    for one tile a program, results/quest_kernels_h200.jsonl, commit 3b57167).
+
+    `k_cache` + `new_slots [B]` (a decode step: request b's newest token, its last at
+    `kv_lens[b] - 1`, was written at `new_slots[b]`, -1 for a padding row): first fold that
+    key into its page's bounds, as `update_page_minmax_*` would (offset 0 resets the page),
+    then score, in the one launch. The program whose tiles hold the request's last page
+    does the fold before its loads, so no other program reads that page."""
     B, Hq, d = q.shape
     Hkv = kmax.shape[1]
     device = check_launch(q, kmax, kmin, page_table, kv_lens)
+    fold = _new_keys(k_cache, new_slots, kmax, B)
     if q.stride(-1) != 1:
         q = q.contiguous()
     if kmax.stride(-1) != 1 or kmin.stride() != kmax.stride():
@@ -130,14 +138,36 @@ def quest_page_scores_triton(q, kmax, kmin, page_table, kv_lens, page_size, *, b
     g, P = Hq // Hkv, page_table.shape[1]
     scores = _common.empty((B, Hkv, P), torch.float32, device)
     tuning = {} if num_stages is None else {"num_stages": num_stages}
+    k_src = k_cache if fold else kmax  # unread unless folding
     _page_scores_kernel[(B * Hkv, cdiv(P, block_p * iters))](
-        q, kmax, kmin, page_table, kv_lens, scores, q.stride(0), q.stride(1),
-        kmax.stride(0), kmax.stride(1), page_table.stride(0), P, Hkv,
+        q, kmax, kmin, page_table, kv_lens, scores, k_src, new_slots if fold else kv_lens,
+        q.stride(0), q.stride(1), kmax.stride(0), kmax.stride(1), page_table.stride(0),
+        k_src.stride(0), k_src.stride(1) if fold else 0, k_src.stride(2) if fold else 0, P, Hkv, FOLD_NEW=fold,
         GROUP=g, BLOCK_H=max(16, next_pow2(g)), PAGE_SIZE=page_size, HEAD_DIM=d,
         BLOCK_D=max(16, next_pow2(d)), BLOCK_P=block_p, ITERS=iters, DOT_PREC=_common.dot_precision(kmax.dtype),
         num_warps=num_warps, **tuning,
     )
     return scores
+
+
+def _new_keys(k_cache, new_slots, kmax, B: int) -> bool:
+    """Whether the scoring folds this step's keys in (both given), after checking them."""
+    if (k_cache is None) != (new_slots is None):
+        raise ValueError("k_cache and new_slots go together: pass both to fold the step's keys in, or neither")
+    if k_cache is None:
+        return False
+    num_pages, hkv, d = kmax.shape
+    if k_cache.dim() != 4 or (k_cache.shape[0], *k_cache.shape[2:]) != (num_pages, hkv, d):
+        raise ValueError(f"k_cache must be [{num_pages}, page_size, {hkv}, {d}], got {tuple(k_cache.shape)}")
+    if k_cache.stride(-1) != 1 or k_cache.dtype != kmax.dtype:
+        raise ValueError(f"k_cache must be contiguous in head_dim and of kmax's dtype {kmax.dtype}, got "
+                         f"{k_cache.dtype}")
+    if (new_slots.dim() != 1 or new_slots.shape[0] != B or new_slots.is_floating_point()
+            or new_slots.dtype == torch.bool):
+        raise ValueError(f"new_slots must be an integer [B={B}] tensor (one new token a request), got "
+                         f"shape {tuple(new_slots.shape)}, dtype {new_slots.dtype}")
+    check_launch(k_cache, new_slots)
+    return True
 
 
 @lazy_jit
@@ -176,10 +206,11 @@ def _minmax_kernel(
 
 @lazy_jit
 def _page_scores_kernel(
-    q_ptr, kmax_ptr, kmin_ptr, page_table_ptr, kv_lens_ptr, scores_ptr,
-    stride_qb, stride_qh, stride_mp, stride_mh, stride_pt, P, HKV,
+    q_ptr, kmax_ptr, kmin_ptr, page_table_ptr, kv_lens_ptr, scores_ptr, k_ptr, slot_ptr,
+    stride_qb, stride_qh, stride_mp, stride_mh, stride_pt, stride_kp, stride_ko, stride_kh, P, HKV,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, ITERS: tl.constexpr, DOT_PREC: tl.constexpr,
+    FOLD_NEW: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     b = pid_bh // HKV
@@ -189,6 +220,17 @@ def _page_scores_kernel(
     h_ok = offs_h < GROUP
     d_ok = offs_d < HEAD_DIM
     n_pages = (tl.load(kv_lens_ptr + b) + PAGE_SIZE - 1) // PAGE_SIZE
+    if FOLD_NEW:  # the step's key into its page's bounds, by the program that reads that page
+        slot = tl.load(slot_ptr + b).to(tl.int64)
+        if (slot >= 0) & ((n_pages - 1) // (BLOCK_P * ITERS) == tl.program_id(1)):
+            page, off = slot // PAGE_SIZE, slot % PAGE_SIZE
+            k = tl.load(k_ptr + page * stride_kp + off * stride_ko + kvh * stride_kh + offs_d, mask=d_ok)
+            meta = page * stride_mp + kvh * stride_mh + offs_d
+            hi = tl.where(off == 0, k, tl.maximum(tl.load(kmax_ptr + meta, mask=d_ok), k))
+            lo = tl.where(off == 0, k, tl.minimum(tl.load(kmin_ptr + meta, mask=d_ok), k))
+            tl.store(kmax_ptr + meta, hi, mask=d_ok)
+            tl.store(kmin_ptr + meta, lo, mask=d_ok)
+        tl.debug_barrier()  # the fold's stores before this program's tile loads
     q = tl.load(q_ptr + b * stride_qb + (kvh * GROUP + offs_h)[:, None] * stride_qh + offs_d[None, :],
                 mask=h_ok[:, None] & d_ok[None, :], other=0.0).to(kmax_ptr.dtype.element_ty)
     # max(q_c M_c, q_c m_c) = max(q_c, 0) M_c + min(q_c, 0) m_c since M_c >= m_c: two dots.

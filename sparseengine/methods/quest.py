@@ -100,14 +100,21 @@ class Quest(SparseMethodRuntime):
         k_cache, _ = ctx.kv_cache.layer(layer)
         kmax, kmin = self._page_bounds(layer, k_cache)
         triton = ctx.provider.triton_kernels
-        update = kernels.update_page_minmax_triton if triton else update_page_minmax_torch
-        update(k_cache, view.slot_mapping, kmax, kmin)
         dense = self._prefill_rows(ctx)
+        # a decode step's keys (one a row, its last) fold into the bounds inside the scoring
+        fold = triton and ctx.is_decode and view.slot_mapping.shape[0] == q.shape[0] and not all(dense)
+        if not fold:
+            update = kernels.update_page_minmax_triton if triton else update_page_minmax_torch
+            update(k_cache, view.slot_mapping, kmax, kmin)
         if all(dense):
             return None
         q_last = q if ctx.is_decode else q[ctx.cu_q_lens[1:].long() - 1]
-        score = kernels.quest_page_scores_triton if triton else quest_page_scores_torch
-        scores = score(q_last, kmax, kmin, view.page_table, view.kv_lens, self.page)
+        if fold:
+            scores = kernels.quest_page_scores_triton(q_last, kmax, kmin, view.page_table, view.kv_lens, self.page,
+                                                      k_cache=k_cache, new_slots=view.slot_mapping)
+        else:
+            score = kernels.quest_page_scores_triton if triton else quest_page_scores_torch
+            scores = score(q_last, kmax, kmin, view.page_table, view.kv_lens, self.page)
         choose = kernels.quest_select_pages_triton if triton else select_pages_batched
         pages, counts = choose(scores, view.kv_lens, self.page, cfg.sink_tokens, cfg.recent_tokens, cfg.budget)
         return Selection(pages, counts, dense, page_size=self.page)

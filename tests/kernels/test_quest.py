@@ -8,7 +8,7 @@ from sparseengine.kernels.testing import CASES, assert_close, case_id, random_pa
 
 def _nan_meta(kv):
     n, _, hkv, d = kv.k_cache.shape
-    return torch.full((n, hkv, d), float("nan"), device=kv.k_cache.device)
+    return torch.full((n, hkv, d), float("nan"), dtype=kv.k_cache.dtype, device=kv.k_cache.device)
 
 
 def _dense_minmax(kv, b):
@@ -87,6 +87,60 @@ def test_page_scores_loop_over_tiles(iters, gen, device):
     assert_close(quest_page_scores_triton(*args, block_p=16, iters=iters), quest_page_scores_ref(*args), 1e-4)
 
 
+def _decode_step(kv, gen, device):
+    """Bounds exact over all but each request's last token (NaN elsewhere), then a decode
+    step: fresh keys written at the last slots. Returns the bounds before the step, the
+    bounds the update makes of them, and the step's slots."""
+    B = len(kv.kv_lens)
+    hi, lo = _nan_meta(kv), _nan_meta(kv)
+    update_page_minmax_ref(kv.k_cache, torch.cat([kv.slots(b)[:-1] for b in range(B)]), hi, lo)
+    last = torch.stack([kv.slots(b)[-1] for b in range(B)])
+    new_k = randn(B, *kv.k_cache.shape[2:], generator=gen, dtype=kv.k_cache.dtype, device=device)
+    paged_kv_write_ref(new_k, new_k, kv.k_cache, kv.v_cache, last)
+    want_hi, want_lo = hi.clone(), lo.clone()
+    update_page_minmax_ref(kv.k_cache, last, want_hi, want_lo)
+    return (hi, lo), (want_hi, want_lo), last
+
+
+def _with_padding_row(kv, last):
+    """The step's page table, lengths and slots with a CUDA graph's padding row appended:
+    page table zeros, length 1, slot -1 (it must write and fold nothing)."""
+    dev = kv.page_table.device
+    table = torch.cat([kv.page_table, torch.zeros_like(kv.page_table[:1])])
+    lens = torch.cat([kv.kv_lens, torch.ones(1, dtype=kv.kv_lens.dtype, device=dev)])
+    return table, lens, torch.cat([last, torch.full((1,), -1, dtype=last.dtype, device=dev)])
+
+
+@pytest.mark.parametrize("case", CASES + [(8, 2, 32, 4, [9, 7, 300, 64])], ids=case_id)
+def test_page_scores_fold_the_step_keys(case, gen, device):
+    """Given the step's slots, the scoring first folds each request's new key into its
+    page's bounds (offset 0 starts a page afresh: 9 and 300 tokens of pages of 4 end at
+    offset 0, 7 at 2), the same bounds the update makes, and scores with them; the padding
+    row folds nothing. 300 tokens in tiles of 16, two a program: the last page is program 2's."""
+    hq, hkv, d, ps, lens = case
+    kv = random_paged_kv(lens, hkv, d, ps, generator=gen, device=device)
+    (hi, lo), (want_hi, want_lo), last = _decode_step(kv, gen, device)
+    table, kv_lens, slots = _with_padding_row(kv, last)
+    q = randn(len(lens) + 1, hq, d, generator=gen, device=device)
+    want = quest_page_scores_ref(q, want_hi, want_lo, table, kv_lens, ps)
+    got = quest_page_scores_triton(q, hi, lo, table, kv_lens, ps, k_cache=kv.k_cache, new_slots=slots,
+                                   block_p=16, iters=2)
+    torch.testing.assert_close(hi, want_hi, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(lo, want_lo, rtol=0, atol=0, equal_nan=True)
+    assert_close(got[:-1], want[:-1], 1e-4)
+
+
+def test_page_scores_fold_needs_cache_and_slots(gen, device):
+    kv, args = _scored_cache(CASES[1], gen, device)
+    with pytest.raises(ValueError, match="k_cache and new_slots go together"):
+        quest_page_scores_triton(*args, k_cache=kv.k_cache)
+    with pytest.raises(ValueError, match=r"new_slots must be an integer \[B=3\] tensor"):
+        quest_page_scores_triton(*args, k_cache=kv.k_cache, new_slots=torch.zeros(2, dtype=torch.long,
+                                                                                   device=device))
+    with pytest.raises(ValueError, match="k_cache must be"):
+        quest_page_scores_triton(*args, k_cache=kv.v_cache[:1], new_slots=kv.kv_lens.long())
+
+
 @pytest.mark.gpu
 def test_gpu_32k(gen):
     lens, hkv, d, ps = [32768, 5000], 8, 128, 16
@@ -99,6 +153,15 @@ def test_gpu_32k(gen):
     q = randn(2, 32, d, generator=gen, dtype=torch.bfloat16, device="cuda")
     args = (q, metas[0], metas[1], kv.page_table, kv.kv_lens, ps)
     assert_close(quest_page_scores_triton(*args), quest_page_scores_ref(*args), 1e-3)
+    # a decode step folded into the scoring, at the engine's tiling (8192 tiles of 128 pages)
+    (hi, lo), (want_hi, want_lo), last = _decode_step(kv, gen, "cuda")
+    table, kv_lens, slots = _with_padding_row(kv, last)
+    q = randn(3, 32, d, generator=gen, dtype=torch.bfloat16, device="cuda")
+    want = quest_page_scores_ref(q, want_hi, want_lo, table, kv_lens, ps)
+    got = quest_page_scores_triton(q, hi, lo, table, kv_lens, ps, k_cache=kv.k_cache, new_slots=slots)
+    torch.testing.assert_close(hi, want_hi, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(lo, want_lo, rtol=0, atol=0, equal_nan=True)
+    assert_close(got[:-1], want[:-1], 1e-3)
 
 
 def test_page_scores_fp16(gen, device):

@@ -339,6 +339,8 @@ QUEST = [  # name, n, sink, budget, recent, knobs
     ("g3", 101, 2, 16, 20, dict(quest_skip_layers=1)),  # page 16: budget // page = 1 -> 3 pages
     ("g4", 61, 5, 12, 6, dict(quest_page_size=4, quest_skip_layers=0)),
     ("g1", 45, 4, 24, 8, dict(quest_page_size=8, quest_skip_layers=1)),
+    # its kernels (interpreted on CPU): decode steps fold their keys into the bounds as they score
+    ("g4", 61, 5, 12, 6, dict(quest_page_size=4, quest_skip_layers=0, provider="triton")),
 ]
 
 
@@ -348,9 +350,12 @@ def test_quest_selects_reference_pages(model, name, n, sink, budget, recent, kno
                             recent=recent, decode_steps=3, **knobs)
 
 
-def test_quest_without_recent_tokens_selects_whole_valid_pages(model):
+@pytest.mark.parametrize("provider", ["auto", "triton"])
+def test_quest_without_recent_tokens_selects_whole_valid_pages(model, provider):
+    """No recent window: the page each decode step writes is scored too (on the Triton
+    provider with the step's key folded in by the scoring kernel)."""
     run_engine_vs_reference(model, "g4", "quest", prompt(61, seed=1), sink=4, budget=8, recent=0,
-                            decode_steps=3, quest_page_size=8, quest_skip_layers=0)
+                            decode_steps=6, quest_page_size=8, quest_skip_layers=0, provider=provider)
 
 
 OMNIKV = [  # name, n, sink, budget, recent, knobs
