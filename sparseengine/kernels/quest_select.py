@@ -36,7 +36,9 @@ in blocks of `block_p` pages, once per pass over the middle range (the row stays
 Measured on the H200 at the 128K benchmark's shape (B=6, Hkv=8, 8320 pages, in a CUDA
 graph; `bench_gpu --quest-select`, commit 5af64cf): the full search (radix 2, blocks of
 8192 pages) 54 us per launch; the shortlist (groups of 32, room 512) 24 us at radix 4,
-27 us at 2, 33 us at 1. A variant that held the row's keys in registers through the
+27 us at 2, 33 us at 1. Blocks of 4096 pages (8 warps) are the default since commit
+52e1017: 20.6 us at radix 4 against 24.1 with 8192 (16 warps), 21.5 with 8192 and 8 warps,
+26.7 with 8192 and 4 warps (results/quest_kernels_h200.jsonl). A variant that held the row's keys in registers through the
 full search (one 16384-page block, commit e8e8c56, since removed) ran slower: radix 1 98
 us, 2 144 us, 4 770 us. Fixed shapes, no host sync: CUDA-graph capturable. `kv_lens` past P pages is an
 invalid input; the kernel then stays in bounds, its choice unspecified.
@@ -56,7 +58,7 @@ if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing need
 
 
 def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_tokens, budget, *,
-                              block_p: int = 8192, num_warps: int | None = None, radix_bits: int | None = None,
+                              block_p: int = 4096, num_warps: int | None = None, radix_bits: int | None = None,
                               shortlist: bool = True, shortlist_cap: int | None = None,
                               max_groups: int = MAX_GROUPS):
     """`block_p`: pages per block (a power of two; capped at P's); `num_warps`: default
