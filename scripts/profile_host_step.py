@@ -1,13 +1,20 @@
 """How much host (Python) time one decode step costs outside the model: the engine runs its
-graph-replay path with the replay stubbed out (it returns fixed logits at once), so what is
-left is scheduling, building the step's inputs, sampling and bookkeeping. CPU is enough.
+graph-replay path (the real DecodeGraphs host side: page-table mirror, staged inputs) with
+the capture stubbed out (the replay does nothing and returns fixed logits), so what is left
+is scheduling, building the step's inputs, sampling and bookkeeping. CPU is enough; a
+model of the tiny-llama widths with ``--layers`` layers and ``--prompt-len`` synthesised
+prompts gives the benchmark's per-step Python work (32 layers, 128K prompts: 8192 pages a
+request).
 
-    python scripts/profile_host_step.py --steps 3000
+    python scripts/profile_host_step.py --layers 32 --prompt-len 131072 --batch 6 --method quest
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import json
+import pstats
 import sys
 import tempfile
 import time
@@ -18,54 +25,69 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sparseengine import LLM, SamplingParams  # noqa: E402
-from tests.conftest import make_tiny_hf_folder  # noqa: E402
+from sparseengine.engine.cuda_graphs import DecodeGraphs  # noqa: E402
+from sparseengine.models.loader import SHAPES_DIR  # noqa: E402
 
 
-class _TmpDirs:  # what make_tiny_hf_folder needs of pytest's tmp_path_factory
-    def mktemp(self, name: str) -> Path:
-        return Path(tempfile.mkdtemp(prefix=name))
+class _NoReplay:
+    def replay(self) -> None:
+        pass
 
 
-class _StubGraphs:
-    """The decode-graph interface with an instant replay."""
+class _StubGraphs(DecodeGraphs):
+    """The decode graphs' host side, with captures that launch nothing."""
 
-    def __init__(self, logits: torch.Tensor) -> None:
-        self.logits = logits
+    def _capture(self, size, seqs=None):
+        logits = torch.zeros(size, self.model.config.vocab_size)
+        logits[:, 5] = 1.0
+        return _NoReplay(), logits
 
-    def bucket(self, batch: int) -> int:
-        return batch
 
-    def fits(self, seqs) -> bool:
-        return True
+def _model_folder(layers: int, max_len: int) -> Path:
+    import transformers
 
-    def page_tables(self, seq_ids, tables):
-        """The real one's host rows: every table, zero-padded."""
-        out = np.zeros((len(tables), max(map(len, tables))), dtype=np.int32)
-        for b, pages in enumerate(tables):
-            out[b, : len(pages)] = pages
-        return out
-
-    def run(self, ids, positions, slots, lens, seqs=None, key=None) -> torch.Tensor:
-        return self.logits[: len(ids)]
+    cfg = json.loads((SHAPES_DIR / "tiny-llama.json").read_text())
+    cfg.update(num_hidden_layers=layers, max_position_embeddings=max_len)
+    folder = Path(tempfile.mkdtemp(prefix="host_step"))
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).save_pretrained(folder)
+    return folder
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="tiny-llama")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=131072)
+    ap.add_argument("--batch", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=800)
+    ap.add_argument("--method", default="vanilla")
+    ap.add_argument("--profile", action="store_true", help="print the cProfile of the timed steps")
     args = ap.parse_args()
-    folder, _ = make_tiny_hf_folder(_TmpDirs(), args.shape)
-    with LLM(str(folder), device="cpu", max_model_len=args.steps + 1100) as llm:
-        logits = torch.zeros(args.batch, llm.model_config.vocab_size)
-        logits[:, 5] = 1.0
-        llm.runner.graphs = _StubGraphs(logits)
-        params = SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True)
-        t0 = time.perf_counter()
-        llm.generate([[3] * 1000] * args.batch, params)
-        seconds = time.perf_counter() - t0
-        print(f"{args.shape} batch {args.batch}: {1e3 * seconds / args.steps:.3f} ms of host time per step "
-              f"({llm.runner.graph_steps} stubbed graph steps, {llm.model_config.num_layers} layers)")
+    max_len = args.prompt_len + args.steps + 64
+    budget = {} if args.method == "vanilla" else dict(sink_tokens=64, recent_tokens=512, budget=1472)
+    kv_gib = 0.7 * args.batch * args.prompt_len / 131072 * args.layers / 32 + 0.5  # tiny widths, bf16
+    with LLM(str(_model_folder(args.layers, max_len)), device="cpu", dtype="bfloat16", max_model_len=max_len,
+             sparse_method=args.method, kv_cache_memory=kv_gib, max_num_seqs=args.batch, **budget) as llm:
+        llm.runner.graphs = _StubGraphs(llm.model, llm.kv_cache, llm.provider, llm.method, llm.device,
+                                        args.batch, -(-max_len // llm.config.page_size))
+        ends, orig, prof = [], llm.step, cProfile.Profile()
+
+        def timed():
+            if len(ends) == 20 and args.profile:
+                prof.enable()
+            r = orig()
+            ends.append(time.perf_counter())
+            return r
+
+        llm.step = timed
+        llm.generate([[3] * args.prompt_len] * args.batch,
+                     SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True), prefill="synthesized")
+        prof.disable()
+        gaps = np.diff(ends[20:]) * 1e3
+        print(f"{args.layers} layers, {args.prompt_len}-token prompts, batch {args.batch}, {args.method}: host time "
+              f"per decode step median {np.median(gaps):.3f} ms, mean {gaps.mean():.3f} ms "
+              f"({llm.runner.graph_steps} stubbed graph steps)")
+        if args.profile:
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
 
 
 if __name__ == "__main__":

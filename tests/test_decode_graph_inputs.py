@@ -3,12 +3,16 @@ and the packed step inputs it stages in one copy."""
 
 from __future__ import annotations
 
+import random
 import types
 
 import numpy as np
 import pytest
 
 from sparseengine.engine.cuda_graphs import DecodeGraphs
+from sparseengine.engine.page_table import PageTable
+from sparseengine.engine.sequence import Sequence
+from sparseengine.sampling_params import SamplingParams
 
 
 def graphs(layers=2, max_batch=4, max_pages=6) -> DecodeGraphs:
@@ -34,6 +38,50 @@ def test_graph_page_table_rows_follow_their_requests():
     g.page_tables([8, 11], [pages, [2] * 6])
     pages[1] = 5  # the same list object, changed in place: compared by value
     assert g.page_tables([8, 11], [pages, [2] * 6])[0].tolist()[:2] == [1, 5] and g._dirty == (0, 1)
+
+
+def test_page_table_marks_the_first_page_changed():
+    t = PageTable([5, 6, 7])
+    assert t.take_changed_from() == 0 and t.take_changed_from() is None  # new: all of it, then nothing
+    t += [8, 9]
+    t.append(10)
+    assert t.take_changed_from() == 3 and t == [5, 6, 7, 8, 9, 10]
+    del t[4:]
+    t[2] = 1
+    assert t.take_changed_from() == 2
+    t.pop()
+    assert t.take_changed_from() == 3
+    seq = Sequence([1, 2], SamplingParams(), num_layers=1)
+    seq.page_table = [4, 4]  # any list assigned to a request becomes a tracked table
+    assert isinstance(seq.page_table, PageTable) and seq.page_table.take_changed_from() == 0
+
+
+def test_tracked_rows_rewrite_only_changed_pages_and_stay_exact():
+    """Random appends, trims, in-place writes and new tables, requests moving between rows
+    and skipping steps: every step's rows are exactly the requests' pages, zero past them,
+    and a row outside the re-sent range did not change."""
+    rng, width = random.Random(0), 12
+    g = graphs(max_batch=4, max_pages=width)
+    tables = {sid: PageTable(rng.sample(range(60), rng.randint(1, 6))) for sid in range(6)}
+    for _ in range(400):
+        t = tables[rng.randrange(6)]
+        op = rng.randrange(5)
+        if op == 0 and len(t) < width:
+            t += [rng.randrange(60) for _ in range(rng.randint(1, width - len(t)))]
+        elif op == 1 and len(t) > 1:
+            del t[rng.randint(1, len(t) - 1):]
+        elif op == 2:
+            t[rng.randrange(len(t))] = rng.randrange(60)
+        elif op == 3:
+            tables[rng.randrange(6)] = PageTable(rng.sample(range(60), rng.randint(1, width)))
+        rows = rng.sample(range(6), rng.randint(1, 4))
+        before = g.host_table.copy()
+        out = g.page_tables(rows, [tables[s] for s in rows])
+        for b, sid in enumerate(rows):
+            assert out[b].tolist() == list(tables[sid]) + [0] * (width - len(tables[sid]))
+        lo, hi = g._dirty or (0, 0)
+        outside = [r for r in range(4) if not lo <= r < hi]
+        assert (g.host_table[outside] == before[outside]).all()
 
 
 def test_step_inputs_travel_in_one_buffer_with_padding_rows():

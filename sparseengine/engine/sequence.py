@@ -6,6 +6,7 @@ import itertools
 from dataclasses import dataclass, field
 from enum import Enum
 
+from sparseengine.engine.page_table import PageTable
 from sparseengine.sampling_params import SamplingParams
 
 
@@ -27,7 +28,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V have been computed (logical positions)
-    page_table: list[int] = field(default_factory=list)
+    page_table: PageTable = field(default_factory=PageTable)  # any list assigned becomes one
     layer_lens: list[int] = field(default_factory=list)  # tokens held in the cache, per layer
     finish_reason: str | None = None
     error: str | None = None
@@ -38,6 +39,11 @@ class Sequence:
     prefill_alone: bool = False  # long_bs1full_short_batch: one unchunked pass, nothing beside it
     prompt_logits: list | None = None  # set to [] to collect the logits of every prompt position
     kv_tokens_at_end: float | None = None
+
+    def __setattr__(self, name, value) -> None:
+        if name == "page_table" and not isinstance(value, PageTable):
+            value = PageTable(value)
+        object.__setattr__(self, name, value)
 
     def __post_init__(self) -> None:
         if not self.layer_lens:
