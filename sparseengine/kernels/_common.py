@@ -9,6 +9,7 @@ needs no Triton at all. The kernel modules name `tl` only for type checkers;
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import operator
 import os
@@ -45,9 +46,11 @@ def interpreting() -> bool:
 
 
 class LazyKernel:
-    """A `@triton.jit` kernel built at first launch: `kernel[grid](...)`. The shared helpers
-    it calls (`shared_helper`) are jitted into its module then (the interpreter calls them
-    as Python)."""
+    """A `@triton.jit` kernel built at first launch: `kernel[grid](...)`. Everything it calls
+    is bound then: `tl` (and CUDA's libdevice where named) in its module, the plain helper
+    functions of its module that it calls (and those they call, `module_helpers`) jitted in
+    place, and the shared helpers of other modules (`shared_helper`) jitted into its module.
+    The interpreter calls the helpers as Python, so they stay plain there."""
 
     def __init__(self, fn):
         self.fn = fn
@@ -58,15 +61,44 @@ class LazyKernel:
             import triton
             import triton.language
 
-            self.fn.__globals__["tl"] = triton.language
+            module = self.fn.__globals__
+            module["tl"] = triton.language
+            helpers = module_helpers(self.fn)
+            if any("libdevice" in _code_names(f) for f in (self.fn, *(module[h] for h in helpers))):
+                from triton.language.extra.cuda import libdevice
+
+                module["libdevice"] = libdevice
+            compiled = not interpreting()
+            for name in helpers:
+                if compiled and not hasattr(module[name], "fn"):  # another kernel may have jitted it
+                    module[name] = triton.jit(module[name])
             for name, helper in SHARED_HELPERS.items():
                 helper.__globals__["tl"] = triton.language
-                if name in self.fn.__code__.co_names and not interpreting():
+                if name in self.fn.__code__.co_names and compiled:
                     if name not in _jitted_helpers:
                         _jitted_helpers[name] = triton.jit(helper)
-                    self.fn.__globals__[name] = _jitted_helpers[name]
+                    module[name] = _jitted_helpers[name]
             self._jitted = triton.jit(self.fn)
         return self._jitted[grid]
+
+
+def _code_names(fn) -> tuple:
+    code = getattr(getattr(fn, "fn", fn), "__code__", None)  # through a jitted helper
+    return code.co_names if code is not None else ()
+
+
+def module_helpers(fn) -> list[str]:
+    """The global names of the plain functions of `fn`'s module that `fn` calls, and of those
+    they call: a compiled kernel needs them jitted (an already-jitted one counts too)."""
+    module, found, todo = fn.__globals__, [], [fn]
+    while todo:
+        for name in _code_names(todo.pop()):
+            value = module.get(name)
+            value = getattr(value, "fn", value)
+            if inspect.isfunction(value) and value.__module__ == fn.__module__ and name not in found:
+                found.append(name)
+                todo.append(value)
+    return found
 
 
 SHARED_HELPERS: dict = {}  # name -> plain function that kernels of several modules call

@@ -4,46 +4,18 @@ rotary embedding of q and k, SiLU-and-multiply, and the jitted helpers they shar
 `fused_ops` launches them (its wrappers check shapes and pick the summation plan) and
 holds the torch references they reproduce bit for bit; its docstring says how. The
 kernels keep the names they had there: profiles (results/profile_*.json) list kernels
-by name. The helpers are jitted at the first launch, as `LazyKernel` does the kernels
-(`_bind_jit_helpers`); importing this module needs no Triton.
+by name. `LazyKernel` jits the helpers with the kernels at the first launch (and binds
+libdevice); importing this module needs no Triton.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._common import LazyKernel, interpreting
+from ._common import lazy_jit
 
-if TYPE_CHECKING:  # bound at first launch (`_bind_jit_helpers`): importing needs no Triton
+if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
     from triton.language.extra.cuda import libdevice
-
-
-class _Kernel(LazyKernel):
-    def __getitem__(self, grid):
-        _bind_jit_helpers()
-        return super().__getitem__(grid)
-
-
-_helpers_jitted = False
-_JIT_HELPERS = ("_round_to", "_load_h", "_sumsq_cuda_order", "_sumsq_cpu_order", "_rotate_heads")
-
-
-def _bind_jit_helpers() -> None:
-    """Compiled kernels can call only jitted functions: jit the helpers (and bind `tl`,
-    libdevice) at the first launch, as LazyKernel does the kernels. The interpreter runs
-    them as plain Python (jitted, each call would re-patch `tl`: twice as slow)."""
-    g = globals()
-    if g["_helpers_jitted"]:
-        return
-    import triton
-    import triton.language
-    from triton.language.extra.cuda import libdevice as cuda_libdevice
-
-    g["tl"], g["libdevice"] = triton.language, cuda_libdevice
-    if not interpreting():
-        for name in _JIT_HELPERS:
-            g[name] = triton.jit(g[name])
-    g["_helpers_jitted"] = True
 
 
 def _round_to(v, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
@@ -135,7 +107,7 @@ def _sumsq_cpu_order(x_row, r_row, N: tl.constexpr, HAS_RESIDUAL: tl.constexpr, 
     return tl.sum(tl.where(lanes == LANES - 1, tl.cumsum(p0, axis=0), 0.0), axis=0)
 
 
-@_Kernel
+@lazy_jit
 def _rms_norm_kernel(
     x_ptr, r_ptr, w_ptr, out_ptr, r_out_ptr, B,
     stride_xa, stride_xb, stride_ra, stride_rb, eps, mean_scale,
@@ -187,7 +159,7 @@ def _rotate_heads(x_ptr, out_ptr, stride_h, H, c1, c2, s1, s2, HALF: tl.constexp
     tl.store(dst + HALF, o2.to(DTYPE), mask=mask)
 
 
-@_Kernel
+@lazy_jit
 def _rotary_qk_kernel(
     q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st, HQ, HKV,
@@ -207,7 +179,7 @@ def _rotary_qk_kernel(
                   HALF, BLOCK_HKV, BLOCK_HALF, INTERPRET)
 
 
-@_Kernel
+@lazy_jit
 def _silu_mul_kernel(gu_ptr, out_ptr, stride_t, I, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

@@ -144,7 +144,6 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
     num_sel_t = num_sel if has_sel else kv_lens
     logits_t = logits if logits is not None else part_lse
     store_logits = 0 if logits is None else (2 if logits_group_max else 1)
-    _jit_merge_helper()
     merge_args = dict(HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_S=min(64, next_pow2(num_splits)),
                       STORE_LSE=return_lse)
     _decode_split_kernel[(B * Hkv, num_splits)](
@@ -184,16 +183,6 @@ def _combine_mode(fused_combine: bool | None, num_splits: int, rows: int) -> int
     if fused_combine:
         raise ValueError(f"fused_combine needs B * Hkv <= {MAX_SPLIT_COUNTERS} counters, got {rows} rows")
     return _PARTIALS
-
-
-def _jit_merge_helper() -> None:
-    """Compiled kernels call only jitted functions (the interpreter runs `_merge_splits` as Python)."""
-    global _merge_splits, tl
-    if not _common.interpreting() and not hasattr(_merge_splits, "fn"):
-        import triton
-        import triton.language
-
-        tl, _merge_splits = triton.language, triton.jit(_merge_splits)
 
 
 def _counters(device: torch.device) -> torch.Tensor:

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._common import LazyKernel, cdiv, check_launch, int_arg, interpreting, next_pow2
+from ._common import cdiv, check_launch, int_arg, lazy_jit, next_pow2
 
 MAX_GROUPS = 512  # shortlist: the most page groups a row is cut into (group = next_pow2(P / this))
 
@@ -116,20 +116,6 @@ def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_to
         CAP=cap, num_warps=num_warps or min(16, max(1, block_p // 512)),
     )
     return pages, counts
-
-
-class _SelectKernel(LazyKernel):
-    """Compiled kernels call only jitted functions: jit `_page_keys` with the kernel. The
-    interpreter runs it as plain Python (LazyKernel has bound `tl` in this module)."""
-
-    def __getitem__(self, grid):
-        global _page_keys, _kth_largest, _shortlist_select
-        if self._jitted is None and not interpreting():
-            import triton
-
-            _page_keys, _kth_largest = triton.jit(_page_keys), triton.jit(_kth_largest)
-            _shortlist_select = triton.jit(_shortlist_select)
-        return super().__getitem__(grid)
 
 
 def _page_keys(row, offs, P):
@@ -201,7 +187,7 @@ def _shortlist_select(row, out, keys_out, P, K, mid_end, m, active, SINK_PAGES: 
     return (active == 0) | (n_cand > CAP)
 
 
-@_SelectKernel
+@lazy_jit
 def _select_kernel(
     scores_ptr, kv_lens_ptr, pages_ptr, counts_ptr, scratch_ptr, stride_sb, stride_sh, HKV, P, K,
     PAGE_SIZE: tl.constexpr, SINK_PAGES: tl.constexpr, RECENT: tl.constexpr, TOTAL: tl.constexpr,

@@ -110,11 +110,11 @@ def compile_for_gpu(kernel, helpers, types: dict, constexprs: dict, *, num_warps
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
-    from ._common import SHARED_HELPERS
+    from ._common import SHARED_HELPERS, module_helpers
 
     fn = kernel.fn
     module = fn.__globals__
-    helpers = _helpers(fn) if helpers is None else helpers
+    helpers = module_helpers(fn) if helpers is None else helpers
     shared = [name for name in SHARED_HELPERS if name in fn.__code__.co_names]
     saved = {name: module.get(name) for name in (*helpers, *shared, "tl", "libdevice")}
     try:
@@ -144,22 +144,6 @@ def compile_for_gpu(kernel, helpers, types: dict, constexprs: dict, *, num_warps
                 module.pop(name, None)
             else:
                 module[name] = value
-
-
-def _helpers(fn) -> list[str]:
-    """Module-level plain functions a kernel calls, and those they call."""
-    import inspect
-
-    module, found, todo = fn.__globals__, [], [fn]
-    while todo:
-        code = getattr(todo.pop(), "__code__", None)
-        for name in code.co_names if code is not None else ():
-            value = module.get(name)
-            value = getattr(value, "fn", value)  # an already-jitted helper
-            if inspect.isfunction(value) and value.__module__ == fn.__module__ and name not in found:
-                found.append(name)
-                todo.append(value)
-    return found
 
 
 _TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",

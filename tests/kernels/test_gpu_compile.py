@@ -79,21 +79,24 @@ print(json.dumps(out))
 
 
 LAZY_CHILD = """
-import json, sys
+import importlib, json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
-from sparseengine.kernels import paged_decode
-b = json.loads(sys.stdin.read())
-kernel = paged_decode._decode_split_kernel
-kernel[(1,)]  # what a launch does first (nothing runs): jit the kernel and bind its shared helpers
-assert isinstance(kernel.fn.__globals__["softmax_step"], JITFunction), kernel.fn.__globals__["softmax_step"]
-paged_decode._jit_merge_helper()  # as split_k_decode does before its launch
-signature = {name: b["types"].get(name, "constexpr") for name in kernel._jitted.arg_names}
-compiled = triton.compile(ASTSource(fn=kernel._jitted, signature=signature, constexprs=b["constexprs"]),
-                          target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-print(json.dumps("ok" if compiled.asm.get("cubin") else "no cubin"))
+from sparseengine.kernels._common import SHARED_HELPERS, module_helpers
+out = {}
+for name, b in json.loads(sys.stdin.read()).items():
+    kernel = getattr(importlib.import_module(b["module"]), b["kernel"])
+    kernel[(1,)]  # what a launch does first (nothing runs): jit the kernel, bind what it calls
+    module = kernel.fn.__globals__
+    called = module_helpers(kernel.fn) + [h for h in SHARED_HELPERS if h in kernel.fn.__code__.co_names]
+    signature = {n: b["types"].get(n, "constexpr") for n in kernel._jitted.arg_names}
+    compiled = triton.compile(ASTSource(fn=kernel._jitted, signature=signature, constexprs=b["constexprs"]),
+                              target=GPUTarget("cuda", 90, 32), options=b["options"])
+    out[name] = dict(called=called, plain=[h for h in called if not isinstance(module[h], JITFunction)],
+                     cubin=bool(compiled.asm.get("cubin")))
+print(json.dumps(out))
 """
 
 
@@ -104,15 +107,34 @@ def child_env() -> dict:
     return env
 
 
-def test_a_launch_binds_the_shared_helpers_the_compiler_needs():
+def test_a_launch_binds_what_its_kernel_calls(device):
     """The engine's path, not the test builder's: a LazyKernel's first launch jits the
-    shared online-softmax step into the kernel's module; the kernel it jitted then builds
-    for sm_90 as it is."""
-    _, _, _, types, consts, _ = BUILDS["split_decode-logits0-combine0"]
-    run = subprocess.run([sys.executable, "-c", LAZY_CHILD], input=json.dumps(dict(types=types, constexprs=consts)),
-                         capture_output=True, text=True, env=child_env(), timeout=600)
+    helpers its kernel calls into the kernel's module (its own module's, nested ones
+    included, and the shared online-softmax step; libdevice for the norms), and the kernel
+    it jitted then builds for sm_90 as it is. Launches recorded from the wrappers."""
+    from sparseengine import kernels as K
+    from sparseengine.kernels.testing import random_paged_kv, randn
+
+    gen = torch.Generator().manual_seed(0)
+    kv = random_paged_kv([70, 33], 2, 128, 16, generator=gen, dtype=torch.bfloat16, device=device)
+    q = randn(2, 8, 128, generator=gen, dtype=torch.bfloat16, device=device)
+    scores = torch.randn(2, 2, 6, generator=gen).to(device)
+    x = randn(5, 256, generator=gen, dtype=torch.bfloat16, device=device)
+    with record_launches() as rec:
+        K.paged_decode_triton(q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens)
+        K.quest_select_pages_triton(scores, kv.kv_lens, 16, 4, 8, 32)
+        K.add_rms_norm_triton(x, x.clone(), torch.ones(256, dtype=torch.bfloat16, device=device), 1e-6)
+    builds = {b["kernel"]: b for b in rec.launches}
+    run = subprocess.run([sys.executable, "-c", LAZY_CHILD], input=json.dumps(builds), capture_output=True,
+                         text=True, env=child_env(), timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert json.loads(run.stdout.strip().splitlines()[-1]) == "ok"
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert {"_decode_split_kernel", "_select_kernel", "_rms_norm_kernel"} <= set(out), sorted(out)
+    assert {"softmax_step", "_merge_splits"} <= set(out["_decode_split_kernel"]["called"])
+    assert {"_page_keys", "_kth_largest", "_shortlist_select"} <= set(out["_select_kernel"]["called"])
+    assert {"_load_h", "_round_to"} <= set(out["_rms_norm_kernel"]["called"])
+    for name, got in out.items():
+        assert got["cubin"] and not got["plain"], (name, got)
 
 
 def compile_in_child(builds: dict) -> dict:
@@ -178,6 +200,8 @@ def launch_every_kernel(device):
     kmax = kv.k_cache.new_zeros(kv.k_cache.shape[0], hkv, d)
     K.update_page_minmax_triton(kv.k_cache, slots, kmax, kmax.clone())
     scores = K.quest_page_scores_triton(q, kmax, kmax.clone(), kv.page_table, kv.kv_lens, ps)
+    K.quest_page_scores_triton(q, kmax, kmax.clone(), kv.page_table, kv.kv_lens, ps, k_cache=kv.k_cache,
+                               new_slots=slots[:2])  # a decode step's keys folded in
     K.quest_select_pages_triton(scores, kv.kv_lens, ps, 4, 8, 32)
     K.quest_select_pages_triton(scores, kv.kv_lens, ps, 4, 8, 32, shortlist=False)
     cu = torch.tensor([0, 20, 31], dtype=torch.int32, device=device)
