@@ -88,7 +88,8 @@ def bench_quest_attention(out_path, B=6, P=8320, n=131072, width=129):
     """Quest's sparse layers' attention at the 128K decode benchmark's shape: every (request,
     KV head) attends over `width` chosen pages (4 sink + 92 top + 33 recent) of an
     8320-page table scattered over the pool, per launch in a CUDA graph of 30 launches:
-    the split plan (tokens per split) x tile x warps x stages."""
+    the split plan (tokens per split) x tile x warps x stages, the splits merged by a second
+    kernel or by each row's last program."""
     from sparseengine.kernels import sparse_page_decode_triton
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -103,14 +104,17 @@ def bench_quest_attention(out_path, B=6, P=8320, n=131072, width=129):
     args = (q, k_cache, v_cache, table, kv_lens, pages, counts)
     want = sparse_page_decode_triton(*args).float()
     nbytes = 2 * B * HKV * width * PS * D * 2
-    for chunk, block_n, num_warps, num_stages in (
-            (None, 64, 4, 2), (128, 64, 4, 2), (128, 32, 4, 2), (128, 32, 2, 3), (64, 32, 2, 2), (64, 16, 2, 2),
-            (256, 32, 4, 3), (256, 64, 4, 3), (512, 64, 4, 3), (128, 64, 4, 3), (64, 64, 4, 2), (2048, 64, 4, 3)):
+    for chunk, block_n, num_warps, num_stages, fused in (
+            (None, 64, 4, 2, None), (128, 64, 4, 2, None), (128, 32, 4, 2, None), (128, 32, 2, 3, None),
+            (64, 32, 2, 2, None), (64, 16, 2, 2, None), (256, 32, 4, 3, None), (256, 64, 4, 3, None),
+            (512, 64, 4, 3, None), (128, 64, 4, 3, None), (64, 64, 4, 2, None), (2048, 64, 4, 3, None),
+            (128, 32, 4, 2, True), (256, 64, 4, 3, True), (256, 32, 4, 2, True)):
         fn = lambda: sparse_page_decode_triton(*args, kv_chunk=chunk, block_n=block_n,  # noqa: E731
-                                               num_warps=num_warps, num_stages=num_stages)
+                                               num_warps=num_warps, num_stages=num_stages, fused_combine=fused)
         err = (fn().float() - want).abs().max().item()
         us = per_launch_us(fn)
         emit(out_path, {"kind": "quest_attention", "batch": B, "hkv": HKV, "pages": width, "kv_len": n,
                         "kv_chunk": chunk, "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages,
+                        "merge": "last program" if fused else "second kernel",
                         "us_per_launch": us, "GBps": nbytes / us / 1e3, "max_abs_diff_vs_default": err})
 
