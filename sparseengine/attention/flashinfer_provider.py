@@ -102,6 +102,9 @@ class FlashInferAttentionProvider(AttentionProvider):
     def write_kv(self, k_cache, v_cache, k, v, slot_mapping):
         kernels.paged_kv_write_triton(k, v, k_cache, v_cache, slot_mapping)
 
+    def rotate_write_kv(self, q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
+        return self.triton.rotate_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext,
                view: LayerView, selection: Selection | None, score_rows: ScoreRows | None, block_mask=None):
         if block_mask is not None:  # block-sparse prefill rows

@@ -34,6 +34,17 @@ class AttentionProvider:
                  slot_mapping: torch.Tensor) -> None:
         raise NotImplementedError
 
+    def rotate_write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> torch.Tensor:
+        """Rotate q and k (rotary embedding, `fused_ops.rotary_qk`), write k and v at
+        `slot_mapping` (`write_kv`); return q rotated. A provider may fuse the two."""
+        from sparseengine.kernels.fused_ops import rotary_qk
+
+        q, k = rotary_qk(q, k, cos, sin)
+        self.write_kv(k_cache, v_cache, k, v, slot_mapping)
+        return q
+
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: "StepContext",
                view: "LayerView", selection: "Selection | None",
                score_rows: "ScoreRows | None", block_mask: "BlockMask | None" = None,

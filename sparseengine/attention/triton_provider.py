@@ -9,6 +9,7 @@ import torch
 from sparseengine import kernels
 from sparseengine.attention.provider import AttentionProvider, check_prefill_scores, padded_colsum_width
 from sparseengine.engine.step_context import LayerView, ScoreRows, Selection, StepContext
+from sparseengine.kernels.fused_ops import rotary_kv_write
 
 
 class TritonAttentionProvider(AttentionProvider):
@@ -16,6 +17,10 @@ class TritonAttentionProvider(AttentionProvider):
 
     def write_kv(self, k_cache, v_cache, k, v, slot_mapping):
         kernels.paged_kv_write_triton(k, v, k_cache, v_cache, slot_mapping)
+
+    def rotate_write_kv(self, q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
+        """One launch where the rotation runs as a Triton kernel (CUDA)."""
+        return rotary_kv_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, self.write_kv)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext,
                view: LayerView, selection: Selection | None, score_rows: ScoreRows | None, block_mask=None):

@@ -13,8 +13,8 @@ rows of 128 or more that are not a multiple of 4. Not reproducible: on CPU, unde
 interpreter, `exp` is numpy's while torch's is SLEEF's, so float32 `silu_mul` may differ
 from torch in the last bit there (bfloat16 rounding hides it nearly always).
 
-The model uses `rms_norm`, `add_rms_norm`, `rotary_qk` and `silu_mul`: the kernels on CUDA
-tensors, the torch references (the code the model always ran, which matches Hugging
+The model uses `rms_norm`, `add_rms_norm`, `rotary_qk` and `silu_mul` (a Triton provider
+rotates and writes K/V in one launch, `rotary_kv_write`): the kernels on CUDA tensors, the torch references (the code the model always ran, which matches Hugging
 Face token for token) on CPU. `forced` switches either way, for tests.
 
 This module holds that dispatch, the torch references and the launch wrappers; the Triton
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from . import _common
 from ._common import cdiv, check_launch, interpreting, next_pow2
-from .fused_ops_kernels import _rms_norm_kernel, _rotary_qk_kernel, _silu_mul_kernel
+from .fused_ops_kernels import _rms_norm_kernel, _rotary_kv_write_kernel, _rotary_qk_kernel, _silu_mul_kernel
 
 OPS = ("rms_norm", "rotary_qk", "silu_mul")
 _forced: dict[str, bool] = {}
@@ -70,6 +70,17 @@ def add_rms_norm(x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor]:
 
 def rotary_qk(q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
     return (rotary_qk_triton if _fused("rotary_qk", q) else rotary_qk_ref)(q, k, cos, sin)
+
+
+def rotary_kv_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, write_kv) -> torch.Tensor:
+    """q and k rotated, k and v written to the cache at `slot_mapping`: one Triton launch
+    where `rotary_qk` runs its kernel (else `rotary_qk`, then `write_kv(k_cache, v_cache, k,
+    v, slot_mapping)`, the provider's). Returns q rotated."""
+    if _fused("rotary_qk", q):
+        return rotary_kv_write_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    q, k = rotary_qk(q, k, cos, sin)
+    write_kv(k_cache, v_cache, k, v, slot_mapping)
+    return q
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -204,6 +215,40 @@ def rotary_qk_triton(q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         INTERPRET=interpreting(), num_warps=4, **_EXACT,
     )
     return q_out, k_out
+
+
+def rotary_kv_write_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) -> torch.Tensor:
+    """`rotary_qk_triton` and `paged_kv_write_triton` in one launch: returns q rotated (new,
+    contiguous) and writes k rotated and v to the paged caches at `slot_mapping` (-1: not
+    written), bit for bit what the two launches give. The caches must be of k's dtype."""
+    T, hq, d = q.shape
+    hkv = k.shape[1] if k.dim() == 3 else -1
+    if (k.dim() != 3 or v.shape != k.shape or k.shape[0] != T or k.shape[2] != d or cos.shape != (T, d)
+            or sin.shape != (T, d) or d % 2):
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, cos {tuple(cos.shape)}: "
+                         f"want [T, Hq, d], [T, Hkv, d] twice, [T, d] with d even")
+    if len({q.dtype, k.dtype, v.dtype, cos.dtype, sin.dtype, k_cache.dtype, v_cache.dtype}) != 1:
+        raise ValueError(f"q, k, v, cos, sin and the caches must share a dtype, got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}, {cos.dtype}, {sin.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if (k_cache.dim() != 4 or k_cache.shape[2:] != (hkv, d) or v_cache.shape != k_cache.shape
+            or k_cache.stride()[2:] != (d, 1) or v_cache.stride()[2:] != (d, 1)):
+        raise ValueError(f"caches must be [pages, page_size, {hkv}, {d}] with contiguous heads, got "
+                         f"{tuple(k_cache.shape)} strides {k_cache.stride()}")
+    if slot_mapping.shape != (T,):
+        raise ValueError(f"slot_mapping must be [T={T}], got {tuple(slot_mapping.shape)}")
+    q, k, v, cos, sin = (_unit_last_stride(t) for t in (q, k, v, cos, sin))
+    device = check_launch(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    q_out = _common.empty(q.shape, q.dtype, device)
+    if T == 0:
+        return q_out
+    _rotary_kv_write_kernel[(T,)](
+        q, k, v, cos, sin, q_out, k_cache, v_cache, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), hq, hkv,
+        PAGE_SIZE=k_cache.shape[1], HALF=d // 2, BLOCK_HQ=next_pow2(hq), BLOCK_HKV=next_pow2(hkv),
+        BLOCK_HALF=next_pow2(d // 2), INTERPRET=interpreting(), num_warps=4, **_EXACT,
+    )
+    return q_out
 
 
 def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:

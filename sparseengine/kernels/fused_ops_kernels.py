@@ -1,5 +1,6 @@
 """The Triton kernels behind `fused_ops`: RMSNorm (with the residual add before it),
-rotary embedding of q and k, SiLU-and-multiply, and the jitted helpers they share.
+rotary embedding of q and k (alone, or with the KV write), SiLU-and-multiply, and the
+jitted helpers they share.
 
 `fused_ops` launches them (its wrappers check shapes and pick the summation plan) and
 holds the torch references they reproduce bit for bit; its docstring says how. The
@@ -177,6 +178,38 @@ def _rotary_qk_kernel(
                   HALF, BLOCK_HQ, BLOCK_HALF, INTERPRET)
     _rotate_heads(k_ptr + t * stride_kt, k_out_ptr + t * HKV * 2 * HALF, stride_kh, HKV, c1, c2, s1, s2,
                   HALF, BLOCK_HKV, BLOCK_HALF, INTERPRET)
+
+
+@lazy_jit
+def _rotary_kv_write_kernel(
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_st,
+    stride_kcp, stride_kco, stride_vcp, stride_vco, HQ, HKV,
+    PAGE_SIZE: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """`_rotary_qk_kernel`, with the rotated key and the value written straight to the
+    token's cache slot (none for slot -1): one launch instead of the rotation's and the write's."""
+    t = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = j < HALF
+    c1 = tl.load(cos_ptr + t * stride_ct + j, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + t * stride_ct + HALF + j, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + t * stride_st + j, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + t * stride_st + HALF + j, mask=mask, other=0.0).to(tl.float32)
+    _rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * HQ * 2 * HALF, stride_qh, HQ, c1, c2, s1, s2,
+                  HALF, BLOCK_HQ, BLOCK_HALF, INTERPRET)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:
+        page, off = slot // PAGE_SIZE, slot % PAGE_SIZE
+        _rotate_heads(k_ptr + t * stride_kt, k_cache_ptr + page * stride_kcp + off * stride_kco, stride_kh, HKV,
+                      c1, c2, s1, s2, HALF, BLOCK_HKV, BLOCK_HALF, INTERPRET)
+        h = tl.arange(0, BLOCK_HKV)[:, None]
+        c = tl.arange(0, 2 * BLOCK_HALF)[None, :]
+        v_mask = (h < HKV) & (c < 2 * HALF)
+        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + c, mask=v_mask)
+        tl.store(v_cache_ptr + page * stride_vcp + off * stride_vco + h * (2 * HALF) + c,
+                 v.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
 
 
 @lazy_jit

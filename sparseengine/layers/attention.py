@@ -1,5 +1,6 @@
-"""The generic attention layer: write this step's K/V, ask the method runtime what to
-read, call the provider, hand any scores back. It never names a sparse method."""
+"""The generic attention layer: rotate q and k and write this step's K/V (the provider
+may fuse the two), ask the method runtime what to read, call the provider, hand any
+scores back. It never names a sparse method."""
 
 from __future__ import annotations
 
@@ -17,13 +18,14 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, Hq, d], k/v [T, Hkv, d] (keys already rotated) -> [T, Hq, d]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq, d], k/v [T, Hkv, d] (q and k not yet rotated; cos/sin [T, d]) -> [T, Hq, d]."""
         ctx = get_step_context()
         layer = self.layer_id
         view = ctx.views[layer]
         k_cache, v_cache = ctx.kv_cache.layer(layer)
-        ctx.provider.write_kv(k_cache, v_cache, k, v, view.slot_mapping)
+        q = ctx.provider.rotate_write_kv(q, k, v, cos, sin, k_cache, v_cache, view.slot_mapping)
         selection = ctx.method.select(layer, q, ctx)
         block_mask = ctx.method.block_mask(layer, q, ctx)
         score_rows = ctx.method.score_rows(layer, ctx)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sparseengine.kernels.fused_ops import rotary_qk, silu_mul
+from sparseengine.kernels.fused_ops import silu_mul
 from sparseengine.layers.attention import Attention
 from sparseengine.layers.layernorm import RMSNorm
 from sparseengine.layers.rotary import RotaryEmbedding
@@ -31,8 +31,7 @@ class SelfAttention(nn.Module):
         q, k, v = q.view(t, self.hq, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary_qk(q, k, cos, sin)
-        return self.o_proj(self.attn(q, k, v).reshape(t, self.hq * self.d))
+        return self.o_proj(self.attn(q, k, v, cos, sin).reshape(t, self.hq * self.d))  # rotary there
 
 
 class MLP(nn.Module):

@@ -222,6 +222,8 @@ def launch_every_kernel(device):
                                                                             device=device)
     cos, sin = torch.ones(5, d, dtype=bf, device=device), torch.zeros(5, d, dtype=bf, device=device)
     K.rotary_qk_triton(qr, kr, cos, sin)
+    K.rotary_kv_write_triton(qr, kr, kr.clone(), cos, sin, kv.k_cache, kv.v_cache,
+                             torch.tensor([0, 5, -1, 40, 7], device=device))
     K.silu_mul_triton(randn(5, 512, generator=gen, dtype=bf, device=device))
     from sparseengine.methods.deltakv_store import CodecStore
     for bits in (4, 16):  # the engine's store: bf16 centers, int16 neighbours; float32 Up
