@@ -142,6 +142,17 @@ def _rms_norm_kernel(
         tl.store(out_ptr + row_out + offs, y.to(OUT), mask=mask)
 
 
+def _cos_sin_halves(cos_row, sin_row, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """One token's cos and sin, each as its two halves [1, BLOCK_HALF] in float32."""
+    j = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = j < HALF
+    c1 = tl.load(cos_row + j, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_row + HALF + j, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_row + j, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_row + HALF + j, mask=mask, other=0.0).to(tl.float32)
+    return c1, c2, s1, s2
+
+
 def _rotate_heads(x_ptr, out_ptr, stride_h, H, c1, c2, s1, s2, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                   BLOCK_HALF: tl.constexpr, INTERPRET: tl.constexpr):
     """One token's heads: out = x * cos + rotate_half(x) * sin, each product and the sum
@@ -168,12 +179,7 @@ def _rotary_qk_kernel(
     INTERPRET: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    j = tl.arange(0, BLOCK_HALF)[None, :]
-    mask = j < HALF
-    c1 = tl.load(cos_ptr + t * stride_ct + j, mask=mask, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + t * stride_ct + HALF + j, mask=mask, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + t * stride_st + j, mask=mask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + t * stride_st + HALF + j, mask=mask, other=0.0).to(tl.float32)
+    c1, c2, s1, s2 = _cos_sin_halves(cos_ptr + t * stride_ct, sin_ptr + t * stride_st, HALF, BLOCK_HALF)
     _rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * HQ * 2 * HALF, stride_qh, HQ, c1, c2, s1, s2,
                   HALF, BLOCK_HQ, BLOCK_HALF, INTERPRET)
     _rotate_heads(k_ptr + t * stride_kt, k_out_ptr + t * HKV * 2 * HALF, stride_kh, HKV, c1, c2, s1, s2,
@@ -191,12 +197,7 @@ def _rotary_kv_write_kernel(
     """`_rotary_qk_kernel`, with the rotated key and the value written straight to the
     token's cache slot (none for slot -1): one launch instead of the rotation's and the write's."""
     t = tl.program_id(0).to(tl.int64)
-    j = tl.arange(0, BLOCK_HALF)[None, :]
-    mask = j < HALF
-    c1 = tl.load(cos_ptr + t * stride_ct + j, mask=mask, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + t * stride_ct + HALF + j, mask=mask, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + t * stride_st + j, mask=mask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + t * stride_st + HALF + j, mask=mask, other=0.0).to(tl.float32)
+    c1, c2, s1, s2 = _cos_sin_halves(cos_ptr + t * stride_ct, sin_ptr + t * stride_st, HALF, BLOCK_HALF)
     _rotate_heads(q_ptr + t * stride_qt, q_out_ptr + t * HQ * 2 * HALF, stride_qh, HQ, c1, c2, s1, s2,
                   HALF, BLOCK_HQ, BLOCK_HALF, INTERPRET)
     slot = tl.load(slot_ptr + t).to(tl.int64)
