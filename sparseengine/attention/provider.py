@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sparseengine.config import ConfigError
+from sparseengine.kernels.fused_ops import rotary_qk
 
 if TYPE_CHECKING:
     from sparseengine.engine.step_context import BlockMask, LayerView, ScoreRows, Selection, StepContext
@@ -39,8 +40,6 @@ class AttentionProvider:
                         slot_mapping: torch.Tensor) -> torch.Tensor:
         """Rotate q and k (rotary embedding, `fused_ops.rotary_qk`), write k and v at
         `slot_mapping` (`write_kv`); return q rotated. A provider may fuse the two."""
-        from sparseengine.kernels.fused_ops import rotary_qk
-
         q, k = rotary_qk(q, k, cos, sin)
         self.write_kv(k_cache, v_cache, k, v, slot_mapping)
         return q

@@ -72,10 +72,10 @@ def sparse_page_decode_triton(q, k_cache, v_cache, page_table, kv_lens, page_ind
     """`kv_chunk` (tokens a split) and `tuning`: `split_k_decode`'s launch knobs (block_n,
     num_warps, num_stages; `bench_gpu --quest-select` sweeps them). By default, when the
     rows (B x Hkv) are too few to fill the GPU alone, splits of 128 tokens in tiles of 32,
-    two stages: at Quest's 128K shape (6 x 8 rows of 129 pages) 21.1
-    us a launch against 23.0 for the split planner's choice with tiles of 64 in three stages,
-    the previous default, and 25.3 in two (results/quest_kernels_h200.jsonl, commits
-    3b57167 and 52e1017)."""
+    two stages: at Quest's 128K shape (6 x 8 rows of 129 pages) 21.1 us a launch against
+    23.0 for the split planner's choice with tiles of 64 in three stages, the previous
+    default, and 25.3 in two (results/quest_kernels_h200.jsonl, commits 3b57167 and
+    52e1017)."""
     if kv_chunk is None and q.shape[0] * k_cache.shape[2] < 4 * _common.num_sms(q.device):
         kv_chunk = 128  # rows too few to fill the GPU alone (else the planner's one program a row)
         tuning.setdefault("block_n", 32)
