@@ -49,8 +49,9 @@ class LazyKernel:
     """A `@triton.jit` kernel built at first launch: `kernel[grid](...)`. Everything it calls
     is bound then: `tl` (and CUDA's libdevice where named) in its module, the plain helper
     functions of its module that it calls (and those they call, `module_helpers`) jitted in
-    place, and the shared helpers of other modules (`shared_helper`) jitted into its module.
-    The interpreter calls the helpers as Python, so they stay plain there."""
+    place, and the shared helpers of other modules (`shared_helper`) jitted into its module
+    (and theirs into theirs, `bind_shared_helpers`). The interpreter calls the helpers as
+    Python, so they stay plain there."""
 
     def __init__(self, fn):
         self.fn = fn
@@ -72,14 +73,30 @@ class LazyKernel:
             for name in helpers:
                 if compiled and not hasattr(module[name], "fn"):  # another kernel may have jitted it
                     module[name] = triton.jit(module[name])
-            for name, helper in SHARED_HELPERS.items():
-                helper.__globals__["tl"] = triton.language
-                if name in self.fn.__code__.co_names and compiled:
-                    if name not in _jitted_helpers:
-                        _jitted_helpers[name] = triton.jit(helper)
-                    module[name] = _jitted_helpers[name]
+            bind_shared_helpers(self.fn, compiled)
             self._jitted = triton.jit(self.fn)
         return self._jitted[grid]
+
+
+def bind_shared_helpers(fn, compiled: bool, saved: dict | None = None) -> None:
+    """Bind the shared helpers `fn` calls, and those they call, into the modules that call
+    them (jitted when `compiled`; the interpreter calls them as Python, with `tl` bound).
+    `saved`: receives ``(module id, name) -> (module, previous value)`` to undo it."""
+    import triton
+    import triton.language
+
+    for name, helper in SHARED_HELPERS.items():
+        if name not in fn.__code__.co_names:
+            continue
+        helper.__globals__["tl"] = triton.language
+        if compiled:
+            module = fn.__globals__
+            if saved is not None:
+                saved.setdefault((id(module), name), (module, module.get(name)))
+            if name not in _jitted_helpers:
+                _jitted_helpers[name] = triton.jit(helper)
+            module[name] = _jitted_helpers[name]
+        bind_shared_helpers(helper, compiled, saved)
 
 
 def _code_names(fn) -> tuple:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ._common import lazy_jit
-from .online_softmax import softmax_step
+from .causal_block import causal_paged_block
 from .window_rows import window_rows
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
@@ -82,20 +82,10 @@ def _paged_block_sparse_kernel(
             m_i = mt
         # the diagonal block, always computed, causal inside (up to the tile's last row)
         for n0 in range(qb * BLOCK_SIZE, tl.minimum(kv_len, t0 + BLOCK_M), BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < kv_len
-            page = tl.load(table + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-            off = offs_n % PAGE_SIZE
-            kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + page[:, None] * stride_kp + off[:, None] * stride_ko + kvh * stride_kh
-                        + offs_d[None, :], mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-            s = tl.where(n_ok[None, :] & (offs_n[None, :] <= offs_m[:, None]), s, float("-inf"))
-            m_new, alpha, p, l_i = softmax_step(s, m_i, l_i)
-            v = tl.load(v_ptr + page[:, None] * stride_vp + off[:, None] * stride_vo + kvh * stride_vh
-                        + offs_d[None, :], mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-            m_i = m_new
+            acc, m_i, l_i = causal_paged_block(
+                q, acc, m_i, l_i, n0, kv_len, offs_m, table, k_ptr, v_ptr, kvh, qk_scale,
+                stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, offs_d, d_ok,
+                PAGE_SIZE, BLOCK_N, DOT_PREC)
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
                  (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])

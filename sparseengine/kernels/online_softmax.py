@@ -1,7 +1,8 @@
-"""The online-softmax step the attention kernels share (split-K decode, chunked prefill,
-block-sparse prefill over the paged cache and over dense K/V): one key block's scores
-folded into the running max and sum. A plain function: `LazyKernel` jits it into each
-calling kernel's module (the compiler inlines it), the interpreter runs it as Python."""
+"""The online-softmax step the attention kernels share (split-K decode, the causal paged
+block of the chunked and block-sparse prefills, block-sparse prefill over dense K/V): one
+key block's scores folded into the running max and sum. A plain function: `LazyKernel`
+jits it into each calling kernel's module (the compiler inlines it), the interpreter runs
+it as Python."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

@@ -19,7 +19,7 @@ import torch
 
 from . import _common
 from ._common import LOG2E, cdiv, check_cache, check_launch, lazy_jit, next_pow2
-from .online_softmax import softmax_step
+from .causal_block import causal_paged_block
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
@@ -109,20 +109,10 @@ def _prefill_kernel(
         acc = tl.zeros([BLOCK_M * G_PAD, BLOCK_D], tl.float32)
         kv_end = tl.minimum(kv_len, kv_len - q_len + (tile + 1) * BLOCK_M)
         for n0 in range(0, kv_end, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < kv_len
-            page = tl.load(page_table_ptr + b * stride_pt + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-            off = offs_n % PAGE_SIZE
-            kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + page[:, None] * stride_kp + off[:, None] * stride_ko + kvh * stride_kh
-                        + offs_d[None, :], mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-            s = tl.where(n_ok[None, :] & (offs_n[None, :] <= pos[:, None]), s, float("-inf"))
-            m_new, alpha, p, l_i = softmax_step(s, m_i, l_i)
-            v = tl.load(v_ptr + page[:, None] * stride_vp + off[:, None] * stride_vo + kvh * stride_vh
-                        + offs_d[None, :], mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-            m_i = m_new
+            acc, m_i, l_i = causal_paged_block(
+                q, acc, m_i, l_i, n0, kv_len, pos, page_table_ptr + b * stride_pt, k_ptr, v_ptr, kvh, qk_scale,
+                stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, offs_d, d_ok,
+                PAGE_SIZE, BLOCK_N, DOT_PREC)
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         o_ptrs = out_ptr + (q_start + i)[:, None] * stride_ot + hq[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])

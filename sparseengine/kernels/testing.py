@@ -110,18 +110,16 @@ def compile_for_gpu(kernel, helpers, types: dict, constexprs: dict, *, num_warps
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
-    from ._common import SHARED_HELPERS, module_helpers
+    from ._common import bind_shared_helpers, module_helpers
 
     fn = kernel.fn
     module = fn.__globals__
     helpers = module_helpers(fn) if helpers is None else helpers
-    shared = [name for name in SHARED_HELPERS if name in fn.__code__.co_names]
-    saved = {name: module.get(name) for name in (*helpers, *shared, "tl", "libdevice")}
+    saved = {name: module.get(name) for name in (*helpers, "tl", "libdevice")}
+    shared_saved: dict = {}
     try:
         module["tl"] = triton.language
-        for name in shared:  # as LazyKernel binds them
-            SHARED_HELPERS[name].__globals__["tl"] = triton.language
-            module[name] = JITFunction(SHARED_HELPERS[name])
+        bind_shared_helpers(fn, True, shared_saved)  # as LazyKernel binds them
         if "libdevice" in fn.__code__.co_names or any("libdevice" in getattr(module[h], "__code__", fn.__code__)
                                                        .co_names for h in helpers):
             from triton.language.extra.cuda import libdevice
@@ -139,11 +137,13 @@ def compile_for_gpu(kernel, helpers, types: dict, constexprs: dict, *, num_warps
         return triton.compile(source, target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": num_warps, **(options or {})})
     finally:
-        for name, value in saved.items():
+        restore = [(module, name, value) for name, value in saved.items()]
+        restore += [(mod, name, value) for (_, name), (mod, value) in shared_saved.items()]
+        for mod, name, value in restore:
             if value is None:
-                module.pop(name, None)
+                mod.pop(name, None)
             else:
-                module[name] = value
+                mod[name] = value
 
 
 _TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",

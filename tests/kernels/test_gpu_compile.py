@@ -85,16 +85,22 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 from sparseengine.kernels._common import SHARED_HELPERS, module_helpers
+def shared(f):  # (module, name) of the shared helpers f calls, and of those they call
+    found = []
+    for h in SHARED_HELPERS:
+        if h in f.__code__.co_names:
+            found += [(f.__globals__, h)] + shared(SHARED_HELPERS[h])
+    return found
 out = {}
 for name, b in json.loads(sys.stdin.read()).items():
     kernel = getattr(importlib.import_module(b["module"]), b["kernel"])
     kernel[(1,)]  # what a launch does first (nothing runs): jit the kernel, bind what it calls
     module = kernel.fn.__globals__
-    called = module_helpers(kernel.fn) + [h for h in SHARED_HELPERS if h in kernel.fn.__code__.co_names]
+    called = [(module, h) for h in module_helpers(kernel.fn)] + shared(kernel.fn)
     signature = {n: b["types"].get(n, "constexpr") for n in kernel._jitted.arg_names}
     compiled = triton.compile(ASTSource(fn=kernel._jitted, signature=signature, constexprs=b["constexprs"]),
                               target=GPUTarget("cuda", 90, 32), options=b["options"])
-    out[name] = dict(called=called, plain=[h for h in called if not isinstance(module[h], JITFunction)],
+    out[name] = dict(called=[h for _, h in called], plain=[h for m, h in called if not isinstance(m[h], JITFunction)],
                      cubin=bool(compiled.asm.get("cubin")))
 print(json.dumps(out))
 """
@@ -110,8 +116,9 @@ def child_env() -> dict:
 def test_a_launch_binds_what_its_kernel_calls(device):
     """The engine's path, not the test builder's: a LazyKernel's first launch jits the
     helpers its kernel calls into the kernel's module (its own module's, nested ones
-    included, and the shared online-softmax step; libdevice for the norms), and the kernel
-    it jitted then builds for sm_90 as it is. Launches recorded from the wrappers."""
+    included, and the shared online-softmax step; the chunked prefill's shared causal block
+    and the softmax step that one calls, in its module; libdevice for the norms), and the
+    kernel it jitted then builds for sm_90 as it is. Launches recorded from the wrappers."""
     from sparseengine import kernels as K
     from sparseengine.kernels.testing import random_paged_kv, randn
 
@@ -124,15 +131,19 @@ def test_a_launch_binds_what_its_kernel_calls(device):
         K.paged_decode_triton(q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens)
         K.quest_select_pages_triton(scores, kv.kv_lens, 16, 4, 8, 32)
         K.add_rms_norm_triton(x, x.clone(), torch.ones(256, dtype=torch.bfloat16, device=device), 1e-6)
+        K.paged_prefill_triton(randn(31, 8, 128, generator=gen, dtype=torch.bfloat16, device=device), kv.k_cache,
+                               kv.v_cache, kv.page_table, kv.kv_lens,
+                               torch.tensor([0, 20, 31], dtype=torch.int32, device=device), max_q_len=20)
     builds = {b["kernel"]: b for b in rec.launches}
     run = subprocess.run([sys.executable, "-c", LAZY_CHILD], input=json.dumps(builds), capture_output=True,
                          text=True, env=child_env(), timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
-    assert {"_decode_split_kernel", "_select_kernel", "_rms_norm_kernel"} <= set(out), sorted(out)
+    assert {"_decode_split_kernel", "_select_kernel", "_rms_norm_kernel", "_prefill_kernel"} <= set(out), sorted(out)
     assert {"softmax_step", "_merge_splits"} <= set(out["_decode_split_kernel"]["called"])
     assert {"_page_keys", "_kth_largest", "_shortlist_select"} <= set(out["_select_kernel"]["called"])
     assert {"_load_h", "_round_to"} <= set(out["_rms_norm_kernel"]["called"])
+    assert out["_prefill_kernel"]["called"] == ["causal_paged_block", "softmax_step"]
     for name, got in out.items():
         assert got["cubin"] and not got["plain"], (name, got)
 
