@@ -26,7 +26,7 @@ import torch
 from . import _common
 from ._common import LOG2E, cdiv, check_cache, check_launch, lazy_jit, next_pow2
 from .paged_decode import MODE_DENSE, split_k_decode
-from .window_rows import window_rows
+from .window_rows import paged_key_tile, window_key_probs, window_rows
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
@@ -170,10 +170,8 @@ def _window_lse_kernel(
     for n0 in range(0, kv_len, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < kv_len
-        page = tl.load(page_table_ptr + b * stride_pt + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-        k = tl.load(k_ptr + page[:, None] * stride_kp + (offs_n % PAGE_SIZE)[:, None] * stride_ko
-                    + kvh * stride_kh + offs_d[None, :], mask=n_ok[:, None] & (offs_d < HEAD_DIM)[None, :],
-                    other=0.0)
+        k = paged_key_tile(k_ptr, page_table_ptr + b * stride_pt, offs_n, n_ok, kvh, stride_kp, stride_ko,
+                           stride_kh, offs_d, offs_d < HEAD_DIM, PAGE_SIZE)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         s = tl.where(n_ok[None, :] & (offs_n[None, :] <= pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -202,17 +200,12 @@ def _window_colsum_kernel(
     d_ok = offs_d < HEAD_DIM
     offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < kv_len
-    page = tl.load(page_table_ptr + b * stride_pt + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-    k = tl.load(k_ptr + page[:, None] * stride_kp + (offs_n % PAGE_SIZE)[:, None] * stride_ko
-                + kvh * stride_kh + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    k = paged_key_tile(k_ptr, page_table_ptr + b * stride_pt, offs_n, n_ok, kvh, stride_kp, stride_ko, stride_kh,
+                       offs_d, d_ok, PAGE_SIZE)
     col = tl.zeros([BLOCK_N], tl.float32)
     for r0 in range(0, W_ROWS, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        row_ok, pos, hq, t = window_rows(offs_r, w_eff, q_len, kv_len, q_start, kvh, GROUP, G_PAD)
-        q = tl.load(q_ptr + t[:, None] * stride_qt + hq[:, None] * stride_qh + offs_d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        lse = tl.load(lse_ptr + t * HQ + hq, mask=row_ok, other=0.0) * 1.4426950408889634
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-        ok = row_ok[:, None] & n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
-        col += tl.sum(tl.where(ok, tl.exp2(s - lse[:, None]), 0.0), 0)
+        p, ok, _, _ = window_key_probs(k, offs_n, n_ok, r0 + tl.arange(0, BLOCK_R), q_ptr, lse_ptr, w_eff, q_len,
+                                       kv_len, q_start, kvh, qk_scale, stride_qt, stride_qh, offs_d, d_ok, HQ,
+                                       GROUP, G_PAD, DOT_PREC)
+        col += tl.sum(tl.where(ok, p, 0.0), 0)
     tl.store(scores_ptr + (b * HKV + kvh) * L + offs_n, col / GROUP, mask=offs_n < L)

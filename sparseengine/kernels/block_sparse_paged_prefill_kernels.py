@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from ._common import lazy_jit
 from .causal_block import causal_paged_block
-from .window_rows import window_rows
+from .window_rows import paged_key_tile, window_key_probs
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
@@ -119,22 +119,17 @@ def _masked_window_colsum_kernel(
     offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < kv_len
     kb = offs_n // BLOCK_SIZE
-    page = tl.load(page_table_ptr + b * stride_pt + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-    k = tl.load(k_ptr + page[:, None] * stride_kp + (offs_n % PAGE_SIZE)[:, None] * stride_ko
-                + kvh * stride_kh + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    k = paged_key_tile(k_ptr, page_table_ptr + b * stride_pt, offs_n, n_ok, kvh, stride_kp, stride_ko, stride_kh,
+                       offs_d, d_ok, PAGE_SIZE)
     col = tl.zeros([BLOCK_N], tl.float32)
     for r0 in range(0, W_ROWS, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        row_ok, pos, hq, t = window_rows(offs_r, w_eff, q_len, kv_len, q_start, kvh, GROUP, G_PAD)
-        q = tl.load(q_ptr + t[:, None] * stride_qt + hq[:, None] * stride_qh + offs_d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        lse = tl.load(lse_ptr + t * HQ + hq, mask=row_ok, other=0.0) * 1.4426950408889634
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-        ok = row_ok[:, None] & n_ok[None, :] & (offs_n[None, :] <= pos[:, None])
+        p, ok, pos, hq = window_key_probs(k, offs_n, n_ok, r0 + tl.arange(0, BLOCK_R), q_ptr, lse_ptr, w_eff, q_len,
+                                          kv_len, q_start, kvh, qk_scale, stride_qt, stride_qh, offs_d, d_ok, HQ,
+                                          GROUP, G_PAD, DOT_PREC)
         qb = pos // BLOCK_SIZE
         # off-diagonal keys of a masked request: read the mask (dense requests and the diagonal: kept)
         look = ok & (kb[None, :] < qb[:, None]) & (mask_off >= 0)
         row_base = (hq * n_q + qb - first_qb).to(tl.int64) * n_k
         keep = tl.load(masks_ptr + tl.maximum(mask_off, 0) + row_base[:, None] + kb[None, :], mask=look, other=1)
-        col += tl.sum(tl.where(ok & (keep != 0), tl.exp2(s - lse[:, None]), 0.0), 0)
+        col += tl.sum(tl.where(ok & (keep != 0), p, 0.0), 0)
     tl.store(scores_ptr + (b * HKV + kvh) * L + offs_n, col / GROUP, mask=offs_n < L)
