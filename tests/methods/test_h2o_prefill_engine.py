@@ -12,6 +12,7 @@ import torch
 
 from sparseengine import LLM, SamplingParams
 from sparseengine.engine.cache_manager import CacheManager
+from sparseengine.kernels.fused_ops import rotary_qk
 from sparseengine.layers.attention import Attention
 from tests.methods.prefill_common import ENGINE, GREEDY, prompt_ids, ref_softmax_row
 
@@ -97,9 +98,10 @@ def test_h2o_prefill_kept_sets_match_reference(tiny_llama, monkeypatch, window, 
     events = []
     forward, compact_layers, evict_to = Attention.forward, CacheManager.compact_layers, CacheManager.evict_to
 
-    def spy_forward(self, q, k, v):
-        events.append(("attn", self.layer_id, q.clone(), k.clone()))
-        return forward(self, q, k, v)
+    def spy_forward(self, q, k, v, cos, sin):
+        qr, kr = rotary_qk(q, k, cos, sin)  # what the layer attends with (it rotates them)
+        events.append(("attn", self.layer_id, qr.clone(), kr.clone()))
+        return forward(self, q, k, v, cos, sin)
 
     def spy_compact_layers(self, seq, keep, layers=None):  # every compaction; recorded layer by layer
         layers = range(len(seq.layer_lens)) if layers is None else layers

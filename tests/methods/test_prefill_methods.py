@@ -18,6 +18,7 @@ from sparseengine import method_registry as registry
 from sparseengine.attention.torch_ref import TorchAttentionProvider
 from sparseengine.config import Config, ConfigError
 from sparseengine.engine.step_context import BlockMask, LayerView, ScoreRows
+from sparseengine.kernels.fused_ops import rotary_qk
 from sparseengine.layers.attention import Attention
 from sparseengine.methods import flashprefill_v2 as fp
 from sparseengine.methods.flashprefill_v2 import FlashPrefillV2
@@ -197,9 +198,10 @@ def test_flashprefill_engine_masks_match_reference(tiny_llama, monkeypatch):
     calls, masks = [], []
     forward, block_mask = Attention.forward, FlashPrefillV2.block_mask
 
-    def spy_forward(self, q, k, v):
-        calls.append((self.layer_id, q.clone(), k.clone()))
-        return forward(self, q, k, v)
+    def spy_forward(self, q, k, v, cos, sin):
+        qr, kr = rotary_qk(q, k, cos, sin)  # what the layer attends with (it rotates them)
+        calls.append((self.layer_id, qr.clone(), kr.clone()))
+        return forward(self, q, k, v, cos, sin)
 
     def spy_mask(self, layer, q, ctx):
         bm = block_mask(self, layer, q, ctx)
