@@ -24,20 +24,25 @@ def test_graph_page_table_rows_follow_their_requests():
     """The decode graph's host page table rewrites (and marks for upload) only the rows whose
     request or pages changed; a row is zero past its pages."""
     g = graphs()
-    t = g.page_tables([7, 8], [[3, 4, 5], [1]])
+    a, b = PageTable([3, 4, 5]), PageTable([1])
+    t = g.page_tables([7, 8], [a, b])
     assert t.tolist() == [[3, 4, 5, 0, 0, 0], [1, 0, 0, 0, 0, 0]] and g._dirty == (0, 2)
-    g.page_tables([7, 8], [[3, 4, 5], [1]])
+    g.page_tables([7, 8], [a, b])
     assert g._dirty is None  # nothing changed: nothing travels
-    t = g.page_tables([7, 8], [[3, 4], [1, 9]])  # a trim and an append
+    del a[2:]
+    b.append(9)  # a trim and an append
+    t = g.page_tables([7, 8], [a, b])
     assert t.tolist() == [[3, 4, 0, 0, 0, 0], [1, 9, 0, 0, 0, 0]] and g._dirty == (0, 2)
-    t = g.page_tables([8], [[1, 9]])  # request 7 finished: row 0 now holds request 8
+    t = g.page_tables([8], [b])  # request 7 finished: row 0 now holds request 8
     assert t.tolist() == [[1, 9, 0, 0, 0, 0]] and g._dirty == (0, 1)
-    g.page_tables([8, 11], [[1, 9], [2, 2, 2, 2, 2, 2]])
+    c = PageTable([2] * 6)
+    g.page_tables([8, 11], [b, c])
     assert g._dirty == (1, 2) and g.host_table[1].tolist() == [2] * 6
-    pages = [1, 9]
-    g.page_tables([8, 11], [pages, [2] * 6])
-    pages[1] = 5  # the same list object, changed in place: compared by value
-    assert g.page_tables([8, 11], [pages, [2] * 6])[0].tolist()[:2] == [1, 5] and g._dirty == (0, 1)
+    g.page_tables([8, 11], [b, c])
+    b[1] = 5  # a page written in place
+    assert g.page_tables([8, 11], [b, c])[0].tolist()[:2] == [1, 5] and g._dirty == (0, 1)
+    g.page_tables([8, 11], [b, PageTable([2] * 6)])  # a new table object with the same pages
+    assert g._dirty == (1, 2)
 
 
 def test_page_table_marks_the_first_page_changed():

@@ -9,7 +9,7 @@ import torch
 from sparseengine import kernels
 from sparseengine.attention.provider import AttentionProvider, check_prefill_scores, padded_colsum_width
 from sparseengine.engine.step_context import LayerView, ScoreRows, Selection, StepContext
-from sparseengine.kernels.fused_ops import rotary_kv_write
+from sparseengine.kernels import fused_ops
 
 
 class TritonAttentionProvider(AttentionProvider):
@@ -19,8 +19,10 @@ class TritonAttentionProvider(AttentionProvider):
         kernels.paged_kv_write_triton(k, v, k_cache, v_cache, slot_mapping)
 
     def rotate_write_kv(self, q, k, v, cos, sin, k_cache, v_cache, slot_mapping):
-        """One launch where the rotation runs as a Triton kernel (CUDA)."""
-        return rotary_kv_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, self.write_kv)
+        """One launch where the rotation runs as a Triton kernel (CUDA); else the two steps."""
+        if fused_ops.runs_as_kernel("rotary_qk", q):
+            return fused_ops.rotary_kv_write_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+        return super().rotate_write_kv(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext,
                view: LayerView, selection: Selection | None, score_rows: ScoreRows | None, block_mask=None):

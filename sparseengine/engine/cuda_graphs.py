@@ -75,11 +75,11 @@ class DecodeGraphs:
         self.keyed: dict[int, tuple[object, torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         # host mirror of ``table`` (pinned: its rows go up without a staging copy); per row,
-        # what it holds: (request id, the request's table, its length, a copy of a plain
-        # list's pages), so a step rewrites and re-sends only what changed
+        # what it holds: (request id, the request's table, its length), so a step rewrites
+        # and re-sends only what changed
         self._host = _zeros((top, max_pages), torch.int32, "cpu", pinned)
         self.host_table = self._host.numpy()  # the same memory, written row by row
-        self._row_of: list[tuple[int, list[int], int, list[int] | None] | None] = [None] * top
+        self._row_of: list[tuple[int, PageTable, int] | None] = [None] * top
         self._dirty: tuple[int, int] | None = None
 
     def fits(self, seqs) -> bool:
@@ -123,27 +123,25 @@ class DecodeGraphs:
             self._in_dev.copy_(self._in_host)
         return graph, logits
 
-    def page_tables(self, seq_ids: list[int], tables: list[list[int]]) -> np.ndarray:
+    def page_tables(self, seq_ids: list[int], tables: list[PageTable]) -> np.ndarray:
         """The step's page tables as rows of the host mirror ``[B, max_pages]`` (zero past
-        each row's pages). Only rows whose request or pages changed since the last step are
-        rewritten, and only those travel to the GPU in ``run``. A ``PageTable`` (every
-        request's) says from which page it changed, so only those pages are rewritten; a
-        plain list is compared page by page."""
+        each row's pages). A row is rewritten from the first page its table marks changed
+        (all of it for a new request or table), and only rewritten rows travel to the GPU
+        in ``run``."""
         lo = hi = None
         for b, (sid, pages) in enumerate(zip(seq_ids, tables)):
             held = self._row_of[b]
-            tracked = isinstance(pages, PageTable)
-            start = pages.take_changed_from() if tracked else 0
-            same = held is not None and held[0] == sid and (held[1] is pages if tracked else held[3] == pages)
-            if same and start is None or same and not tracked:
-                continue
-            if not same:  # a new request in the row, or a new table: all of it
+            start = pages.take_changed_from()
+            if held is not None and held[0] == sid and held[1] is pages:
+                if start is None:
+                    continue
+            else:  # a new request in the row, or a new table: all of it
                 start = 0
                 self._forget(sid)  # any other row it held is stale now: its changes were taken here
             old = held[2] if held is not None else self.host_table.shape[1]
             self.host_table[b, start: len(pages)] = pages[start:]
             self.host_table[b, len(pages): max(old, len(pages))] = 0
-            self._row_of[b] = (sid, pages, len(pages), None if tracked else list(pages))
+            self._row_of[b] = (sid, pages, len(pages))
             lo, hi = (b if lo is None else lo), b + 1
         self._dirty = None if lo is None else (lo, hi)
         return self.host_table[: len(tables)]

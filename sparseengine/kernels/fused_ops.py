@@ -14,8 +14,9 @@ interpreter, `exp` is numpy's while torch's is SLEEF's, so float32 `silu_mul` ma
 from torch in the last bit there (bfloat16 rounding hides it nearly always).
 
 The model uses `rms_norm`, `add_rms_norm`, `rotary_qk` and `silu_mul` (a Triton provider
-rotates and writes K/V in one launch, `rotary_kv_write`): the kernels on CUDA tensors, the torch references (the code the model always ran, which matches Hugging
-Face token for token) on CPU. `forced` switches either way, for tests.
+rotates and writes K/V in one launch, `rotary_kv_write_triton`, where `rotary_qk` would run
+its kernel): the kernels on CUDA tensors, the torch references (the code the model always
+ran, which matches Hugging Face token for token) on CPU. `forced` switches either way, for tests.
 
 This module holds that dispatch, the torch references and the launch wrappers; the Triton
 kernels themselves are in `fused_ops_kernels`.
@@ -72,15 +73,9 @@ def rotary_qk(q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
     return (rotary_qk_triton if _fused("rotary_qk", q) else rotary_qk_ref)(q, k, cos, sin)
 
 
-def rotary_kv_write(q, k, v, cos, sin, k_cache, v_cache, slot_mapping, write_kv) -> torch.Tensor:
-    """q and k rotated, k and v written to the cache at `slot_mapping`: one Triton launch
-    where `rotary_qk` runs its kernel (else `rotary_qk`, then `write_kv(k_cache, v_cache, k,
-    v, slot_mapping)`, the provider's). Returns q rotated."""
-    if _fused("rotary_qk", q):
-        return rotary_kv_write_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
-    q, k = rotary_qk(q, k, cos, sin)
-    write_kv(k_cache, v_cache, k, v, slot_mapping)
-    return q
+def runs_as_kernel(op: str, x: torch.Tensor) -> bool:
+    """Whether the model's `op` runs as its Triton kernel on `x` (CUDA, or forced)."""
+    return _fused(op, x)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -10,10 +10,7 @@ import torch
 
 from sparseengine.kernels import fused_ops
 from sparseengine.kernels.fused_ops import (add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton,
-                                            rotary_kv_write_triton, rotary_qk_ref, rotary_qk_triton, silu_mul_ref,
-                                            silu_mul_triton)
-from sparseengine.kernels.paged_kv_write import paged_kv_write_ref
-from sparseengine.kernels.testing import record_launches
+                                            rotary_qk_ref, rotary_qk_triton, silu_mul_ref, silu_mul_triton)
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOKENS = [1, 3, 17]
@@ -199,66 +196,6 @@ def test_rotary_qk(T, heads, d, dtype, gen, device):
     q_out, k_out = rotary_qk_triton(q, k, cos, sin)
     assert_equal(q_out, q_ref, "q")
     assert_equal(k_out, k_ref, "k")
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"hq{h[0]}-hkv{h[1]}")
-@pytest.mark.parametrize("T", TOKENS)
-def test_rotary_kv_write(T, heads, dtype, gen, device):
-    """One launch: q rotated as `rotary_qk` rotates it, k rotated and v written at their
-    slots as `paged_kv_write` writes them, bit for bit; slot -1 (a padding row) writes
-    nothing; every other slot of the caches keeps its value."""
-    hq, hkv = heads
-    d, ps = 64, 4
-    q, k = _qk_views(gen, T, hq, hkv, d, dtype, device)
-    v = _randn(gen, T, hkv, d, dtype=dtype, device=device)
-    cos, sin = _cos_sin(gen, T, d, dtype, device)
-    caches = [_randn(gen, 9, ps, hkv, d, dtype=dtype, device=device) for _ in range(2)]
-    slots = torch.randperm(9 * ps, generator=gen)[:T].to(device)
-    slots[T // 2] = -1
-    want_q, want_k = rotary_qk_ref(q, k, cos, sin)
-    want = [c.clone() for c in caches]
-    paged_kv_write_ref(want_k, v, *want, slots)
-    got_q = rotary_kv_write_triton(q, k, v, cos, sin, *caches, slots)
-    assert_equal(got_q, want_q, "q")
-    assert_equal(caches[0], want[0], "k cache")
-    assert_equal(caches[1], want[1], "v cache")
-
-
-def test_rotary_kv_write_checks_its_inputs(gen, device):
-    q, k = _qk_views(gen, 2, 4, 2, 64, torch.float32, device)
-    cos, sin = _cos_sin(gen, 2, 64, torch.float32, device)
-    cache = torch.zeros(3, 4, 2, 64, device=device)
-    slots = torch.tensor([0, 5], device=device)
-    with pytest.raises(ValueError, match="share a dtype"):
-        rotary_kv_write_triton(q, k, k, cos, sin, cache.bfloat16(), cache.bfloat16(), slots)
-    with pytest.raises(ValueError, match="contiguous heads"):
-        rotary_kv_write_triton(q, k, k, cos, sin, cache[:, :, :1], cache[:, :, :1], slots)
-    with pytest.raises(ValueError, match=r"slot_mapping must be \[T=2\]"):
-        rotary_kv_write_triton(q, k, k, cos, sin, cache, cache.clone(), slots[:1])
-
-
-def test_triton_provider_rotates_and_writes_in_one_launch(gen, device):
-    """The Triton provider's fused rotation-and-write (where the rotation is a kernel) and
-    the base provider's two steps leave the same q and caches."""
-    from sparseengine.attention.provider import AttentionProvider
-    from sparseengine.attention.triton_provider import TritonAttentionProvider
-
-    q, k = _qk_views(gen, 5, 4, 2, 64, torch.bfloat16, device)
-    v = _randn(gen, 5, 2, 64, dtype=torch.bfloat16, device=device)
-    cos, sin = _cos_sin(gen, 5, 64, torch.bfloat16, device)
-    slots = torch.tensor([3, 17, -1, 0, 30], device=device)
-    outs = []
-    for fused in (True, False):
-        caches = [torch.zeros(8, 4, 2, 64, dtype=torch.bfloat16, device=device) for _ in range(2)]
-        provider = TritonAttentionProvider()
-        with fused_ops.forced(fused, ("rotary_qk",)), record_launches() as rec:
-            step = provider.rotate_write_kv if fused else AttentionProvider.rotate_write_kv.__get__(provider)
-            outs.append((step(q, k, v, cos, sin, *caches, slots), *caches))
-        launched = [b["kernel"] for b in rec.launches]
-        assert launched == (["_rotary_kv_write_kernel"] if fused else ["_kv_write_kernel"]), launched
-    for got, want in zip(*outs):
-        assert_equal(got, want)
 
 
 # ------------------------------------------------------------------------ SiLU-mul
