@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/fi_out}
 mkdir -p "$OUT"
 if ! python3 -c "import flashinfer" 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/flashinfer/*.whl
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${FI_WHEELS:-.whl/flashinfer}"/*.whl
     export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}

@@ -348,6 +348,8 @@ def main(argv=None):
                         help="run only DeltaKV's fused rebuild (tiles, warps) beside its torch path")
     parser.add_argument("--quest-select", action="store_true",
                         help="run only Quest's page selection, page score and sparse-page attention variants side by side")
+    parser.add_argument("--small-m-linear", action="store_true",
+                        help="run only the decode-size linear layers (fused prologues) beside cuBLAS + the separate op")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu needs a CUDA GPU")
@@ -356,6 +358,11 @@ def main(argv=None):
         from sparseengine.kernels import bench_deltakv
 
         bench_deltakv.bench_deltakv_rebuild(args.out)
+        return
+    if args.small_m_linear:
+        from sparseengine.kernels import bench_linear
+
+        bench_linear.bench_small_m_linear(args.out)
         return
     if args.quest_select:
         from sparseengine.kernels import bench_quest
