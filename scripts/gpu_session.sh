@@ -2,7 +2,6 @@
 # GPU runs, one device call per phase; every output lands in $OUT (or ./gpu_out).
 #   bash scripts/gpu_session.sh check        # GPU tests, kernels (+FlashInfer side by side), TTFT, profiles
 #   bash scripts/gpu_session.sh profiles     # GPU tests (no FlashInfer), per-kernel decode profiles (vanilla b1, quest b6, omnikv b6, snapkv b183, h2o b128, deltakv b1 and b6), DeltaKV's flush times
-#   bash scripts/gpu_session.sh linear       # GPU tests (FlashInfer's too), decode-size linear layers beside cuBLAS, quest b6 / vanilla b1 profiles fused vs separate
 #   bash scripts/gpu_session.sh throughput [hydra overrides]   # python run.py -m experiment=decode_throughput_128k
 #   bash scripts/gpu_session.sh accuracy [hydra overrides]     # python run.py -m experiment=accuracy_smollm2 on the GPU
 # Wheels the device lacks travel in .whl/<set>/ (see results/README.md; FlashInfer's as
@@ -15,7 +14,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 WANDB_MODE=offline
 # The device copy has no .git: pass COMMIT=<sha> DIRTY=0|1 so records carry provenance.
 COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export SPARSEENGINE_GIT_COMMIT=$COMMIT SPARSEENGINE_GIT_DIRTY=${DIRTY:-}
-phase=${1:?phase: check, profiles, linear, throughput or accuracy}; shift
+phase=${1:?phase: check, profiles, throughput or accuracy}; shift
 FI_WHEELS=.whl/flashinfer; [ -d .whl/flashinfer_trim ] && FI_WHEELS=.whl/flashinfer_trim
 export FI_WHEELS
 
@@ -72,24 +71,6 @@ profiles)
   for b in 1 6; do  # DeltaKV's eager history flushes (outside the graphs the profiles time)
     timeout 120 python scripts/time_deltakv_flush.py --batch $b --commit "$COMMIT" \
       --engine-arg deltakv_checkpoint_path=$dk --out "$OUT/flush_deltakv_b$b.json" 2>&1 | tail -1
-  done
-  ;;
-linear)
-  nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-  bash scripts/gpu_flashinfer_check.sh build > "$OUT/flashinfer_build.log" 2>&1 & fi_build=$!
-  timeout 100 python -m sparseengine.kernels.bench_gpu --small-m-linear --out "$OUT/small_m_linear.jsonl" 2>&1 | tail -5
-  wait $fi_build; tail -5 "$OUT/flashinfer_build.log"
-  install_wheels "$FI_WHEELS"
-  timeout "${TEST_TIMEOUT:-200}" python -m pytest tests/kernels tests/methods tests/attention tests/test_decode_graph_inputs.py \
-    tests/test_engine_behaviour.py tests/test_method_behaviour.py -q -m gpu -p no:cacheprovider -rs 2>&1 | tail -12 \
-    | tee "$OUT/gpu_tests.log"
-  for spec in "quest 6" "vanilla 1"; do
-    set -- $spec
-    for how in fused separate; do
-      flag=""; [ $how = separate ] && flag=--separate-linear
-      timeout 120 python scripts/profile_decode_step.py --method $1 --batch $2 --steps 8 --commit "$COMMIT" $flag \
-        --out "$OUT/profile_$1_b$2_$how.json" 2>&1 | grep -E "graph_step_ms|kernel_sum|gap|pct" | tr -d '\n'; echo " $1 b$2 $how"
-    done
   done
   ;;
 throughput)

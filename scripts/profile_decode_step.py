@@ -126,22 +126,9 @@ def main() -> None:
                     help="another LLM(...) argument, e.g. deltakv_checkpoint_path=FILE (repeatable)")
     ap.add_argument("--host-profile", action="store_true",
                     help="also cProfile the eager steps: where their host time goes")
-    ap.add_argument("--separate-linear", action="store_true",
-                    help="the decode-size linear layers as cuBLAS after the separate norm/SiLU kernels (as before "
-                         "the fused small-M kernels), for A/B")
     ap.add_argument("--commit", default="")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    from sparseengine.kernels import fused_ops
-
-    if args.separate_linear:
-        with fused_ops.forced(False, ("linear",)):
-            profile(args)
-    else:
-        profile(args)
-
-
-def profile(args) -> None:
     from experiments.throughput import roofline
     from sparseengine.kernels import paged_decode
 
@@ -157,7 +144,7 @@ def profile(args) -> None:
     out = {"model": args.model, "method": args.method, "batch": args.batch, "prompt_len": args.prompt_len,
            "provider": args.provider, "device": torch.cuda.get_device_name(), "commit": args.commit,
            "torch": torch.__version__, "bandwidth_gbps": bw, "merge_in_split_kernel": args.merge_in_split_kernel,
-           "combine_d_tile": paged_decode.COMBINE_D_TILE, "separate_linear": args.separate_linear}
+           "combine_d_tile": paged_decode.COMBINE_D_TILE}
     with LLM(**kw) as llm:
         out["graph_step_ms"] = 1e3 * step_time(llm, prompts, 64)
         out["graph_steps_used"] = llm.runner.graph_steps > 0

@@ -44,10 +44,12 @@ def emit(out_path, record):
 
 
 def _meta():
-    commit = os.environ.get("SPARSEENGINE_GIT_COMMIT", "")  # set by scripts/gpu_session.sh: copies lack .git
+    commit = os.environ.get("SPARSEENGINE_GIT_COMMIT", "")  # set by scripts/gpu_session.sh
     if not commit:
+        # --dirty: the device tool's copy carries the working tree over a .git that can stay
+        # at an older commit (the session's first); its HEAD alone named the wrong commit
         try:
-            git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+            git = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True)
             commit = git.stdout.strip() if git.returncode == 0 else ""
         except OSError:
             commit = ""
@@ -348,8 +350,6 @@ def main(argv=None):
                         help="run only DeltaKV's fused rebuild (tiles, warps) beside its torch path")
     parser.add_argument("--quest-select", action="store_true",
                         help="run only Quest's page selection, page score and sparse-page attention variants side by side")
-    parser.add_argument("--small-m-linear", action="store_true",
-                        help="run only the decode-size linear layers (fused prologues) beside cuBLAS + the separate op")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu needs a CUDA GPU")
@@ -358,11 +358,6 @@ def main(argv=None):
         from sparseengine.kernels import bench_deltakv
 
         bench_deltakv.bench_deltakv_rebuild(args.out)
-        return
-    if args.small_m_linear:
-        from sparseengine.kernels import bench_linear
-
-        bench_linear.bench_small_m_linear(args.out)
         return
     if args.quest_select:
         from sparseengine.kernels import bench_quest

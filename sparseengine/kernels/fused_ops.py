@@ -33,19 +33,17 @@ from . import _common
 from ._common import cdiv, check_launch, interpreting, next_pow2
 from .fused_ops_kernels import _rms_norm_kernel, _rotary_kv_write_kernel, _rotary_qk_kernel, _silu_mul_kernel
 
-OPS = ("rms_norm", "rotary_qk", "silu_mul")  # bit for bit with their references
-SWITCHES = OPS + ("linear",)  # linear: `layers.linear`'s small-M kernels (bf16-rounding close, not bitwise)
+OPS = ("rms_norm", "rotary_qk", "silu_mul")
 _forced: dict[str, bool] = {}
 
 
 @contextlib.contextmanager
 def forced(fused: bool, ops: tuple[str, ...] = OPS):
-    """Run `ops` (any of `SWITCHES`) as Triton kernels (True; on CPU tensors this needs
-    TRITON_INTERPRET=1) or as the torch references (False), whatever the tensors' device.
-    For tests."""
-    unknown = set(ops) - set(SWITCHES)
+    """Run `ops` as Triton kernels (True; on CPU tensors this needs TRITON_INTERPRET=1) or
+    as the torch references (False), whatever the tensors' device. For tests."""
+    unknown = set(ops) - set(OPS)
     if unknown:
-        raise ValueError(f"unknown fused ops {sorted(unknown)}; valid: {', '.join(SWITCHES)}")
+        raise ValueError(f"unknown fused ops {sorted(unknown)}; valid: {', '.join(OPS)}")
     saved = dict(_forced)
     _forced.update(dict.fromkeys(ops, fused))
     try:

@@ -1,7 +1,6 @@
 """The Triton kernels behind `fused_ops`: RMSNorm (with the residual add before it),
-rotary embedding of q and k (alone, or with the KV write), SiLU-and-multiply, the
-decode-size linear layer with the norm or the SiLU-and-multiply before it fused in
-(`small_m_linear`), and the jitted helpers they share.
+rotary embedding of q and k (alone, or with the KV write), SiLU-and-multiply, and the
+jitted helpers they share.
 
 `fused_ops` launches them (its wrappers check shapes and pick the summation plan) and
 holds the torch references they reproduce bit for bit; its docstring says how. The
@@ -222,71 +221,9 @@ def _silu_mul_kernel(gu_ptr, out_ptr, stride_t, I, BLOCK: tl.constexpr, INTERPRE
     DTYPE: tl.constexpr = gu_ptr.dtype.element_ty
     gate = tl.load(gu_ptr + t * stride_t + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gu_ptr + t * stride_t + I + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * I + offs, _silu_mul_values(gate, up, DTYPE, INTERPRET).to(DTYPE), mask=mask)
-
-
-def _silu_mul_values(gate, up, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
-    """silu(gate) * up as torch computes it in DTYPE (float32 in, float32 out, each step
-    rounded to DTYPE)."""
     if INTERPRET:
         silu = tl.math.div_rn(gate, 1.0 + tl.exp(-gate))
     else:  # torch: x / (1 + expf(-x)), IEEE division
         silu = libdevice.div_rn(gate, 1.0 + libdevice.exp(-gate))
-    return _round_to(_round_to(silu, DTYPE, INTERPRET) * up, DTYPE, INTERPRET)
-
-
-@lazy_jit
-def _small_m_linear_kernel(
-    x_ptr, r_ptr, nw_ptr, w_ptr, bias_ptr, y_ptr, h_ptr, M, N, K, stride_xm, stride_rm, stride_wn, stride_ym, eps,
-    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    """y [M, N] = a @ w^T (+ bias) for M <= BLOCK_M rows, one program per BLOCK_N output
-    features streaming their weight rows (no split over K). `a [M, K]` is, by PROLOGUE:
-    0, x; 1, silu(x[:, :K]) * x[:, K:] (`_silu_mul_values`); 2, RMSNorm(h) * nw with h = x
-    (+ residual, rounded), which program 0 also stores to h_ptr when there is a residual.
-    Each program computes its own prologue: the rows are few and stay in L2."""
-    pid = tl.program_id(0)
-    offs_m = tl.arange(0, BLOCK_M)
-    m_ok = offs_m < M
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N
-    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
-    x_rows = x_ptr + offs_m[:, None] * stride_xm
-    r_rows = r_ptr + offs_m[:, None] * stride_rm
-    inv = tl.zeros([BLOCK_M], tl.float32)
-    if PROLOGUE == 2:
-        ss = tl.zeros([BLOCK_M], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)[None, :]
-            h = _load_h(x_rows, r_rows, offs_k, m_ok[:, None] & (offs_k < K), HAS_RESIDUAL, INTERPRET)
-            ss += tl.sum(h * h, 1)
-        if INTERPRET:
-            inv = tl.math.rsqrt(ss / K + eps)
-        else:
-            inv = libdevice.rsqrt(ss / K + eps)
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        mk = m_ok[:, None] & k_ok[None, :]
-        if PROLOGUE == 0:
-            a = tl.load(x_rows + offs_k[None, :], mask=mk, other=0.0)
-        elif PROLOGUE == 1:
-            gate = tl.load(x_rows + offs_k[None, :], mask=mk, other=0.0).to(tl.float32)
-            up = tl.load(x_rows + K + offs_k[None, :], mask=mk, other=0.0).to(tl.float32)
-            a = _silu_mul_values(gate, up, DTYPE, INTERPRET).to(DTYPE)
-        else:
-            h = _load_h(x_rows, r_rows, offs_k[None, :], mk, HAS_RESIDUAL, INTERPRET)
-            if HAS_RESIDUAL:
-                tl.store(h_ptr + offs_m[:, None] * K + offs_k[None, :], h.to(DTYPE), mask=mk & (pid == 0))
-            nw = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            normed = _round_to(h * inv[:, None], DTYPE, INTERPRET)
-            a = _round_to(nw[None, :] * normed, DTYPE, INTERPRET).to(DTYPE)
-        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.dot(a, tl.trans(w), input_precision=DOT_PREC)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    y = _round_to(_round_to(silu, DTYPE, INTERPRET) * up, DTYPE, INTERPRET)
+    tl.store(out_ptr + t * I + offs, y.to(DTYPE), mask=mask)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from sparseengine.kernels.fused_ops import silu_mul
 from sparseengine.layers.attention import Attention
 from sparseengine.layers.layernorm import RMSNorm
-from sparseengine.layers.linear import linear, norm_linear, silu_mul_linear
 from sparseengine.layers.rotary import RotaryEmbedding
 from sparseengine.models.model_config import ModelConfig
 
@@ -26,16 +26,12 @@ class SelfAttention(nn.Module):
         self.attn = Attention(layer_id, self.hq, self.hkv, self.d)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return self.attend(linear(x, self.qkv_proj), cos, sin)
-
-    def attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """The layer from its qkv projection on (the decoder layer fuses the norm into it)."""
-        t = qkv.shape[0]
-        q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         q, k, v = q.view(t, self.hq, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        return linear(self.attn(q, k, v, cos, sin).reshape(t, self.hq * self.d), self.o_proj)  # rotary there
+        return self.o_proj(self.attn(q, k, v, cos, sin).reshape(t, self.hq * self.d))  # rotary there
 
 
 class MLP(nn.Module):
@@ -45,7 +41,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_mul_linear(linear(x, self.gate_up_proj), self.down_proj)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -59,13 +55,13 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's MLP output, not yet added to `residual` (None before the
-        first layer): each residual add is fused into the norm that follows it, and each
-        norm into the projection that follows it (`layers.linear`)."""
-        attn, mlp = self.self_attn, self.mlp
-        qkv, residual = norm_linear(x, residual, self.input_layernorm, attn.qkv_proj)
-        gate_up, residual = norm_linear(attn.attend(qkv, cos, sin), residual, self.post_attention_layernorm,
-                                        mlp.gate_up_proj)
-        return silu_mul_linear(gate_up, mlp.down_proj), residual
+        first layer): each residual add is fused into the norm that follows it."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin), residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):

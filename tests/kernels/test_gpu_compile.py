@@ -236,12 +236,6 @@ def launch_every_kernel(device):
     K.rotary_kv_write_triton(qr, kr, kr.clone(), cos, sin, kv.k_cache, kv.v_cache,
                              torch.tensor([0, 5, -1, 40, 7], device=device))
     K.silu_mul_triton(randn(5, 512, generator=gen, dtype=bf, device=device))
-    from sparseengine.kernels import small_m_linear as sml
-    lw, bias = randn(48, 256, generator=gen, dtype=bf, device=device), randn(48, generator=gen, dtype=bf, device=device)
-    sml.small_m_linear_triton(x, lw, bias)
-    sml.silu_mul_linear_triton(randn(5, 512, generator=gen, dtype=bf, device=device), lw)
-    sml.rms_norm_linear_triton(x, x.clone(), w, 1e-6, lw)  # the engine's tile, then the wide layers'
-    sml.rms_norm_linear_triton(x, None, w, 1e-6, lw, bias, **sml.default_tile(28672, 4096, "rms_norm"))
     from sparseengine.methods.deltakv_store import CodecStore
     for bits in (4, 16):  # the engine's store: bf16 centers, int16 neighbours; float32 Up
         store = CodecStore(60, 10, bits, 4, 2 * hkv * d, 32, bf, device)
