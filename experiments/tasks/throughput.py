@@ -40,7 +40,8 @@ class ThroughputTask(Task):
     prefill: str = "real"
     hf_batches: list[int] = field(default_factory=list)
     time_budget_s: float | None = None  # per job: skip batches predicted to overrun it
-    hf_new_tokens: int = 17
+    hf_new_tokens: int = 17  # the prefill's token + hf_warmup_steps + the timed steps
+    hf_warmup_steps: int = 0
     max_batch_limit: int = 4096
     bandwidth_gbps: float | None = None  # None: measured in this run by a device copy
     matmul_tflops: float | None = None  # None: measured in this run by a matmul
@@ -135,7 +136,7 @@ class ThroughputTask(Task):
         out: dict[str, Any] = {}
         for batch in self.hf_batches:
             r = hf_generate.measure(env.engine_kwargs, batch, self.context_length, self.hf_new_tokens, device,
-                                    dtype, env.seed)
+                                    dtype, env.seed, warmup_steps=self.hf_warmup_steps)
             m = {f"hf/bs{batch}/{k}": v for k, v in vars(r).items()}
             out.update(m)
             env.log(m)

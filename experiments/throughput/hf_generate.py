@@ -2,7 +2,10 @@
 
 SDPA attention, dynamic cache, greedy. A logits processor stamps the time of every
 generation step after synchronising the device, so decode tok/s comes from the stamps
-after the first (which follows the prefill): prefill time does not leak into it. Weights
+after the first (which follows the prefill): prefill time does not leak into it. The
+first ``warmup_steps`` decode steps are not timed (as the engine's decode window has its
+warm-up): on the H200 at 128K, 16 steps timed right after the prefill read 6.7 to 13.3
+tok/s across jobs of the same code. Weights
 come from the engine's model source: the folder when there is one, random (dummy) weights
 of the same shape otherwise (decode speed does not depend on the values).
 """
@@ -20,9 +23,11 @@ class HFDecode:
     batch: int
     prompt_tokens: int
     timed_steps: int
-    step_s: float
+    step_s: float  # mean over the timed steps (output_tok_s = batch / step_s)
     output_tok_s: float
     prefill_s: float
+    warmup_steps: int = 0
+    step_s_median: float = 0.0
     implementation: str = "transformers generate, sdpa, dynamic cache"
 
 
@@ -41,11 +46,14 @@ def _model(engine_kwargs: dict, device: torch.device, dtype: torch.dtype):
 
 
 def measure(engine_kwargs: dict, batch: int, prompt_tokens: int, new_tokens: int, device: torch.device,
-            dtype: torch.dtype, seed: int = 0) -> HFDecode:
+            dtype: torch.dtype, seed: int = 0, warmup_steps: int = 0) -> HFDecode:
+    """``new_tokens``: the prefill's token, then ``warmup_steps`` untimed decode steps, then
+    the timed ones (at least one)."""
     from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-    if new_tokens < 2:
-        raise ValueError(f"new_tokens={new_tokens}: need at least 2 to time a decode step")
+    if warmup_steps < 0 or new_tokens < warmup_steps + 2:
+        raise ValueError(f"new_tokens={new_tokens}, warmup_steps={warmup_steps}: new_tokens must be at least "
+                         "warmup_steps + 2 (the prefill's token and one timed decode step)")
 
     class Stamp(LogitsProcessor):
         def __init__(self) -> None:
@@ -67,10 +75,13 @@ def measure(engine_kwargs: dict, batch: int, prompt_tokens: int, new_tokens: int
         with torch.no_grad():
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                            min_new_tokens=new_tokens, logits_processor=LogitsProcessorList([stamp]))
-        steps = len(stamp.times) - 1
-        decode = stamp.times[-1] - stamp.times[0]
+        timed = stamp.times[warmup_steps:]
+        steps = len(timed) - 1
+        decode = timed[-1] - timed[0]
+        each = sorted(b - a for a, b in zip(timed, timed[1:]))
         return HFDecode(batch=batch, prompt_tokens=prompt_tokens, timed_steps=steps, step_s=decode / steps,
-                        output_tok_s=batch * steps / decode, prefill_s=stamp.times[0] - t0)
+                        output_tok_s=batch * steps / decode, prefill_s=stamp.times[0] - t0,
+                        warmup_steps=warmup_steps, step_s_median=each[len(each) // 2])
     finally:
         del model
         if device.type == "cuda":

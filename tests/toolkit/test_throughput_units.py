@@ -92,7 +92,13 @@ def test_hf_lane_times_generate_on_the_same_shape(tiny_llama) -> None:
     folder, _ = tiny_llama
     r = hf_generate.measure({"model": str(folder)}, batch=2, prompt_tokens=16, new_tokens=5,
                             device=torch.device("cpu"), dtype=torch.float32)
-    assert (r.batch, r.prompt_tokens, r.timed_steps) == (2, 16, 4)
+    assert (r.batch, r.prompt_tokens, r.timed_steps, r.warmup_steps) == (2, 16, 4, 0)
     assert r.output_tok_s == pytest.approx(2 / r.step_s)
+    assert 0 < r.step_s_median <= 4 * r.step_s
+    r = hf_generate.measure({"model": str(folder)}, batch=1, prompt_tokens=16, new_tokens=6, warmup_steps=3,
+                            device=torch.device("cpu"), dtype=torch.float32)
+    assert (r.timed_steps, r.warmup_steps) == (2, 3)  # 6 tokens: the prefill's, 3 untimed, 2 timed
     with pytest.raises(ValueError, match="new_tokens"):
         hf_generate.measure({"model": str(folder)}, 1, 8, 1, torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        hf_generate.measure({"model": str(folder)}, 1, 8, 4, torch.device("cpu"), torch.float32, warmup_steps=3)
