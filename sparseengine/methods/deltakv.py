@@ -124,6 +124,8 @@ class DeltaKV(SparseMethodRuntime):
             self.path, model, self.sparse, ratio=self.ratio, stride=self.stride, neighbors=self.neighbors,
             latent_dim=self.latent_dim, device=self.device)
         self.up = {layer: up.float() for layer, up in self.up.items()}  # the torch rebuild's product: float32
+        # the flushes encode every sparse layer at once (float32, as the codec multiplies)
+        self.down_stack = torch.stack([self.down[layer].float() for layer in self.sparse]) if self.sparse else None
         # the fused rebuild's: float16 on tensor cores for a 16-bit cache, float32 (exact) for a float32 one
         exact = cache.kv.k.dtype == torch.float32
         self.up_dot = self.up if exact else {layer: up.half() for layer, up in self.up.items()}
@@ -353,21 +355,32 @@ class DeltaKV(SparseMethodRuntime):
         for layer in self.sparse:
             if seq.layer_lens[layer] != held:
                 raise RuntimeError(f"deltakv: layer {layer} holds {seq.layer_lens[layer]} tokens, expected {held}")
-            k_cache, v_cache = self.cache.kv.layer(layer)
-            k, v = k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots]
-            kv = codec.concat_kv(codec.unrotate_keys(k, positions, self.inv_freq).to(k.dtype), v)
-            store = st.stores.get(layer)
-            if store is None:
+        if st.compressed:  # every sparse layer at once: a few batched ops, not a round of small ones per layer
+            stores = [st.stores[layer] for layer in self.sparse]
+            new = codec.encode_tail_layers([s.centers[: s.c] for s in stores], stores[0].n,
+                                           self._tail_kv(self.sparse, slots, positions), self.down_stack,
+                                           self.stride, self.neighbors, self.bits)
+            for i, store in enumerate(stores):
+                store.append_encoded(count, *(part[i] for part in new))
+        else:  # the first flush moves the whole prompt's history: a layer at a time bounds the memory
+            for layer in self.sparse:
                 store = st.stores[layer] = self._new_store(seq)
-                store.write(codec.encode(kv, self.down[layer], center_ratio=self.ratio, neighbors=self.neighbors,
-                                         latent_bits=self.bits))
-            else:
-                store.append(kv, self.down[layer])
+                store.write(codec.encode(self._tail_kv([layer], slots, positions)[0], self.down[layer],
+                                         center_ratio=self.ratio, neighbors=self.neighbors, latent_bits=self.bits))
         keep = torch.cat([torch.arange(sink + budget, device=self.device),
                           torch.arange(base + count, held, device=self.device)])
         self.cache.compact_layers(seq, keep.expand(self.model.num_kv_heads, -1), self.sparse)
         self._set_hist_end(st, end)
         self.cache.trim_pages(seq)
+
+    def _tail_kv(self, layers: list[int], slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``[len(layers), n, D]``: the cached tokens at ``slots`` (positions ``positions``)
+        of those layers as codec vectors, keys unrotated."""
+        rows = self.cache.flat(layers, slots[None])  # [nl, n]
+        k = self.cache.rows(self.cache.kv.k)[rows].flatten(0, 1)
+        v = self.cache.rows(self.cache.kv.v)[rows].flatten(0, 1)
+        k = codec.unrotate_keys(k, positions.repeat(len(layers)), self.inv_freq).to(k.dtype)
+        return codec.concat_kv(k, v).view(len(layers), slots.shape[0], -1)
 
     # ---- accounting -----------------------------------------------------------------------
     def stored_bytes(self, seq) -> DeltaKVBytes:

@@ -129,35 +129,40 @@ def unrotate_keys(k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tens
 # ---------------------------------------------------------------------- neighbourhood
 
 
-def _assign(centers: torch.Tensor, stride: int, kv: torch.Tensor, pos: torch.Tensor, neighbors: int,
+def _assign(cf: torch.Tensor, stride: int, kv: torch.Tensor, pos: torch.Tensor, neighbors: int,
             chunk_elems: int = 1 << 24) -> torch.Tensor:
-    """Neighbour center indices ``[m, neighbors]`` (nearest first, -1 padded) of tokens
-    ``kv [m, D]`` at positions ``pos``, among ``centers`` at positions ``i * stride < pos``."""
-    m, c = kv.shape[0], centers.shape[0]
-    out = torch.full((m, neighbors), -1, dtype=torch.long, device=kv.device)
+    """Neighbour center indices ``[L, m, neighbors]`` (nearest first, -1 padded) of tokens
+    ``kv [L, m, D]`` at positions ``pos [m]``, among the float32 centers ``cf [L, C, D]`` at
+    positions ``i * stride < pos`` (L layers at once)."""
+    g, m, c = kv.shape[0], kv.shape[1], cf.shape[1]
+    out = torch.full((g, m, neighbors), -1, dtype=torch.long, device=kv.device)
     take = min(neighbors, c)
     if m == 0 or take == 0:
         return out
-    cf = centers.float()
-    c_sq = (cf * cf).sum(dim=1)
+    c_sq = (cf * cf).sum(dim=-1)[:, None, :]
     c_pos = torch.arange(c, device=kv.device) * stride
-    rows = max(1, chunk_elems // c)
-    for start in range(0, m, rows):  # chunks bound the [rows, C] distance matrix
-        x = kv[start : start + rows].float()
-        dist = (x * x).sum(dim=1, keepdim=True) - 2.0 * x @ cf.T + c_sq
-        dist = dist.masked_fill(c_pos[None, :] >= pos[start : start + rows, None], float("inf"))
-        val, idx = torch.topk(dist, take, dim=1, largest=False, sorted=True)
-        out[start : start + rows, :take] = idx.masked_fill(torch.isinf(val), -1)
+    rows = max(1, chunk_elems // (g * c))
+    for start in range(0, m, rows):  # chunks bound the [L, rows, C] distance matrices
+        x = kv[:, start : start + rows].float()
+        dist = (x * x).sum(dim=-1, keepdim=True) - 2.0 * x @ cf.transpose(1, 2) + c_sq
+        dist = dist.masked_fill(c_pos[None, None, :] >= pos[None, start : start + rows, None], float("inf"))
+        val, idx = torch.topk(dist, take, dim=-1, largest=False, sorted=True)
+        out[:, start : start + rows, :take] = idx.masked_fill(torch.isinf(val), -1)
     return out
 
 
 def _neighbor_mean(centers: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Mean ``[m, D]`` (float32) of the centers named by ``idx [m, K]`` (-1 = none)."""
+    """Mean ``[..., m, D]`` (float32) of the centers ``[..., C, D]`` named by ``idx [..., m,
+    K]`` (-1 = none); the leading dim, where there is one, is the layer."""
     idx = idx.long()
     valid = idx >= 0
-    weight = valid / valid.sum(dim=1, keepdim=True).clamp(min=1)  # [m, K]: 1/count where valid
+    weight = valid / valid.sum(dim=-1, keepdim=True).clamp(min=1)  # [..., m, K]: 1/count where valid
     # gather the named rows first: converting the whole table would move all C rows per call
-    return torch.einsum("mk,mkd->md", weight, centers[idx.clamp(min=0)].float())
+    if centers.dim() == 2:
+        rows = centers[idx.clamp(min=0)]
+    else:
+        rows = centers[torch.arange(centers.shape[0], device=idx.device)[:, None, None], idx.clamp(min=0)]
+    return torch.einsum("...mk,...mkd->...md", weight, rows.float())
 
 
 def residuals(kv: torch.Tensor, center_ratio: float, neighbors: int):
@@ -169,7 +174,7 @@ def residuals(kv: torch.Tensor, center_ratio: float, neighbors: int):
     pos = torch.arange(kv.shape[0], device=kv.device)
     is_center = pos % stride == 0
     centers, others = kv[is_center], pos[~is_center]
-    idx = _assign(centers, stride, kv[others], others, k)
+    idx = _assign(centers.float()[None], stride, kv[others][None], others, k)[0]
     return kv[others].float() - _neighbor_mean(centers, idx), idx
 
 
@@ -258,13 +263,39 @@ def encode_tail(centers_old, n_old, kv_new, down, stride, neighbors, bits):
     """Encode tokens at positions ``n_old ...`` after a history with centers
     ``centers_old``: ``(centers`` old and new, and the new others' ``neighbors, latents,
     scales, zeros)``."""
-    center_rows, other_rows = split_rows(n_old, kv_new.shape[0], stride, kv_new.device)
-    centers = torch.cat([centers_old, kv_new.index_select(0, center_rows).to(centers_old.dtype)])
-    others = kv_new.index_select(0, other_rows)
-    idx = _assign(centers, stride, others, n_old + other_rows, neighbors)
-    res = others.float() - _neighbor_mean(centers, idx)
-    lat, scales, zeros = _store_latents(res @ down.float(), bits)
-    return centers, idx.to(index_dtype(centers.shape[0])), lat, scales, zeros
+    new, idx, lat, scales, zeros = encode_tail_layers(centers_old[None], n_old, kv_new[None], down[None], stride,
+                                                      neighbors, bits)
+    return torch.cat([centers_old, new[0]]), idx[0], lat[0], scales[0], zeros[0]
+
+
+def encode_tail_layers(centers_old, n_old, kv_new, downs, stride, neighbors, bits, group_elems: int = 1 << 26):
+    """`encode_tail` of L layers whose histories have the same length (a request's sparse
+    layers at a history flush), in a few batched ops instead of L rounds of small ones:
+    ``centers_old``: L tensors ``[c, D]`` (or one ``[L, c, D]``), ``kv_new [L, m, D]``,
+    ``downs [L, D, r]``. Returns the new parts, stacked by layer: ``(centers [L, c_new,
+    D], neighbors [L, mo, K], latents, scales, zeros [L, mo, ...])``. Layers go in groups
+    whose float32 centers hold at most ``group_elems`` elements (one group for one layer)."""
+    L, m, D = kv_new.shape
+    center_rows, other_rows = split_rows(n_old, m, stride, kv_new.device)
+    new_centers = kv_new.index_select(1, center_rows).to(centers_old[0].dtype)  # [L, c_new, D]
+    others = kv_new.index_select(1, other_rows)
+    pos = n_old + other_rows
+    c_old, c_all = centers_old[0].shape[0], centers_old[0].shape[0] + new_centers.shape[1]
+    group = max(1, group_elems // max(1, c_all * D))
+    idx, z = [], []
+    for l0 in range(0, L, group):
+        l1 = min(L, l0 + group)
+        cf = torch.empty(l1 - l0, c_all, D, dtype=torch.float32, device=kv_new.device)
+        for j in range(l0, l1):
+            cf[j - l0, :c_old].copy_(centers_old[j])
+        cf[:, c_old:] = new_centers[l0:l1]
+        idx.append(_assign(cf, stride, others[l0:l1], pos, neighbors))
+        res = others[l0:l1].float() - _neighbor_mean(cf, idx[-1])
+        z.append(torch.bmm(res, downs[l0:l1].float()))
+    idx, z = torch.cat(idx), torch.cat(z)
+    mo = others.shape[1]
+    lat, scales, zeros = (t.view(L, mo, *t.shape[1:]) for t in _store_latents(z.flatten(0, 1), bits))
+    return new_centers, idx.to(index_dtype(c_all)), lat, scales, zeros
 
 
 def split_rows(n_old: int, m: int, stride: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -78,13 +78,19 @@ class CodecStore:
     def append(self, kv_new: torch.Tensor, down: torch.Tensor) -> None:
         """Encode tokens at history positions ``n ...`` (as ``deltakv_codec.extend``) into the
         buffers."""
-        if self.n + kv_new.shape[0] > self.capacity:
-            self._allocate(max(self.n + kv_new.shape[0], 2 * self.capacity))
         centers, idx, lat, scales, zeros = codec.encode_tail(
             self.centers[: self.c], self.n, kv_new, down, self.stride, self.neighbors, self.bits)
-        self._put(self.c, self.m, centers[self.c:], idx, lat, scales, zeros)
-        self.n += kv_new.shape[0]
-        self.c, self.m = centers.shape[0], self.m + idx.shape[0]
+        self.append_encoded(kv_new.shape[0], centers[self.c:], idx, lat, scales, zeros)
+
+    @torch.inference_mode()
+    def append_encoded(self, count: int, centers, neighbors, latents, scales, zeros) -> None:
+        """Store the encoding of ``count`` tokens at history positions ``n ...`` (the new
+        parts, as `deltakv_codec.encode_tail_layers` returns them for each layer)."""
+        if self.n + count > self.capacity:
+            self._allocate(max(self.n + count, 2 * self.capacity))
+        self._put(self.c, self.m, centers, neighbors, latents, scales, zeros)
+        self.n += count
+        self.c, self.m = self.c + centers.shape[0], self.m + neighbors.shape[0]
 
     def write_random(self, n: int, gen: torch.Generator) -> None:
         """Store a random history of ``n`` tokens with the shapes and sizes an encoding of

@@ -41,3 +41,32 @@ def test_appends_store_what_encode_stores(bits, capacity):
     assert torch.equal(dk.decode_at(store.full(), up, pos), dk.decode_at(view, up, pos))
     with pytest.raises(RuntimeError, match="append to it"):
         store.write(whole)
+
+
+@pytest.mark.parametrize("bits", [4, 16])
+@pytest.mark.parametrize("group_elems", [1 << 26, 1])  # every layer in one group; one layer a group
+def test_layers_encoded_together_equal_each_layer_alone(bits, group_elems):
+    """A flush encodes every sparse layer's new tokens at once (`encode_tail_layers`): the
+    same centers, neighbours and latents as encoding each layer's on its own, stored
+    through `append_encoded` as `append` stores them."""
+    layers, n_old, m = 3, 41, 23
+    kvs = [_kv(n_old + m, 64, seed=10 + layer) for layer in range(layers)]
+    downs = [deltakv_fit.fit_down_up(dk.residuals(kv, 0.125, 3)[0], 32)[0] for kv in kvs]
+    olds = [dk.encode(kv[:n_old], down, center_ratio=0.125, neighbors=3, latent_bits=bits)
+            for kv, down in zip(kvs, downs)]
+    new = dk.encode_tail_layers([o.centers for o in olds], n_old, torch.stack([kv[n_old:] for kv in kvs]),
+                                torch.stack(downs), olds[0].stride, 3, bits, group_elems=group_elems)
+    for layer in range(layers):
+        alone = dk.encode_tail(olds[layer].centers, n_old, kvs[layer][n_old:], downs[layer], olds[0].stride, 3, bits)
+        c_old = olds[layer].centers.shape[0]
+        assert torch.equal(new[0][layer], alone[0][c_old:]), f"layer {layer} centers"
+        for name, got, want in zip(FIELDS[1:], (p[layer] for p in new[1:]), alone[1:]):
+            assert torch.equal(got, want), f"layer {layer} {name}"
+        a, b = (CodecStore(200, olds[0].stride, bits, 3, 64, 32, torch.float32, "cpu") for _ in range(2))
+        a.write(olds[layer])
+        b.write(olds[layer])
+        a.append(kvs[layer][n_old:], downs[layer])
+        b.append_encoded(m, *(p[layer] for p in new))
+        for name in FIELDS:
+            assert torch.equal(getattr(a.view(), name), getattr(b.view(), name)), f"layer {layer} stored {name}"
+        assert (a.n, a.c, a.m) == (b.n, b.c, b.m) == (n_old + m, a.c, a.m)
