@@ -29,7 +29,8 @@ into the scratch slots (on a Triton provider by one fused kernel per request and
 ``kernels.deltakv_rebuild_triton``, which reads only the history entries), and the Selection
 covers sink + scratch + raw tail picks. The raw tail grows by one token per step; when it
 holds ``FLUSH_TOKENS`` more than ``recent_tokens``, its oldest tokens are appended to the
-history (appended in place to the layer's ``deltakv_store.CodecStore``) and the layer is
+history (every sparse layer's encoded at once, ``deltakv_codec.encode_tail_layers``, and
+appended in place to each layer's ``deltakv_store.CodecStore``) and the layer is
 compacted back to ``S + B + R`` slots.
 Raw tail tokens older than the last ``recent_tokens`` that the full layers choose are read
 exact (never worse than rebuilding them).
