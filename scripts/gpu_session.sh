@@ -11,7 +11,7 @@ set -uo pipefail
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 WANDB_MODE=offline
-# The device copy has no .git: pass COMMIT=<sha> DIRTY=0|1 so records carry provenance.
+# The device copy's .git can name an older commit: pass COMMIT=<sha> DIRTY=0|1 so records carry provenance.
 COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export SPARSEENGINE_GIT_COMMIT=$COMMIT SPARSEENGINE_GIT_DIRTY=${DIRTY:-}
 phase=${1:?phase: check, profiles, throughput or accuracy}; shift
