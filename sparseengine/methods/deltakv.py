@@ -358,6 +358,8 @@ class DeltaKV(SparseMethodRuntime):
                 raise RuntimeError(f"deltakv: layer {layer} holds {seq.layer_lens[layer]} tokens, expected {held}")
         if st.compressed:  # every sparse layer at once: a few batched ops, not a round of small ones per layer
             stores = [st.stores[layer] for layer in self.sparse]
+            if len({(s.n, s.c) for s in stores}) != 1:
+                raise RuntimeError(f"deltakv: the sparse layers' histories differ: {[(s.n, s.c) for s in stores]}")
             new = codec.encode_tail_layers([s.centers[: s.c] for s in stores], stores[0].n,
                                            self._tail_kv(self.sparse, slots, positions), self.down_stack,
                                            self.stride, self.neighbors, self.bits)
