@@ -125,8 +125,9 @@ class DeltaKV(SparseMethodRuntime):
             self.path, model, self.sparse, ratio=self.ratio, stride=self.stride, neighbors=self.neighbors,
             latent_dim=self.latent_dim, device=self.device)
         self.up = {layer: up.float() for layer, up in self.up.items()}  # the torch rebuild's product: float32
-        # the flushes encode every sparse layer at once (float32, as the codec multiplies)
+        # one float32 stack (the flushes encode every sparse layer at once); each layer's Down is a view of it
         self.down_stack = torch.stack([self.down[layer].float() for layer in self.sparse]) if self.sparse else None
+        self.down = {layer: self.down_stack[i] for i, layer in enumerate(self.sparse)}
         # the fused rebuild's: float16 on tensor cores for a 16-bit cache, float32 (exact) for a float32 one
         exact = cache.kv.k.dtype == torch.float32
         self.up_dot = self.up if exact else {layer: up.half() for layer, up in self.up.items()}
