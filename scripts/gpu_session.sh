@@ -2,6 +2,7 @@
 # GPU runs, one device call per phase; every output lands in $OUT (or ./gpu_out).
 #   bash scripts/gpu_session.sh check        # GPU tests, kernels (+FlashInfer side by side), TTFT, profiles
 #   bash scripts/gpu_session.sh profiles     # GPU tests (no FlashInfer), per-kernel decode profiles (vanilla b1, quest b6, omnikv b6, snapkv b183, h2o b128, deltakv b1 and b6), DeltaKV's flush times
+#   bash scripts/gpu_session.sh pick         # GPU tests (kernels, methods), OmniKV's pick side by side, OmniKV b6 profile
 #   bash scripts/gpu_session.sh throughput [hydra overrides]   # python run.py -m experiment=decode_throughput_128k
 #   bash scripts/gpu_session.sh accuracy [hydra overrides]     # python run.py -m experiment=accuracy_smollm2 on the GPU
 # Wheels the device lacks travel in .whl/<set>/ (see results/README.md; FlashInfer's as
@@ -14,7 +15,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 WANDB_MODE=offline
 # The device copy's .git can name an older commit: pass COMMIT=<sha> DIRTY=0|1 so records carry provenance.
 COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export SPARSEENGINE_GIT_COMMIT=$COMMIT SPARSEENGINE_GIT_DIRTY=${DIRTY:-}
-phase=${1:?phase: check, profiles, throughput or accuracy}; shift
+phase=${1:?phase: check, profiles, pick, throughput or accuracy}; shift
 FI_WHEELS=.whl/flashinfer; [ -d .whl/flashinfer_trim ] && FI_WHEELS=.whl/flashinfer_trim
 export FI_WHEELS
 
@@ -72,6 +73,13 @@ profiles)
     timeout 120 python scripts/time_deltakv_flush.py --batch $b --commit "$COMMIT" \
       --engine-arg deltakv_checkpoint_path=$dk --out "$OUT/flush_deltakv_b$b.json" 2>&1 | tail -1
   done
+  ;;
+pick)
+  timeout 240 python -m pytest tests/kernels tests/methods -q -m gpu -k "not flashinfer" -p no:cacheprovider -rs 2>&1 \
+    | tail -12 | tee "$OUT/gpu_tests.log"
+  timeout 120 python -m sparseengine.kernels.bench_gpu --omnikv-select --out "$OUT/omnikv_select.jsonl" 2>&1 | tail -20
+  timeout 120 python scripts/profile_decode_step.py --method omnikv --batch 6 --steps 8 --commit "$COMMIT" \
+    --out "$OUT/profile_omnikv_b6.json" 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -30
   ;;
 throughput)
   install_wheels .whl/hydra

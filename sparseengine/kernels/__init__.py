@@ -20,6 +20,7 @@ from .paged_kv_write import paged_kv_write_ref, paged_kv_write_triton
 from .paged_prefill import paged_prefill_ref, paged_prefill_triton
 from .quest import (quest_page_scores_ref, quest_page_scores_triton, update_page_minmax_ref,
                     update_page_minmax_triton)
+from .omnikv_select import omnikv_select_triton
 from .quest_select import quest_select_pages_triton
 from .sparse_decode import (sparse_decode_ref, sparse_decode_triton, sparse_page_decode_ref,
                             sparse_page_decode_triton)
@@ -44,6 +45,7 @@ __all__ = [
     "h2o_victim_triton",
     "omnikv_scores_ref",
     "omnikv_scores_triton",
+    "omnikv_select_triton",
     "paged_decode_ref",
     "paged_decode_triton",
     "paged_kv_write_ref",

@@ -362,6 +362,8 @@ def main(argv=None):
                         help="run only DeltaKV's fused rebuild (tiles, warps) beside its torch path")
     parser.add_argument("--quest-select", action="store_true",
                         help="run only Quest's page selection, page score and sparse-page attention variants side by side")
+    parser.add_argument("--omnikv-select", action="store_true",
+                        help="run only OmniKV's token pick, Triton variants beside the torch path")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu needs a CUDA GPU")
@@ -370,6 +372,12 @@ def main(argv=None):
         from sparseengine.kernels import bench_deltakv
 
         bench_deltakv.bench_deltakv_rebuild(args.out)
+        return
+    if args.omnikv_select:
+        from sparseengine.kernels import bench_omnikv
+
+        bench_omnikv.bench_omnikv_select(args.out)
+        bench_omnikv.bench_pick_at_quest_shape(args.out)
         return
     if args.quest_select:
         from sparseengine.kernels import bench_quest

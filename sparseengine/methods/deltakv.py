@@ -257,7 +257,8 @@ class DeltaKV(SparseMethodRuntime):
         return None
 
     def observe(self, layer, q, colsums, ctx):
-        self._picked = omnikv.pick_from_max_logits(colsums, ctx.views[layer].kv_lens, self.config)
+        self._picked = omnikv.pick_from_max_logits(colsums, ctx.views[layer].kv_lens, self.config,
+                                                   ctx.provider.triton_kernels)
         self._mapped = None
 
     def _batched_selection(self, layer, ctx) -> Selection:

@@ -11,12 +11,14 @@ Two paths choose the tokens at a filter layer:
   logit per KV head while it reads K (``ScoreRows(kind="max_logits")``, handed to
   :meth:`OmniKV.observe`), so K is read once; ``probs`` needs each head's softmax
   normaliser first, so one scoring call reads K again (:func:`score_cached_tokens`).
-  Then one batched sink + top-``budget`` + recent pick (:func:`pick_tokens`), a
-  fixed-width Selection. No per-request Python, no host sync, no allocation whose size
-  depends on device values.
+  Then one batched sink + top-``budget`` + recent pick (:func:`pick_tokens`, or
+  ``kernels.omnikv_select_triton`` on a Triton provider: it folds in the max over KV
+  heads and gives ties to the earlier token), a fixed-width Selection. No per-request
+  Python, no host sync, no allocation whose size depends on device values.
 - mixed prefill + decode steps: per request (:func:`choose_tokens`), prefill rows dense.
 Both choose what ``selection.omnikv_select(selection.omnikv_token_scores(...))`` defines,
-ties aside (the batched top-k does not promise ties to the earlier token).
+ties aside on the torch path (its batched top-k does not promise ties to the earlier
+token; the Triton pick does).
 """
 
 from __future__ import annotations
@@ -147,7 +149,8 @@ class OmniKV(SparseMethodRuntime):
 
     def observe(self, layer, q, colsums, ctx):
         """The filter layer's choice from its attention's max logits ``[B, Hkv, L]``."""
-        self._selection = self._selection_of(*pick_from_max_logits(colsums, ctx.views[layer].kv_lens, self.config))
+        self._selection = self._selection_of(*pick_from_max_logits(colsums, ctx.views[layer].kv_lens, self.config,
+                                                                   ctx.provider.triton_kernels))
 
     def _fused(self, ctx) -> bool:
         return self.mode == "logits" and pure_decode(ctx)
@@ -157,17 +160,15 @@ class OmniKV(SparseMethodRuntime):
         return [n if l in dense else min(n, self.total) for l, n in enumerate(seq.layer_lens)]
 
     def metadata_bytes_read(self, seq, kv_bytes_per_token_layer: int) -> int:
-        """``logits`` (pure decode): the filter layer's attention writes one fp32 max logit
-        per token and KV head into a buffer filled with -inf first, the max over heads reads
-        them and writes one per token, the pick reads and writes that twice (masking, then
-        top-k). ``probs``: the scoring pass is not fused with the attention: it reads the
-        layer's K again (half of K+V per token) twice (softmax partials, then the scores;
-        the attention's lse is computed after the choice) and writes, then the top-k reads,
-        one fp32 score per token."""
+        """``logits`` (pure decode): :func:`max_logit_bytes_per_token` per token.
+        ``probs``: the scoring pass is not fused with the attention: it reads the layer's K
+        again (half of K+V per token) twice (softmax partials, then the scores; the
+        attention's lse is computed after the choice) and writes one fp32 score per token,
+        which the Triton pick reads, writing one int32 key."""
         if self.mode == "logits":
             per_token = max_logit_bytes_per_token(self.model.num_kv_heads)
         else:
-            per_token = 2 * kv_bytes_per_token_layer // 2 + 2 * 4
+            per_token = 2 * kv_bytes_per_token_layer // 2 + 3 * 4
         return sum(seq.layer_lens[l] * per_token for l in self.filters)
 
     def _choose_batched(self, layer, q, ctx) -> Selection:
@@ -176,10 +177,11 @@ class OmniKV(SparseMethodRuntime):
         tokens."""
         k_cache, _ = ctx.kv_cache.layer(layer)
         view = ctx.views[layer]
-        scores = score_cached_tokens(q, k_cache, view.page_table, view.kv_lens, self.mode,
-                                     ctx.provider.triton_kernels)
+        triton = ctx.provider.triton_kernels
+        scores = score_cached_tokens(q, k_cache, view.page_table, view.kv_lens, self.mode, triton)
+        pick = kernels.omnikv_select_triton if triton else pick_tokens
         cfg = self.config
-        return self._selection_of(*pick_tokens(scores, view.kv_lens, cfg.sink_tokens, cfg.budget, cfg.recent_tokens))
+        return self._selection_of(*pick(scores, view.kv_lens, cfg.sink_tokens, cfg.budget, cfg.recent_tokens))
 
     def _selection_of(self, idx: torch.Tensor, counts: torch.Tensor) -> Selection:
         """``pick_tokens``' choice, one index set shared by every KV head."""
@@ -202,17 +204,25 @@ def max_logit_rows(layer: int, ctx) -> ScoreRows:
                      kind="max_logits")
 
 
-def pick_from_max_logits(colsums: torch.Tensor, kv_lens: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor]:
+def pick_from_max_logits(colsums: torch.Tensor, kv_lens: torch.Tensor, config,
+                         triton: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``pick_tokens`` over the max over KV heads of a filter layer's max logits
-    ``[B, Hkv, L]`` (the ``logits`` score)."""
-    return pick_tokens(colsums.amax(dim=1), kv_lens, config.sink_tokens, config.budget, config.recent_tokens)
+    ``[B, Hkv, L]`` (the ``logits`` score); ``triton``: the Triton pick, which takes the
+    max over heads itself (two launches instead of torch's max, top-k and sort)."""
+    cfg = config
+    if triton:
+        return kernels.omnikv_select_triton(colsums, kv_lens, cfg.sink_tokens, cfg.budget, cfg.recent_tokens)
+    return pick_tokens(colsums.amax(dim=1), kv_lens, cfg.sink_tokens, cfg.budget, cfg.recent_tokens)
 
 
 def max_logit_bytes_per_token(num_kv_heads: int) -> int:
-    """Bytes a fused ``logits`` choice moves per cached token of a filter layer: one fp32
-    max logit per KV head filled with -inf, written, read by the max over heads (which
-    writes one), and that read and written by the pick's masking, then read by its top-k."""
-    return 3 * 4 * num_kv_heads + 5 * 4
+    """Bytes a fused ``logits`` choice moves per cached token of a filter layer on a Triton
+    provider (the benchmark's path): one fp32 max logit per KV head filled with -inf,
+    written by the attention and read by the pick's first pass, which writes one int32 key.
+    Left out: that pass's one group maximum per 16 tokens and the few candidates the second
+    pass reads (under a byte a token). The torch pick moves 16 bytes a token more (the max
+    over heads written, then read and written by the masking, read by the top-k)."""
+    return 3 * 4 * num_kv_heads + 4
 
 
 def pure_decode(ctx) -> bool:

@@ -1,0 +1,59 @@
+"""OmniKV's token pick at the 128K decode benchmark's shape, the Triton pick beside the
+torch path (`python -m sparseengine.kernels.bench_gpu --omnikv-select --out FILE`). Each
+is timed per launch inside a CUDA graph of 30 launches, so launch overhead does not count,
+though each of the torch path's kernels still costs its gap in the graph."""
+from __future__ import annotations
+
+import torch
+
+from sparseengine.kernels.bench_gpu import HKV, PS, emit, per_launch_us
+
+
+def bench_omnikv_select(out_path, B=6, L=133120, n=131072, sink=64, budget=1472, recent=512):
+    """One filter layer's pick from its per-KV-head max logits `[B, Hkv, L]` (the graph's
+    133120-token table): torch (max over heads, masking, top-k, sort) against the Triton
+    pick (groups, warps, blocks of its passes, the candidates' room)."""
+    from sparseengine.kernels import omnikv_select_triton
+    from sparseengine.methods.omnikv import pick_tokens
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    scores = torch.randn(B, HKV, L, generator=gen, device="cuda")
+    kv_lens = torch.full((B,), n, dtype=torch.int32, device="cuda")
+    want = pick_tokens(scores.amax(1), kv_lens, sink, budget, recent)
+    shape = {"batch": B, "hkv": HKV, "width": L, "kv_len": n, "sink": sink, "budget": budget, "recent": recent}
+    torch_fn = lambda: pick_tokens(scores.amax(1), kv_lens, sink, budget, recent)  # noqa: E731
+    emit(out_path, {"kind": "omnikv_select", "path": "torch", **shape, "us_per_launch": per_launch_us(torch_fn)})
+    variants = [{}, dict(group=8), dict(group=32), dict(num_warps=4), dict(num_warps=16),
+                dict(search_block=2048), dict(search_block=8192, num_warps=16), dict(block=2048),
+                dict(block=512), dict(cap=16)]
+    for kw in variants:
+        fn = lambda: omnikv_select_triton(scores, kv_lens, sink, budget, recent, **kw)  # noqa: E731
+        same = all(torch.equal(g, w) for g, w in zip(fn(), want))
+        emit(out_path, {"kind": "omnikv_select", "path": "triton", **shape, **kw,
+                        "us_per_launch": per_launch_us(fn), "equals_torch_path": same})
+
+
+def bench_pick_at_quest_shape(out_path, B=6, P=8320, n=131072):
+    """The same two-launch pick on Quest's selection shape (a row per request and KV head:
+    48 rows of 8320 page bounds, 4 sink + 92 + 32 recent pages; the page rule for a partial
+    last page aside), beside `quest_select_pages_triton` on the same scores: is its
+    histogram search worth porting to Quest's selection?"""
+    from sparseengine.kernels import omnikv_select_triton, quest_select_pages_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    scores = torch.randn(B, HKV, P, generator=gen, device="cuda")
+    kv_lens = torch.full((B,), n, dtype=torch.int32, device="cuda")
+    rows = scores.view(B * HKV, 1, P)
+    row_pages = torch.full((B * HKV,), n // PS, dtype=torch.int32, device="cuda")
+    quest = lambda: quest_select_pages_triton(scores, kv_lens, PS, 64, 512, 1472)  # noqa: E731
+    pages, _ = quest()
+    for name, fn in (("quest_select_pages_triton", quest),
+                     ("omnikv_select_triton", lambda: omnikv_select_triton(rows, row_pages, 4, 92, 32)),
+                     ("omnikv_select_triton_w4", lambda: omnikv_select_triton(rows, row_pages, 4, 92, 32,
+                                                                              num_warps=4, search_block=2048))):
+        same = None
+        if name.startswith("omnikv"):
+            got = fn()[0].view(B, HKV, -1)  # Quest's width holds one slot more for a partial page
+            same = torch.equal(got, pages[..., :got.shape[-1]]) and bool((pages[..., got.shape[-1]:] == -1).all())
+        emit(out_path, {"kind": "pick_at_quest_shape", "kernel": name, "rows": B * HKV, "pages": P,
+                        "us_per_launch": per_launch_us(fn), "same_pages_as_quest": same})

@@ -1,0 +1,154 @@
+"""`omnikv_select_triton` == `pick_tokens` (the torch path) over the max over heads, on
+distinct scores, and == the definition with ties to the earlier token on scores full of
+ties; through the candidates' shortlist and the search over every key (a small `cap`).
+Scores at or past a request's `n - recent` are NaN: the contract says they are never read."""
+import pytest
+import torch
+
+from sparseengine.kernels import omnikv_select_triton
+from sparseengine.methods.omnikv import pick_tokens
+
+from .conftest import DEVICE
+
+# (kv_lens, H, L, sink, budget, recent): ragged lengths, a request within the total, kv_len
+# 0 (a padded graph row), no sink, no recent, a width that is not a multiple of the group.
+CASES = [
+    ([150, 9, 97, 0], 2, 160, 4, 16, 8),
+    ([300, 50, 100, 49], 3, 300, 20, 8, 20),
+    ([61, 64, 200, 28, 29], 1, 203, 4, 24, 0),
+    ([16 * 300 + 5, 2000, 640], 4, 16 * 320, 64, 100, 64),
+    ([23, 24, 70], 2, 77, 0, 20, 3),
+]
+# Launch knobs: the default; small blocks (several blocks a pass); a cap too small for the
+# candidates (every request runs the search over all its keys); groups of 2.
+KNOBS = {"default": {}, "small_blocks": dict(block=32, search_block=64, group=8),
+         "all_keys": dict(cap=16, search_block=128), "group2": dict(group=2, block=16, search_block=32)}
+
+
+@pytest.fixture(autouse=True)
+def _poison_torch_empty(monkeypatch):
+    """The wrapper allocates its integer buffers with torch.empty: they start as -12345, so
+    unwritten output entries show (and a scratch read before its write does too)."""
+    real = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = real(*args, **kwargs)
+        return t.fill_(-12345) if t.dtype in (torch.int32, torch.int64) else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def _scores(values: torch.Tensor, kv_lens, recent) -> torch.Tensor:
+    """`values [B, H, L]` with NaN from each request's `n - recent` on."""
+    L = values.shape[-1]
+    cut = torch.tensor([n - recent for n in kv_lens])
+    return values.masked_fill(torch.arange(L)[None, None, :] >= cut[:, None, None], float("nan"))
+
+
+def _definition(scores: torch.Tensor, kv_lens, sink, budget, recent):
+    """Per request, the pick with ties to the earlier token (a stable sort, descending)."""
+    total = sink + budget + recent
+    rows = []
+    for b, n in enumerate(kv_lens):
+        if n <= total:
+            rows.append(list(range(total)))
+            continue
+        middle = scores[b].float().amax(0)[sink:n - recent]
+        top = (middle.sort(descending=True, stable=True).indices[:budget] + sink).sort().values
+        rows.append(list(range(sink)) + top.tolist() + list(range(n - recent, n)))
+    return rows
+
+
+def _case_id(c):
+    lens, h, L, sink, budget, recent = c
+    return f"b{len(lens)}-h{h}-L{L}-s{sink}b{budget}r{recent}"
+
+
+@pytest.mark.parametrize("knobs", list(KNOBS))
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_distinct_scores_pick_what_the_torch_path_picks(case, knobs):
+    lens, H, L, sink, budget, recent = case
+    gen = torch.Generator().manual_seed(len(lens) * 31 + L)
+    values = torch.randn(len(lens), H, L, generator=gen)
+    scores = _scores(values, lens, recent).to(DEVICE)
+    kv_lens = torch.tensor(lens, device=DEVICE)
+    idx, counts = omnikv_select_triton(scores, kv_lens, sink, budget, recent, **KNOBS[knobs])
+    want_idx, want_counts = pick_tokens(values.amax(1), torch.tensor(lens), sink, budget, recent)
+    assert idx.dtype == torch.int64 and counts.dtype == torch.int32
+    assert torch.equal(counts.cpu(), want_counts)
+    assert torch.equal(idx.cpu(), want_idx), f"{knobs}: {(idx.cpu() != want_idx).nonzero()[:5].tolist()}"
+
+
+@pytest.mark.parametrize("knobs", list(KNOBS))
+def test_ties_go_to_the_earlier_token(knobs):
+    """Scores of 3 values: most of the budget is ties, and `torch.topk` may pick any of them."""
+    lens, sink, budget, recent = [400, 257, 90, 30], 8, 40, 16
+    gen = torch.Generator().manual_seed(11)
+    values = torch.randint(0, 3, (len(lens), 2, 400), generator=gen).float() - 1.0
+    values[1, :, 100] = 0.0
+    values[1, 1, 100] = -0.0  # -0.0 ties with +0.0
+    scores = _scores(values, lens, recent).to(DEVICE)
+    idx, counts = omnikv_select_triton(scores, torch.tensor(lens, device=DEVICE), sink, budget, recent,
+                                       **KNOBS[knobs])
+    assert counts.tolist() == [min(n, sink + budget + recent) for n in lens]
+    assert idx.cpu().tolist() == _definition(values, lens, sink, budget, recent)
+
+
+@pytest.mark.parametrize("knobs", list(KNOBS))
+def test_a_gap_right_below_the_budget_th_score(knobs):
+    """Exactly `budget` middle scores in [1, 2), every other one negative: the budget-th
+    largest key is the smallest of its leading byte, the edge of each radix pass."""
+    lens, sink, budget, recent = [300, 301], 4, 24, 8
+    gen = torch.Generator().manual_seed(13)
+    values = -torch.rand(2, 1, 301, generator=gen)
+    for b, n in enumerate(lens):
+        pos = sink + torch.randperm(n - sink - recent, generator=gen)[:budget]
+        values[b, 0, pos] = 1.0 + torch.rand(budget, generator=gen)
+    scores = _scores(values, lens, recent).to(DEVICE)
+    idx, _ = omnikv_select_triton(scores, torch.tensor(lens, device=DEVICE), sink, budget, recent, **KNOBS[knobs])
+    assert idx.cpu().tolist() == _definition(values, lens, sink, budget, recent)
+
+
+def test_2d_scores_and_a_width_within_the_total():
+    gen = torch.Generator().manual_seed(2)
+    lens = [100, 33]
+    values = torch.randn(2, 120, generator=gen)
+    kv_lens = torch.tensor(lens, device=DEVICE)
+    idx, counts = omnikv_select_triton(values.to(DEVICE), kv_lens, 4, 10, 6)
+    want = pick_tokens(values, torch.tensor(lens), 4, 10, 6)
+    assert torch.equal(idx.cpu(), want[0]) and torch.equal(counts.cpu(), want[1])
+    idx, counts = omnikv_select_triton(values.to(DEVICE), kv_lens, 4, 0, 6)  # no budget: sink and recent only
+    assert torch.equal(idx.cpu(), pick_tokens(values, torch.tensor(lens), 4, 0, 6)[0])
+    idx, counts = omnikv_select_triton(values[:, :20].to(DEVICE), kv_lens, 4, 10, 6)  # width 20 = total
+    assert idx.cpu().tolist() == [list(range(20))] * 2 and counts.tolist() == [20, 20]
+
+
+def test_bad_inputs_are_refused():
+    scores = torch.zeros(2, 2, 64, device=DEVICE)
+    lens = torch.tensor([40, 3], device=DEVICE)
+    with pytest.raises(ValueError, match="scores must be a floating"):
+        omnikv_select_triton(scores[0, 0], lens, 4, 8, 4)
+    with pytest.raises(ValueError, match="scores must be a floating"):
+        omnikv_select_triton(scores.long(), lens, 4, 8, 4)
+    with pytest.raises(ValueError, match="kv_lens must be an integer"):
+        omnikv_select_triton(scores, lens.float(), 4, 8, 4)
+    with pytest.raises(ValueError, match="budget"):
+        omnikv_select_triton(scores, lens, 4, -1, 4)
+    with pytest.raises(ValueError, match="group must be a power of two"):
+        omnikv_select_triton(scores, lens, 4, 8, 4, group=12)
+    with pytest.raises(ValueError, match="multiple of group"):
+        omnikv_select_triton(scores, lens, 4, 8, 4, group=64, block=32)
+    with pytest.raises(ValueError, match="cap must be a power of two"):
+        omnikv_select_triton(scores, lens, 4, 8, 4, cap=24)
+
+
+@pytest.mark.gpu
+def test_the_128k_benchmark_shape_on_the_gpu():
+    """B=6 requests near 128K in a 133120-token table, 8 KV heads, 1472 of ~130K middle tokens."""
+    lens = [131072 + 1, 131072 + 40, 120000, 131072 + 7, 3000, 131072 + 1]
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    values = torch.randn(6, 8, 133120, generator=gen, device="cuda")
+    kv_lens = torch.tensor(lens, device="cuda")
+    idx, counts = omnikv_select_triton(_scores(values.cpu(), lens, 512).cuda(), kv_lens, 64, 1472, 512)
+    want_idx, want_counts = pick_tokens(values.amax(1), kv_lens, 64, 1472, 512)
+    assert torch.equal(counts, want_counts) and torch.equal(idx, want_idx)
