@@ -12,7 +12,7 @@ from sparseengine.kernels.bench_gpu import HKV, PS, emit, per_launch_us
 def bench_omnikv_select(out_path, B=6, L=133120, n=131072, sink=64, budget=1472, recent=512):
     """One filter layer's pick from its per-KV-head max logits `[B, Hkv, L]` (the graph's
     133120-token table): torch (max over heads, masking, top-k, sort) against the Triton
-    pick (groups, warps, blocks of its passes, the candidates' room)."""
+    pick (tokens per program, warps)."""
     from sparseengine.kernels import omnikv_select_triton
     from sparseengine.methods.omnikv import pick_tokens
 
@@ -23,9 +23,8 @@ def bench_omnikv_select(out_path, B=6, L=133120, n=131072, sink=64, budget=1472,
     shape = {"batch": B, "hkv": HKV, "width": L, "kv_len": n, "sink": sink, "budget": budget, "recent": recent}
     torch_fn = lambda: pick_tokens(scores.amax(1), kv_lens, sink, budget, recent)  # noqa: E731
     emit(out_path, {"kind": "omnikv_select", "path": "torch", **shape, "us_per_launch": per_launch_us(torch_fn)})
-    variants = [{}, dict(group=8), dict(group=32), dict(num_warps=4), dict(num_warps=16),
-                dict(search_block=2048), dict(search_block=8192, num_warps=16), dict(block=2048),
-                dict(block=512), dict(cap=16)]
+    variants = [{}, dict(num_warps=2), dict(num_warps=8), dict(block=512), dict(block=512, num_warps=2),
+                dict(block=2048), dict(block=2048, num_warps=8), dict(block=4096, num_warps=8)]
     for kw in variants:
         fn = lambda: omnikv_select_triton(scores, kv_lens, sink, budget, recent, **kw)  # noqa: E731
         same = all(torch.equal(g, w) for g, w in zip(fn(), want))
@@ -34,10 +33,10 @@ def bench_omnikv_select(out_path, B=6, L=133120, n=131072, sink=64, budget=1472,
 
 
 def bench_pick_at_quest_shape(out_path, B=6, P=8320, n=131072):
-    """The same two-launch pick on Quest's selection shape (a row per request and KV head:
+    """The same pick on Quest's selection shape (a row per request and KV head:
     48 rows of 8320 page bounds, 4 sink + 92 + 32 recent pages; the page rule for a partial
     last page aside), beside `quest_select_pages_triton` on the same scores: is its
-    histogram search worth porting to Quest's selection?"""
+    search spread over blocks worth porting to Quest's selection?"""
     from sparseengine.kernels import omnikv_select_triton, quest_select_pages_triton
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -49,8 +48,8 @@ def bench_pick_at_quest_shape(out_path, B=6, P=8320, n=131072):
     pages, _ = quest()
     for name, fn in (("quest_select_pages_triton", quest),
                      ("omnikv_select_triton", lambda: omnikv_select_triton(rows, row_pages, 4, 92, 32)),
-                     ("omnikv_select_triton_w4", lambda: omnikv_select_triton(rows, row_pages, 4, 92, 32,
-                                                                              num_warps=4, search_block=2048))):
+                     ("omnikv_select_triton_b512", lambda: omnikv_select_triton(rows, row_pages, 4, 92, 32,
+                                                                                block=512))):
         same = None
         if name.startswith("omnikv"):
             got = fn()[0].view(B, HKV, -1)  # Quest's width holds one slot more for a partial page

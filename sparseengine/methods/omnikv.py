@@ -164,11 +164,11 @@ class OmniKV(SparseMethodRuntime):
         ``probs``: the scoring pass is not fused with the attention: it reads the layer's K
         again (half of K+V per token) twice (softmax partials, then the scores; the
         attention's lse is computed after the choice) and writes one fp32 score per token,
-        which the Triton pick reads, writing one int32 key."""
+        which the Triton pick reads, writing one int32 key that five later passes read."""
         if self.mode == "logits":
             per_token = max_logit_bytes_per_token(self.model.num_kv_heads)
         else:
-            per_token = 2 * kv_bytes_per_token_layer // 2 + 3 * 4
+            per_token = 2 * kv_bytes_per_token_layer // 2 + 8 * 4
         return sum(seq.layer_lens[l] * per_token for l in self.filters)
 
     def _choose_batched(self, layer, q, ctx) -> Selection:
@@ -208,7 +208,7 @@ def pick_from_max_logits(colsums: torch.Tensor, kv_lens: torch.Tensor, config,
                          triton: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``pick_tokens`` over the max over KV heads of a filter layer's max logits
     ``[B, Hkv, L]`` (the ``logits`` score); ``triton``: the Triton pick, which takes the
-    max over heads itself (two launches instead of torch's max, top-k and sort)."""
+    max over heads itself (six launches instead of torch's max, top-k and sort)."""
     cfg = config
     if triton:
         return kernels.omnikv_select_triton(colsums, kv_lens, cfg.sink_tokens, cfg.budget, cfg.recent_tokens)
@@ -218,11 +218,11 @@ def pick_from_max_logits(colsums: torch.Tensor, kv_lens: torch.Tensor, config,
 def max_logit_bytes_per_token(num_kv_heads: int) -> int:
     """Bytes a fused ``logits`` choice moves per cached token of a filter layer on a Triton
     provider (the benchmark's path): one fp32 max logit per KV head filled with -inf,
-    written by the attention and read by the pick's first pass, which writes one int32 key.
-    Left out: that pass's one group maximum per 16 tokens and the few candidates the second
-    pass reads (under a byte a token). The torch pick moves 16 bytes a token more (the max
-    over heads written, then read and written by the masking, read by the top-k)."""
-    return 3 * 4 * num_kv_heads + 4
+    written by the attention and read by the pick's first pass, which writes one int32 key
+    that its five later passes read (three radix passes, the counts, the output). The torch
+    pick moves 4 bytes a token less (the max over heads written, then read and written by
+    the masking, read by the top-k), in many more launches."""
+    return 3 * 4 * num_kv_heads + 6 * 4
 
 
 def pure_decode(ctx) -> bool:

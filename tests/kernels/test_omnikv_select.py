@@ -1,6 +1,6 @@
 """`omnikv_select_triton` == `pick_tokens` (the torch path) over the max over heads, on
 distinct scores, and == the definition with ties to the earlier token on scores full of
-ties; through the candidates' shortlist and the search over every key (a small `cap`).
+ties; with one block of tokens a request and with many.
 Scores at or past a request's `n - recent` are NaN: the contract says they are never read."""
 import pytest
 import torch
@@ -19,10 +19,9 @@ CASES = [
     ([16 * 300 + 5, 2000, 640], 4, 16 * 320, 64, 100, 64),
     ([23, 24, 70], 2, 77, 0, 20, 3),
 ]
-# Launch knobs: the default; small blocks (several blocks a pass); a cap too small for the
-# candidates (every request runs the search over all its keys); groups of 2.
-KNOBS = {"default": {}, "small_blocks": dict(block=32, search_block=64, group=8),
-         "all_keys": dict(cap=16, search_block=128), "group2": dict(group=2, block=16, search_block=32)}
+# Launch knobs: the default (one block holds a small case's row); blocks of 16 and 64
+# tokens (many blocks a request: the counts of the blocks before each one matter).
+KNOBS = {"default": {}, "block16": dict(block=16), "block64": dict(block=64, num_warps=2)}
 
 
 @pytest.fixture(autouse=True)
@@ -97,7 +96,7 @@ def test_ties_go_to_the_earlier_token(knobs):
 @pytest.mark.parametrize("knobs", list(KNOBS))
 def test_a_gap_right_below_the_budget_th_score(knobs):
     """Exactly `budget` middle scores in [1, 2), every other one negative: the budget-th
-    largest key is the smallest of its leading byte, the edge of each radix pass."""
+    largest key is the smallest of its leading byte, the edge of the first radix pass."""
     lens, sink, budget, recent = [300, 301], 4, 24, 8
     gen = torch.Generator().manual_seed(13)
     values = -torch.rand(2, 1, 301, generator=gen)
@@ -134,12 +133,10 @@ def test_bad_inputs_are_refused():
         omnikv_select_triton(scores, lens.float(), 4, 8, 4)
     with pytest.raises(ValueError, match="budget"):
         omnikv_select_triton(scores, lens, 4, -1, 4)
-    with pytest.raises(ValueError, match="group must be a power of two"):
-        omnikv_select_triton(scores, lens, 4, 8, 4, group=12)
-    with pytest.raises(ValueError, match="multiple of group"):
-        omnikv_select_triton(scores, lens, 4, 8, 4, group=64, block=32)
-    with pytest.raises(ValueError, match="cap must be a power of two"):
-        omnikv_select_triton(scores, lens, 4, 8, 4, cap=24)
+    with pytest.raises(ValueError, match="block must be a power of two"):
+        omnikv_select_triton(scores, lens, 4, 8, 4, block=48)
+    with pytest.raises(ValueError, match="block must be an integer >= 16"):
+        omnikv_select_triton(scores, lens, 4, 8, 4, block=8)
 
 
 @pytest.mark.gpu
