@@ -86,3 +86,36 @@ def measure(engine_kwargs: dict, batch: int, prompt_tokens: int, new_tokens: int
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def main(argv=None) -> None:
+    """The HF lane alone, ``--repeat`` times in this process (each one JSON line), so its
+    spread can be read apart from the engine's lanes: ``python -m
+    experiments.throughput.hf_generate --out F`` (the 128K benchmark's shape by default)."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama-3.1-8b")
+    parser.add_argument("--load-format", default="dummy")
+    parser.add_argument("--prompt-tokens", type=int, default=131072)
+    parser.add_argument("--new-tokens", type=int, default=73)
+    parser.add_argument("--warmup-steps", type=int, default=8)
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--commit", default="unknown")
+    parser.add_argument("--out", required=True, help="JSON-lines file to append results to")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    kwargs = {"model": args.model, "load_format": args.load_format}
+    for i in range(args.repeat):
+        r = measure(kwargs, 1, args.prompt_tokens, args.new_tokens, device, torch.bfloat16,
+                    warmup_steps=args.warmup_steps)
+        record = {"kind": "hf_lane_alone", "commit": args.commit, "run_in_process": i,
+                  "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", **vars(r)}
+        print(json.dumps(record))
+        with open(args.out, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+if __name__ == "__main__":
+    main()
