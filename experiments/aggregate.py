@@ -119,7 +119,7 @@ def throughput_table(df: pd.DataFrame) -> pd.DataFrame:
                          "max_batch": row.get("decode/max_batch") if prefix == "decode" else b,
                          "first_unfit_batch": row.get("decode/first_unfit_batch") if prefix == "decode" else None}
                 for key in ("output_tok_s", "step_s", "pct_of_limit", "limit_tok_s", "bytes_per_step",
-                            "ttft_s_mean", "tpot_s_mean", "kv_tokens_mean", "preemptions"):
+                            "ttft_s_mean", "tpot_s_mean", "kv_tokens_mean", "preemptions", "cold_output_tok_s"):
                     entry[key] = row.get(f"{prefix}/bs{b}/{key}")
                 entry["bandwidth_gbps"] = row.get("roofline/bandwidth_gbps")
                 out.append(entry)

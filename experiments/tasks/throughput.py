@@ -42,6 +42,7 @@ class ThroughputTask(Task):
     time_budget_s: float | None = None  # per job: skip batches predicted to overrun it
     hf_new_tokens: int = 17  # the prefill's token + hf_warmup_steps + the timed steps
     hf_warmup_steps: int = 0
+    hf_warmup_calls: int = 0  # whole generate calls before the timed one (recorded as hf/bs*/cold_*)
     max_batch_limit: int = 4096
     bandwidth_gbps: float | None = None  # None: measured in this run by a device copy
     matmul_tflops: float | None = None  # None: measured in this run by a matmul
@@ -136,7 +137,8 @@ class ThroughputTask(Task):
         out: dict[str, Any] = {}
         for batch in self.hf_batches:
             r = hf_generate.measure(env.engine_kwargs, batch, self.context_length, self.hf_new_tokens, device,
-                                    dtype, env.seed, warmup_steps=self.hf_warmup_steps)
+                                    dtype, env.seed, warmup_steps=self.hf_warmup_steps,
+                                    warmup_calls=self.hf_warmup_calls)
             m = {f"hf/bs{batch}/{k}": v for k, v in vars(r).items()}
             out.update(m)
             env.log(m)

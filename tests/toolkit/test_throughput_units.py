@@ -98,6 +98,25 @@ def test_hf_lane_times_generate_on_the_same_shape(tiny_llama) -> None:
     r = hf_generate.measure({"model": str(folder)}, batch=1, prompt_tokens=16, new_tokens=6, warmup_steps=3,
                             device=torch.device("cpu"), dtype=torch.float32)
     assert (r.timed_steps, r.warmup_steps) == (2, 3)  # 6 tokens: the prefill's, 3 untimed, 2 timed
+    assert r.cold_output_tok_s is None and r.warmup_calls == 0
+    calls = []
+    load = hf_generate._model
+
+    def counted(*args):  # the real model, its generate calls counted
+        model = load(*args)
+        generate = model.generate
+        model.generate = lambda *a, **k: calls.append(1) or generate(*a, **k)
+        return model
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hf_generate, "_model", counted)
+        r = hf_generate.measure({"model": str(folder)}, batch=1, prompt_tokens=16, new_tokens=4, warmup_calls=2,
+                                device=torch.device("cpu"), dtype=torch.float32)
+    assert len(calls) == 3
+    assert r.warmup_calls == 2 and r.timed_steps == 3
+    assert r.cold_output_tok_s > 0 and r.cold_step_s_median > 0 and r.output_tok_s == pytest.approx(1 / r.step_s)
+    with pytest.raises(ValueError, match="warmup_calls"):
+        hf_generate.measure({"model": str(folder)}, 1, 8, 4, torch.device("cpu"), torch.float32, warmup_calls=-1)
     with pytest.raises(ValueError, match="new_tokens"):
         hf_generate.measure({"model": str(folder)}, 1, 8, 1, torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match="warmup_steps"):
