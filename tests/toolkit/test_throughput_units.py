@@ -121,3 +121,18 @@ def test_hf_lane_times_generate_on_the_same_shape(tiny_llama) -> None:
         hf_generate.measure({"model": str(folder)}, 1, 8, 1, torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match="warmup_steps"):
         hf_generate.measure({"model": str(folder)}, 1, 8, 4, torch.device("cpu"), torch.float32, warmup_steps=3)
+
+
+def test_copy_bandwidth_is_the_fastest_block(monkeypatch) -> None:
+    """Blocks timed at 2, 1 and 3 s: the limit's bandwidth is the 1 s block's."""
+    import torch
+
+    from experiments.throughput import roofline
+
+    clock = iter([0.0, 2.0, 10.0, 11.0, 20.0, 23.0])
+    monkeypatch.setattr(roofline.time, "perf_counter", lambda: next(clock))
+    nbytes = 1 << 20
+    got = roofline.measure_copy_bandwidth(torch.device("cpu"), nbytes, repeats=4, blocks=3)
+    assert got == pytest.approx(2 * nbytes * 4 / 1.0 / 1e9)
+    with pytest.raises(ValueError, match="blocks"):
+        roofline.measure_copy_bandwidth(torch.device("cpu"), nbytes, blocks=0)
