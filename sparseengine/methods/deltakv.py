@@ -65,7 +65,7 @@ from sparseengine.layers.rotary import rope_inv_freq
 from sparseengine.method_registry import MethodSpec
 from sparseengine.methods import deltakv_codec as codec
 from sparseengine.methods.base import SparseMethodRuntime
-from sparseengine.methods.deltakv_bytes import DeltaKVBytes
+from sparseengine.methods.deltakv_bytes import DeltaKVBytes, rebuild_read_bytes, request_bytes
 from sparseengine.methods.deltakv_fit import load_down_up
 from sparseengine.methods.deltakv_store import CodecStore, RequestState
 from sparseengine.methods import omnikv
@@ -188,23 +188,14 @@ class DeltaKV(SparseMethodRuntime):
 
     def metadata_bytes_read(self, seq, kv_bytes_per_token_layer: int) -> int:
         """Per decode step (the pure-decode path, Triton provider): each full layer's fused
-        max-logit scores (``omnikv.max_logit_bytes_per_token``); per sparse layer, the
-        latents, neighbour indices and neighbour centers of the history tokens chosen (up to
-        ``budget``: the fused rebuild reads nothing for the others) and writing them into the
-        scratch slots (``Up`` is shared by the batch and not counted here)."""
+        max-logit scores (``omnikv.max_logit_bytes_per_token``) and, per sparse layer, what
+        the rebuild reads (``deltakv_bytes.rebuild_read_bytes``)."""
         scores = sum(seq.layer_lens[layer] for layer in self.filters)
         total = scores * omnikv.max_logit_bytes_per_token(self.model.num_kv_heads)
         st = self.cache.state(seq).get(STATE_KEY)
         if st is None or not st.compressed:
             return total
-        for enc in st.enc.values():
-            rows = max(1, enc.latents.shape[0])
-            latent = (enc.latents.numel() * enc.latents.element_size() + enc.scales.numel() * 2
-                      + enc.zeros.numel() * 2) / rows
-            index = enc.neighbors.shape[1] * enc.neighbors.element_size()
-            center = enc.neighbors.shape[1] * enc.centers.shape[1] * enc.centers.element_size()
-            total += int(min(self.config.budget, enc.n) * (latent + index + center + kv_bytes_per_token_layer))
-        return total
+        return total + rebuild_read_bytes(list(st.enc.values()), self.config.budget, kv_bytes_per_token_layer)
 
     def begin_step(self, ctx) -> None:
         super().begin_step(ctx)
@@ -390,23 +381,10 @@ class DeltaKV(SparseMethodRuntime):
     # ---- accounting -----------------------------------------------------------------------
     def stored_bytes(self, seq) -> DeltaKVBytes:
         """What this request keeps now (see :class:`DeltaKVBytes`)."""
-        tb, layers = self.token_bytes, self.model.num_layers
-        tokens = max(seq.layer_lens) if seq.layer_lens else 0
         st = self.cache.state(seq).get(STATE_KEY)
-        encs = list(st.enc.values()) if st is not None else []
-
-        def size(t: torch.Tensor) -> int:
-            return t.numel() * t.element_size()
-
-        return DeltaKVBytes(
-            tokens=tokens, dense=tokens * layers * tb,
-            full_layers=sum(seq.layer_lens[layer] for layer in self.full) * tb,
-            raw_sparse=sum(seq.layer_lens[layer] for layer in self.sparse) * tb,
-            centers=sum(size(e.centers) for e in encs),
-            latents=sum(size(e.latents) + size(e.scales) + size(e.zeros) for e in encs),
-            indices=sum(size(e.neighbors) for e in encs),
-            pool=len(seq.page_table) * self.cache.page_size * layers * tb,
-        )
+        return request_bytes(list(seq.layer_lens), list(st.enc.values()) if st is not None else [], self.full,
+                             self.sparse, self.model.num_layers, self.token_bytes,
+                             len(seq.page_table) * self.cache.page_size)
 
     def kv_tokens(self, seq) -> float:
         if len(self.bytes_at_end) >= 1024:

@@ -1,7 +1,8 @@
-"""DeltaKV's byte accounting, two ways. What the codec stores for ``n`` tokens of one
-layer, from the shapes alone (:class:`ByteAccount`, :func:`stored_bytes_per_token`; it
-matches ``DeltaKVEncoded.nbytes``), and what one request keeps in the engine, measured
-from the tensors it holds (:class:`DeltaKVBytes`, filled by ``DeltaKV.stored_bytes``).
+"""DeltaKV's byte accounting. What the codec stores for ``n`` tokens of one layer, from
+the shapes alone (:class:`ByteAccount`, :func:`stored_bytes_per_token`; it matches
+``DeltaKVEncoded.nbytes``); what one request keeps in the engine, measured from the
+tensors it holds (:class:`DeltaKVBytes`, :func:`request_bytes`); and what a decode step's
+rebuild reads from the codec (:func:`rebuild_read_bytes`).
 """
 
 from __future__ import annotations
@@ -95,3 +96,39 @@ class DeltaKVBytes:
 
     def as_dict(self) -> dict:
         return {**self.__dict__, "stored": self.stored, "ratio": self.ratio, "per_token": self.per_token}
+
+
+def _size(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def request_bytes(layer_lens: list[int], encs: list, full: list[int], sparse: list[int], num_layers: int,
+                  token_bytes: int, pool_tokens: int) -> DeltaKVBytes:
+    """What a request keeps: ``layer_lens`` its cached tokens per layer, ``encs`` its sparse
+    layers' codec stores (``CodecStore``: the used rows only), ``token_bytes`` raw K+V of
+    one token and layer, ``pool_tokens`` the token slots its page table pins."""
+    tokens = max(layer_lens) if layer_lens else 0
+    return DeltaKVBytes(
+        tokens=tokens, dense=tokens * num_layers * token_bytes,
+        full_layers=sum(layer_lens[layer] for layer in full) * token_bytes,
+        raw_sparse=sum(layer_lens[layer] for layer in sparse) * token_bytes,
+        centers=sum(_size(e.centers) for e in encs),
+        latents=sum(_size(e.latents) + _size(e.scales) + _size(e.zeros) for e in encs),
+        indices=sum(_size(e.neighbors) for e in encs),
+        pool=pool_tokens * num_layers * token_bytes,
+    )
+
+
+def rebuild_read_bytes(encs: list, budget: int, kv_bytes_per_token_layer: int) -> int:
+    """Per decode step, over the sparse layers' codec stores ``encs``: the latents,
+    neighbour indices and neighbour centers of the history tokens chosen (up to ``budget``:
+    the fused rebuild reads nothing for the others), and writing them into the scratch
+    slots (``Up`` is shared by the batch and not counted)."""
+    total = 0
+    for enc in encs:
+        rows = max(1, enc.latents.shape[0])
+        latent = (_size(enc.latents) + enc.scales.numel() * 2 + enc.zeros.numel() * 2) / rows
+        index = enc.neighbors.shape[1] * enc.neighbors.element_size()
+        center = enc.neighbors.shape[1] * enc.centers.shape[1] * enc.centers.element_size()
+        total += int(min(budget, enc.n) * (latent + index + center + kv_bytes_per_token_layer))
+    return total

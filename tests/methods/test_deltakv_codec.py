@@ -261,3 +261,19 @@ def test_decode_rejects_bad_positions():
         dk.decode(enc, up, torch.tensor([30]))
     with pytest.raises(ValueError, match=r"up must be \[r, D=64\]"):
         dk.decode(enc, down)
+
+
+def test_rebuild_reads_the_chosen_rows_of_each_layer():
+    """Per layer, up to `budget` history tokens: an int4 latent row (codes, f16 scale and
+    min per group of 32), k neighbour indices, k neighbour centers and the rebuilt K+V."""
+    gen = torch.Generator().manual_seed(0)
+    D, r, k = 64, 64, 3
+    encs = [dk.encode(torch.randn(n, D, generator=gen), torch.randn(D, r, generator=gen), center_ratio=0.1,
+                      neighbors=k, latent_bits=4) for n in (200, 40)]
+    assert all(e.centers.dtype == torch.float32 for e in encs)
+
+    def per_token(e):
+        return r // 2 + (r // 32) * 2 * 2 + k * e.neighbors.element_size() + k * D * 4 + 256
+
+    got = deltakv_bytes.rebuild_read_bytes(encs, 100, 256)
+    assert got == 100 * per_token(encs[0]) + 40 * per_token(encs[1])  # the second layer holds 40 < 100
