@@ -63,9 +63,8 @@ def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_to
                               max_groups: int = MAX_GROUPS):
     """`block_p`: pages per block (a power of two; capped at P's); `num_warps`: default
     one warp per 512 pages of the block, 1 to 16; `radix_bits`: key bits the searches settle
-    per pass (1, 2 or 4: 32, 16 or 8 passes of 2, 4 or 16 counts; 8: four passes of a
-    256-bin histogram, on the shortlist only, the full search then settling 4; default 4
-    on the shortlist, 2 in the full search, the fastest of each at the 128K shape). `shortlist`: search a
+    per pass (1, 2 or 4: 32, 16 or 8 passes of 2, 4 or 16 counts; default 4 on the
+    shortlist, 2 in the full search, the fastest of each at the 128K shape). `shortlist`: search a
     shortlist of candidates first (below), the row cut into at most `max_groups` groups;
     `shortlist_cap`: its room (a power of two; default `next_pow2(4 * top)` within [16,
     4096]), a row with more candidates runs the full search."""
@@ -89,8 +88,8 @@ def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_to
     block_p = int_arg("block_p", block_p, 16)
     if block_p & (block_p - 1):
         raise ValueError(f"block_p must be a power of two, got {block_p}")
-    if radix_bits not in (None, 1, 2, 4, 8):
-        raise ValueError(f"radix_bits must be 1, 2, 4 or 8, got {radix_bits!r}")
+    if radix_bits not in (None, 1, 2, 4):
+        raise ValueError(f"radix_bits must be 1, 2 or 4, got {radix_bits!r}")
     device = check_launch(scores, kv_lens)
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
@@ -112,7 +111,7 @@ def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_to
         scores, kv_lens, pages, counts, scratch, scores.stride(0), scores.stride(1), H, P, K,
         PAGE_SIZE=ps, SINK_PAGES=cdiv(sink, ps), RECENT=recent, TOTAL=sink + budget + recent,
         TOP=top, BLOCK_P=block_p, BLOCK_K=min(1024, max(16, next_pow2(K))),
-        RADIX_BITS=min(radix_bits or 2, 4), SHORT_RADIX=radix_bits or 4, SHORTLIST=shortlist, GROUP=group,
+        RADIX_BITS=radix_bits or 2, SHORT_RADIX=radix_bits or 4, SHORTLIST=shortlist, GROUP=group,
         BLOCK_G=max(16, next_pow2(cdiv(P, group))),
         CAP=cap, num_warps=num_warps or min(16, max(1, block_p // 512)),
     )
@@ -130,23 +129,8 @@ def _kth_largest(keys, ok, m, RADIX_BITS: tl.constexpr):
     """The m-th largest of the int32 `keys` where `ok` (a register block), RADIX_BITS key
     bits a pass; the minimum int32 when fewer than m are ok. The search runs on uint32
     (the keys with their sign bit flipped: the same order): a candidate `lo + digit *
-    step` has zeros in the bits still open, so it never passes 2^32. RADIX_BITS 8: four
-    passes, each a `tl.histogram` of the next byte of the keys matching the bytes settled."""
+    step` has zeros in the bits still open, so it never passes 2^32."""
     ukeys = (keys ^ -2147483648).to(tl.uint32, bitcast=True)
-    if RADIX_BITS == 8:
-        prefix = tl.zeros([], tl.uint32)
-        need = m + tl.zeros([], tl.int32)
-        digits = tl.arange(0, 256)
-        for p in tl.static_range(4):
-            match = ok
-            if p > 0:
-                match = ok & ((ukeys >> (32 - 8 * p)) == (prefix >> (32 - 8 * p)))
-            h = tl.histogram(((ukeys >> (24 - 8 * p)) & 255).to(tl.int32), 256, mask=match)
-            at_least = tl.cumsum(h, 0, reverse=True)  # matching keys with this byte or a larger one
-            d = tl.max(tl.where(at_least >= need, digits, 0), 0)  # 0 also when none qualifies
-            need -= tl.sum(tl.where(digits > d, h, 0), 0)
-            prefix = prefix | (d.to(tl.uint32) << (24 - 8 * p))
-        return prefix.to(tl.int32, bitcast=True) ^ -2147483648
     lo = tl.zeros([], tl.uint32)
     digit = tl.arange(0, 1 << RADIX_BITS).to(tl.uint32)
     step = tl.full([], 1 << (32 - RADIX_BITS), tl.uint32)
