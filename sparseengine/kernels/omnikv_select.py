@@ -23,8 +23,9 @@ their low 31 bits; -0.0 counts as +0.0), searched as uint32 (the sign bit flippe
 4. `_emit_kernel`: each block sums the counts of the blocks before it, so it knows its
    first output slot and how many earlier ties were taken, and writes its keys > t and its
    share of the earliest ties at their ranks (an exclusive `tl.cumsum`): ascending output.
-Six launches (with the histograms' zeroing), no host sync, fixed shapes: CUDA-graph
-capturable.
+Six kernel launches after a memset that zeroes the histograms; no host sync, fixed
+shapes: CUDA-graph capturable. At the 128K benchmark's shape (6 x 8 x 133120, 1472 chosen)
+44 us a pick against 128 us for the torch path (results/omnikv_select_h200.jsonl).
 """
 from __future__ import annotations
 

@@ -208,7 +208,7 @@ def pick_from_max_logits(colsums: torch.Tensor, kv_lens: torch.Tensor, config,
                          triton: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``pick_tokens`` over the max over KV heads of a filter layer's max logits
     ``[B, Hkv, L]`` (the ``logits`` score); ``triton``: the Triton pick, which takes the
-    max over heads itself (six launches instead of torch's max, top-k and sort)."""
+    max over heads itself (six kernels and a memset instead of torch's max, top-k and sort)."""
     cfg = config
     if triton:
         return kernels.omnikv_select_triton(colsums, kv_lens, cfg.sink_tokens, cfg.budget, cfg.recent_tokens)
