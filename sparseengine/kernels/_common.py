@@ -134,6 +134,24 @@ def lazy_jit(fn) -> LazyKernel:
     return LazyKernel(fn)
 
 
+def check_scores(scores, dims: tuple[int, ...], shape: str) -> None:
+    """A ValueError unless `scores` is a floating tensor of one of `dims` dimensions
+    (`shape` names them in the message)."""
+    if not isinstance(scores, torch.Tensor) or scores.dim() not in dims or not scores.is_floating_point():
+        got = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
+        dtype = f", dtype {scores.dtype}" if isinstance(scores, torch.Tensor) else ""
+        raise ValueError(f"scores must be a floating {shape} tensor, got {got}{dtype}")
+
+
+def check_lens(kv_lens, B: int) -> None:
+    """A ValueError unless `kv_lens` is an integer [B] tensor."""
+    if (not isinstance(kv_lens, torch.Tensor) or kv_lens.dim() != 1 or kv_lens.shape[0] != B
+            or kv_lens.is_floating_point() or kv_lens.dtype == torch.bool):
+        got = (f"shape {tuple(kv_lens.shape)}, dtype {kv_lens.dtype}" if isinstance(kv_lens, torch.Tensor)
+               else type(kv_lens).__name__)
+        raise ValueError(f"kv_lens must be an integer [B={B}] tensor, got {got}")
+
+
 def check_launch(*tensors: torch.Tensor) -> torch.device:
     """Raise a clear error where a Triton launch cannot work; return the common device."""
     device = tensors[0].device

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._common import cdiv, check_launch, int_arg, lazy_jit, next_pow2
+from ._common import cdiv, check_launch, check_lens, check_scores, int_arg, lazy_jit, next_pow2
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
@@ -44,18 +44,11 @@ PASSES = 4  # bytes of a 32-bit key
 def omnikv_select_triton(scores, kv_lens, sink_tokens, budget, recent_tokens, *, block: int = 1024,
                          num_warps: int = 4):
     """`block`: tokens per program (a power of two >= 16); `num_warps`: per program."""
-    if not isinstance(scores, torch.Tensor) or scores.dim() not in (2, 3) or not scores.is_floating_point():
-        got = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
-        dtype = f", dtype {scores.dtype}" if isinstance(scores, torch.Tensor) else ""
-        raise ValueError(f"scores must be a floating [B, L] or [B, H, L] tensor, got {got}{dtype}")
+    check_scores(scores, (2, 3), "[B, L] or [B, H, L]")
     if scores.dim() == 2:
         scores = scores[:, None, :]
     B, H, L = scores.shape
-    if (not isinstance(kv_lens, torch.Tensor) or kv_lens.dim() != 1 or kv_lens.shape[0] != B
-            or kv_lens.is_floating_point() or kv_lens.dtype == torch.bool):
-        got = (f"shape {tuple(kv_lens.shape)}, dtype {kv_lens.dtype}" if isinstance(kv_lens, torch.Tensor)
-               else type(kv_lens).__name__)
-        raise ValueError(f"kv_lens must be an integer [B={B}] tensor, got {got}")
+    check_lens(kv_lens, B)
     sink = int_arg("sink_tokens", sink_tokens, 0)
     budget = int_arg("budget", budget, 0)
     recent = int_arg("recent_tokens", recent_tokens, 0)
@@ -106,40 +99,43 @@ def _settle(hist_row, m, PASSES_DONE: tl.constexpr):
     return prefix, need
 
 
-def _block_keys(keys_ptr, kv_lens_ptr, L, SINK: tl.constexpr, RECENT: tl.constexpr, BLOCK: tl.constexpr):
-    """This program's (positions, keys, middle mask, n)."""
+def _block(kv_lens_ptr, L, SINK: tl.constexpr, RECENT: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's (request, token positions, middle mask, the request's length)."""
     b = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     n = tl.load(kv_lens_ptr + b).to(tl.int32)
-    middle = (offs >= SINK) & (offs < n - RECENT) & (offs < L)
-    key = tl.load(keys_ptr + b.to(tl.int64) * L + offs, mask=middle, other=-2147483648)
-    return offs, key, middle, n
+    return b, offs, (offs >= SINK) & (offs < n - RECENT) & (offs < L), n
+
+
+def _threshold(hist_ptr, b, BUDGET: tl.constexpr):
+    """(t, ties): the request's budget-th largest key, settled by the four passes, and how
+    many keys equal to it the pick takes."""
+    prefix, ties = _settle(hist_ptr + b * (4 * 256), BUDGET, 4)
+    return prefix.to(tl.int32, bitcast=True) ^ -2147483648, ties
 
 
 @lazy_jit
 def _hist_kernel(scores_ptr, kv_lens_ptr, keys_ptr, hist_ptr, stride_b, stride_h, L,
                  H: tl.constexpr, PASS: tl.constexpr, SINK: tl.constexpr, BUDGET: tl.constexpr,
                  RECENT: tl.constexpr, BLOCK: tl.constexpr):
-    b = tl.program_id(0)
-    n = tl.load(kv_lens_ptr + b).to(tl.int32)
+    b, offs, middle, n = _block(kv_lens_ptr, L, SINK, RECENT, BLOCK)
     if n > SINK + BUDGET + RECENT:  # else the request takes every token: no search
         hist_row = hist_ptr + b * (4 * 256)
+        keys = keys_ptr + b.to(tl.int64) * L
         if PASS == 0:  # the keys: the max over heads of the middle tokens' scores
-            offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-            middle = (offs >= SINK) & (offs < n - RECENT) & (offs < L)
             row = scores_ptr + b.to(tl.int64) * stride_b
             s = tl.load(row + offs, mask=middle, other=float("-inf")).to(tl.float32)
             for h in range(1, H):
                 s = tl.maximum(s, tl.load(row + h * stride_h + offs, mask=middle, other=float("-inf")).to(tl.float32))
             key = tl.where(middle, _ordered_keys(s), -2147483648)
-            tl.store(keys_ptr + b.to(tl.int64) * L + offs, key, mask=offs < L)
+            tl.store(keys + offs, key, mask=offs < L)
+            u = (key ^ -2147483648).to(tl.uint32, bitcast=True)
             match = middle
         else:
-            offs, key, middle, n = _block_keys(keys_ptr, kv_lens_ptr, L, SINK, RECENT, BLOCK)
+            key = tl.load(keys + offs, mask=middle, other=-2147483648)
+            u = (key ^ -2147483648).to(tl.uint32, bitcast=True)
             prefix, _ = _settle(hist_row, BUDGET, PASS)
-            match = middle & (((key ^ -2147483648).to(tl.uint32, bitcast=True) >> (32 - 8 * PASS))
-                              == (prefix >> (32 - 8 * PASS)))
-        u = (key ^ -2147483648).to(tl.uint32, bitcast=True)
+            match = middle & ((u >> (32 - 8 * PASS)) == (prefix >> (32 - 8 * PASS)))
         h = tl.histogram(((u >> (24 - 8 * PASS)) & 255).to(tl.int32), 256, mask=match)
         tl.atomic_add(hist_row + PASS * 256 + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
 
@@ -147,11 +143,10 @@ def _hist_kernel(scores_ptr, kv_lens_ptr, keys_ptr, hist_ptr, stride_b, stride_h
 @lazy_jit
 def _count_kernel(keys_ptr, hist_ptr, kv_lens_ptr, counts_ptr, L, n_blocks,
                   SINK: tl.constexpr, BUDGET: tl.constexpr, RECENT: tl.constexpr, BLOCK: tl.constexpr):
-    offs, key, middle, n = _block_keys(keys_ptr, kv_lens_ptr, L, SINK, RECENT, BLOCK)
+    b, offs, middle, n = _block(kv_lens_ptr, L, SINK, RECENT, BLOCK)
     if n > SINK + BUDGET + RECENT:
-        b = tl.program_id(0)
-        prefix, _ = _settle(hist_ptr + b * (4 * 256), BUDGET, 4)
-        t = prefix.to(tl.int32, bitcast=True) ^ -2147483648
+        key = tl.load(keys_ptr + b.to(tl.int64) * L + offs, mask=middle, other=-2147483648)
+        t, _ = _threshold(hist_ptr, b, BUDGET)
         out = counts_ptr + (b * n_blocks + tl.program_id(1)) * 2
         tl.store(out, tl.sum((middle & (key > t)).to(tl.int32), 0))
         tl.store(out + 1, tl.sum((middle & (key == t)).to(tl.int32), 0))
@@ -162,10 +157,9 @@ def _emit_kernel(keys_ptr, hist_ptr, kv_lens_ptr, counts_ptr, out_ptr, L, n_bloc
                  SINK: tl.constexpr, BUDGET: tl.constexpr, RECENT: tl.constexpr, BLOCK: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     TOTAL: tl.constexpr = SINK + BUDGET + RECENT
-    b = tl.program_id(0)
+    b, offs, middle, n = _block(kv_lens_ptr, L, SINK, RECENT, BLOCK)
     blk = tl.program_id(1)
     out = out_ptr + b.to(tl.int64) * TOTAL
-    offs, key, middle, n = _block_keys(keys_ptr, kv_lens_ptr, L, SINK, RECENT, BLOCK)
     everything = n <= TOTAL
     if blk == 0:  # sink and recent slots (every slot when the request is within the total)
         j = tl.arange(0, BLOCK_K)
@@ -173,8 +167,8 @@ def _emit_kernel(keys_ptr, hist_ptr, kv_lens_ptr, counts_ptr, out_ptr, L, n_bloc
         token = tl.where(everything | (j < SINK), j, n - TOTAL + j)
         tl.store(out + j, token.to(tl.int64), mask=(j < TOTAL) & fixed)
     if n > TOTAL:
-        prefix, ties = _settle(hist_ptr + b * (4 * 256), BUDGET, 4)
-        t = prefix.to(tl.int32, bitcast=True) ^ -2147483648
+        key = tl.load(keys_ptr + b.to(tl.int64) * L + offs, mask=middle, other=-2147483648)
+        t, ties = _threshold(hist_ptr, b, BUDGET)
         i = tl.arange(0, BLOCK_N)
         before = i < blk
         counts = counts_ptr + b * n_blocks * 2 + i * 2

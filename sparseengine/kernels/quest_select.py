@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._common import cdiv, check_launch, int_arg, lazy_jit, next_pow2
+from ._common import cdiv, check_launch, check_lens, check_scores, int_arg, lazy_jit, next_pow2
 
 MAX_GROUPS = 512  # shortlist: the most page groups a row is cut into (group = next_pow2(P / this))
 
@@ -71,16 +71,9 @@ def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_to
     # methods.quest imports this package: read its width rule at call time
     from sparseengine.methods.quest import selection_width
 
-    if not isinstance(scores, torch.Tensor) or scores.dim() != 3 or not scores.is_floating_point():
-        got = tuple(scores.shape) if isinstance(scores, torch.Tensor) else type(scores).__name__
-        dtype = f", dtype {scores.dtype}" if isinstance(scores, torch.Tensor) else ""
-        raise ValueError(f"scores must be a floating [B, Hkv, P] tensor, got {got}{dtype}")
+    check_scores(scores, (3,), "[B, Hkv, P]")
     B, H, P = scores.shape
-    if (not isinstance(kv_lens, torch.Tensor) or kv_lens.dim() != 1 or kv_lens.shape[0] != B
-            or kv_lens.is_floating_point() or kv_lens.dtype == torch.bool):
-        got = (f"shape {tuple(kv_lens.shape)}, dtype {kv_lens.dtype}" if isinstance(kv_lens, torch.Tensor)
-               else type(kv_lens).__name__)
-        raise ValueError(f"kv_lens must be an integer [B={B}] tensor, got {got}")
+    check_lens(kv_lens, B)
     ps = int_arg("page_size", page_size, 1)
     sink = int_arg("sink_tokens", sink_tokens, 0)
     recent = int_arg("recent_tokens", recent_tokens, 0)
