@@ -3,7 +3,8 @@
 #   bash scripts/gpu_session.sh check        # GPU tests, kernels (+FlashInfer side by side), TTFT, profiles
 #   bash scripts/gpu_session.sh profiles     # GPU tests (no FlashInfer), per-kernel decode profiles (vanilla b1, quest b6, omnikv b6, snapkv b183, h2o b128, deltakv b1 and b6), DeltaKV's flush times
 #   bash scripts/gpu_session.sh pick         # GPU tests (kernels, methods), OmniKV's pick side by side, OmniKV b6 profile
-#   bash scripts/gpu_session.sh throughput [hydra overrides]   # python run.py -m experiment=decode_throughput_128k
+#   bash scripts/gpu_session.sh throughput [hydra overrides]   # python run.py -m experiment=$EXPERIMENT
+#     (EXPERIMENT: decode_throughput_128k, the default, or decode_throughput_128k_qwen3)
 #   bash scripts/gpu_session.sh accuracy [hydra overrides]     # python run.py -m experiment=accuracy_smollm2 on the GPU
 # Wheels the device lacks travel in .whl/<set>/ (see results/README.md; FlashInfer's as
 # .whl/flashinfer_trim/, made by scripts/trim_flashinfer_wheel.py, where present); the embedded GGUF
@@ -37,9 +38,10 @@ stash_gguf() {  # keep whichever half of the GGUF travelled this call; assemble 
   fi
 }
 
-deltakv_checkpoint() {  # DeltaKV's Down/Up for the dummy-weight shape, fitted on that model's own KV
-  dk=/tmp/deltakv_llama_dummy.safetensors  # for seeded random token ids
-  [ -f $dk ] || python -m sparseengine.methods.deltakv_calibrate --model llama-3.1-8b --load-format dummy \
+deltakv_checkpoint() {  # DeltaKV's Down/Up for a dummy-weight shape ($1, default llama-3.1-8b), fitted on its own KV
+  local shape=${1:-llama-3.1-8b}
+  dk=/tmp/deltakv_${shape}_dummy.safetensors  # for seeded random token ids
+  [ -f $dk ] || python -m sparseengine.methods.deltakv_calibrate --model $shape --load-format dummy \
     --random-tokens 8192 --out $dk --device cuda --dtype bfloat16 2>&1 | tail -1
 }
 
@@ -84,21 +86,23 @@ pick)
 throughput)
   install_wheels .whl/hydra
   stash_gguf
+  exp=${EXPERIMENT:-decode_throughput_128k}
+  shape=llama-3.1-8b; [ "$exp" = decode_throughput_128k_qwen3 ] && shape=qwen3-8b
   # earlier lanes come along so the summary redraws the whole figure (a rerun lane supersedes)
-  [ -f runs/decode_throughput_128k/records.jsonl ] || { mkdir -p runs/decode_throughput_128k; \
-    cp results/decode_throughput_128k_records.jsonl runs/decode_throughput_128k/records.jsonl; }
+  [ -f runs/$exp/records.jsonl ] || [ ! -f results/${exp}_records.jsonl ] || { mkdir -p runs/$exp; \
+    cp results/${exp}_records.jsonl runs/$exp/records.jsonl; }
   [ -n "${SKIP_TESTS:-}" ] || timeout "${TEST_TIMEOUT:-90}" python -m pytest tests/kernels tests/methods tests/attention -q -m gpu \
     -k "not flashinfer" -p no:cacheprovider -rs 2>&1 | tail -12 | tee -a "$OUT/gpu_tests.log"
   # DeltaKV's checkpoint, when the sweep names no methods or names deltakv
   if [[ "$*" != *sparse_method=* || "$*" == *deltakv* ]]; then
-    deltakv_checkpoint
+    deltakv_checkpoint $shape
     set -- "$@" deltakv_checkpoint=$dk
   fi
   # THROUGHPUT_TIMEOUT (s) bounds the sweep so that what it recorded still comes back
-  timeout "${THROUGHPUT_TIMEOUT:-480}" python run.py -m experiment=decode_throughput_128k "$@" 2>&1 \
+  timeout "${THROUGHPUT_TIMEOUT:-480}" python run.py -m experiment=$exp "$@" 2>&1 \
     | grep -v -E "^\s*$|it/s\]|s/it\]" | tail -40
-  cp runs/decode_throughput_128k/records.jsonl "$OUT/" 2>/dev/null
-  cp results/decode_throughput_128k.csv results/figures/decode_throughput_128k.png "$OUT/" 2>/dev/null
+  cp runs/$exp/records.jsonl "$OUT/" 2>/dev/null
+  cp results/$exp.csv results/figures/$exp.png "$OUT/" 2>/dev/null
   ;;
 accuracy)
   # python run.py -m experiment=accuracy_smollm2, as concurrent sweeps (each method group x
