@@ -14,8 +14,8 @@ from sparseengine.kernels.bench_gpu import BF16, D, HKV, HQ, PS, emit, per_launc
 def bench_quest_select(out_path, B=6, P=8320, n=131072):
     """Quest's page selection at the 128K decode benchmark's shape (the graph's page table
     is 8320 pages wide), per launch in a CUDA graph of 30 launches (no launch overhead):
-    the full search (radix 2) against the shortlist first, its searches by radix (2, 4) or
-    ranking all pairs (the default; keys a step, warps, blocks, groups and room)."""
+    the full search (radix 2, blocks of 8192 pages) against the shortlist first (radix 1,
+    2, 4; groups and room)."""
     from sparseengine.kernels import quest_select_pages_triton
     from sparseengine.methods.quest import select_pages_batched
 
@@ -24,11 +24,10 @@ def bench_quest_select(out_path, B=6, P=8320, n=131072):
     kv_lens = torch.full((B,), n, dtype=torch.int32, device="cuda")
     args = (scores, kv_lens, PS, 64, 512, 1472)
     want = select_pages_batched(*args)
-    radix = dict(shortlist_rank=False)
-    variants = [dict(radix_bits=2, shortlist=False), dict(radix_bits=2, **radix), dict(radix_bits=4, **radix),
-                dict(radix_bits=4, block_p=8192, num_warps=8, **radix), {}, dict(rank_chunk=8), dict(rank_chunk=32),
-                dict(num_warps=4), dict(num_warps=16), dict(block_p=8192, num_warps=8), dict(block_p=2048, num_warps=4),
-                dict(max_groups=256), dict(max_groups=1024, shortlist_cap=1024), dict(max_groups=256, num_warps=4)]
+    variants = [dict(radix_bits=2, shortlist=False), dict(radix_bits=1), dict(radix_bits=2), dict(radix_bits=4),
+                dict(radix_bits=2, max_groups=2048, shortlist_cap=1024), dict(radix_bits=2, max_groups=256),
+                dict(radix_bits=2, max_groups=1024), dict(radix_bits=4, num_warps=4), dict(radix_bits=4, num_warps=8),
+                dict(radix_bits=4, block_p=4096, num_warps=8), dict(radix_bits=4, block_p=2048, num_warps=4)]
     for kw in variants:
         fn = lambda: quest_select_pages_triton(*args, **kw)  # noqa: E731
         same = all(torch.equal(g, w) for g, w in zip(fn(), want))

@@ -60,16 +60,14 @@ if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing need
 def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_tokens, budget, *,
                               block_p: int = 4096, num_warps: int | None = None, radix_bits: int | None = None,
                               shortlist: bool = True, shortlist_cap: int | None = None,
-                              max_groups: int = MAX_GROUPS, shortlist_rank: bool = True, rank_chunk: int = 16):
+                              max_groups: int = MAX_GROUPS):
     """`block_p`: pages per block (a power of two; capped at P's); `num_warps`: default
     one warp per 512 pages of the block, 1 to 16; `radix_bits`: key bits the searches settle
     per pass (1, 2 or 4: 32, 16 or 8 passes of 2, 4 or 16 counts; default 4 on the
     shortlist, 2 in the full search, the fastest of each at the 128K shape). `shortlist`: search a
     shortlist of candidates first (below), the row cut into at most `max_groups` groups;
     `shortlist_cap`: its room (a power of two; default `next_pow2(4 * top)` within [16,
-    4096]), a row with more candidates runs the full search. `shortlist_rank`: the
-    shortlist's two searches rank all pairs of keys, `rank_chunk` keys a step (a power of
-    two), instead of the radix search (`radix_bits`)."""
+    4096]), a row with more candidates runs the full search."""
     # methods.quest imports this package: read its width rule at call time
     from sparseengine.methods.quest import selection_width
 
@@ -101,17 +99,14 @@ def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_to
     cap = shortlist_cap or min(4096, max(16, next_pow2(4 * top)))
     if cap & (cap - 1) or cap < 16:
         raise ValueError(f"shortlist_cap must be a power of two >= 16, got {cap}")
-    chunk = int_arg("rank_chunk", rank_chunk, 1)
-    if chunk & (chunk - 1):
-        raise ValueError(f"rank_chunk must be a power of two, got {chunk}")
-    block_g = max(16, next_pow2(cdiv(P, group)))
-    scratch = torch.empty((B * H, 2 * cap + block_g) if shortlist else (1, 1), dtype=torch.int32, device=device)
+    scratch = torch.empty((B * H, 2, cap) if shortlist else (1, 2, 1), dtype=torch.int32, device=device)
     _select_kernel[(B * H,)](
         scores, kv_lens, pages, counts, scratch, scores.stride(0), scores.stride(1), H, P, K,
         PAGE_SIZE=ps, SINK_PAGES=cdiv(sink, ps), RECENT=recent, TOTAL=sink + budget + recent,
         TOP=top, BLOCK_P=block_p, BLOCK_K=min(1024, max(16, next_pow2(K))),
         RADIX_BITS=radix_bits or 2, SHORT_RADIX=radix_bits or 4, SHORTLIST=shortlist, GROUP=group,
-        BLOCK_G=block_g, CAP=cap, RANK=bool(shortlist_rank), CHUNK=chunk, num_warps=num_warps or min(16, max(1, block_p // 512)),
+        BLOCK_G=max(16, next_pow2(cdiv(P, group))),
+        CAP=cap, num_warps=num_warps or min(16, max(1, block_p // 512)),
     )
     return pages, counts
 
@@ -140,32 +135,13 @@ def _kth_largest(keys, ok, m, RADIX_BITS: tl.constexpr):
     return lo.to(tl.int32, bitcast=True) ^ -2147483648
 
 
-def _rank_pick(keys_ptr, n, m, CAP: tl.constexpr, CHUNK: tl.constexpr):
-    """Which of the `n` int32 keys at `keys_ptr[0:n]` (slots [0, CAP)) are among the m
-    largest, ties to the earlier slot: key i is taken when fewer than m keys beat it (a
-    larger key, or an equal one in an earlier slot). All pairs, CHUNK keys a step: no
-    serial search passes (a [CAP, CHUNK] block of compares a step, one reduction at the end)."""
-    c = tl.arange(0, CAP)
-    ok = c < n
-    key = tl.load(keys_ptr + c, mask=ok, other=-2147483648)
-    beaten = tl.zeros([CAP, CHUNK], tl.int32)
-    for j0 in range(0, n, CHUNK):
-        j = j0 + tl.arange(0, CHUNK)
-        other = tl.load(keys_ptr + j, mask=j < n, other=-2147483648)
-        wins = (other[None, :] > key[:, None]) | ((other[None, :] == key[:, None]) & (j[None, :] < c[:, None]))
-        beaten += ((j < n)[None, :] & wins).to(tl.int32)
-    return ok & (tl.sum(beaten, 1) < m)
-
-
 def _shortlist_select(row, out, keys_out, P, K, mid_end, m, active, SINK_PAGES: tl.constexpr, GROUP: tl.constexpr,
-                      BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, CAP: tl.constexpr, RADIX_BITS: tl.constexpr,
-                      RANK: tl.constexpr, CHUNK: tl.constexpr):
+                      BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, CAP: tl.constexpr, RADIX_BITS: tl.constexpr):
     """Where `active`, choose the m middle pages through a shortlist of candidates (kept in
-    this row's scratch `keys_out`: CAP keys, then CAP pages, then BLOCK_G group maxima when
-    RANK) and write them at slots SINK_PAGES.. ascending. RANK: both searches rank all pairs
-    (`_rank_pick`), else they run `_kth_largest` RADIX_BITS bits a pass. Returns whether the
-    row still needs the full search: it is not active (every middle page is taken: the full
-    search's two passes do that), or it has more than CAP candidates."""
+    this row's scratch `keys_out`: CAP keys, then CAP pages) and write them at slots
+    SINK_PAGES.. ascending. Returns whether the row still needs the full search: it is
+    not active (every middle page is taken: the full search's two passes do that), or it
+    has more than CAP candidates."""
     n_cand = tl.zeros([], tl.int32)
     if active:
         # L = the m-th largest of the middle groups' maxima (GROUP pages a group): at least
@@ -177,17 +153,7 @@ def _shortlist_select(row, out, keys_out, P, K, mid_end, m, active, SINK_PAGES: 
         in_mid = (grid >= SINK_PAGES) & (grid < mid_end)
         gmax = tl.max(tl.where(in_mid, _page_keys(row, grid, P), -2147483648), 1)
         g_ok = ((g + 1) * GROUP > SINK_PAGES) & (g * GROUP < mid_end)
-        if RANK:
-            # groups outside the middle hold the least key: with m middle groups or more, the
-            # m largest are middle groups; with fewer, every middle page is a candidate
-            n_groups = (mid_end + GROUP - 1) // GROUP
-            tl.store(keys_out + 2 * CAP + g, gmax, mask=g < n_groups)
-            tl.debug_barrier()
-            top_g = _rank_pick(keys_out + 2 * CAP, n_groups, m, BLOCK_G, CHUNK)
-            low = tl.min(tl.where(top_g, gmax, 2147483647), 0)
-            low = tl.where(tl.sum(g_ok.to(tl.int32), 0) >= m, low, -2147483648)
-        else:
-            low = _kth_largest(gmax, g_ok, m, RADIX_BITS)
+        low = _kth_largest(gmax, g_ok, m, RADIX_BITS)
         # The candidates, in page order, into this row's scratch (keys, then pages).
         n_cand = tl.zeros([], tl.int32)
         for p0 in range(0, mid_end, BLOCK_P):
@@ -203,14 +169,11 @@ def _shortlist_select(row, out, keys_out, P, K, mid_end, m, active, SINK_PAGES: 
             tl.debug_barrier()  # this program's scratch stores before its loads
             c = tl.arange(0, CAP)
             c_ok = c < n_cand
-            if RANK:
-                pick = _rank_pick(keys_out, n_cand, m, CAP, CHUNK).to(tl.int32)
-            else:
-                key = tl.load(keys_out + c, mask=c_ok, other=-2147483648)
-                t = _kth_largest(key, c_ok, m, RADIX_BITS)
-                ties = m - tl.sum((c_ok & (key > t)).to(tl.int32), 0)
-                eq = (c_ok & (key == t)).to(tl.int32)
-                pick = (c_ok & ((key > t) | ((eq > 0) & (tl.cumsum(eq, 0) - eq < ties)))).to(tl.int32)
+            key = tl.load(keys_out + c, mask=c_ok, other=-2147483648)
+            t = _kth_largest(key, c_ok, m, RADIX_BITS)
+            ties = m - tl.sum((c_ok & (key > t)).to(tl.int32), 0)
+            eq = (c_ok & (key == t)).to(tl.int32)
+            pick = (c_ok & ((key > t) | ((eq > 0) & (tl.cumsum(eq, 0) - eq < ties)))).to(tl.int32)
             slot = SINK_PAGES + tl.cumsum(pick, 0) - pick
             page = tl.load(keys_out + CAP + c, mask=c_ok, other=0)
             tl.store(out + slot, page.to(tl.int64), mask=(pick > 0) & (slot < K))
@@ -224,7 +187,6 @@ def _select_kernel(
     TOP: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, RADIX_BITS: tl.constexpr,
     SHORT_RADIX: tl.constexpr,
     SHORTLIST: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, CAP: tl.constexpr,
-    RANK: tl.constexpr, CHUNK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // HKV
@@ -254,9 +216,8 @@ def _select_kernel(
     full_search = partial
     if SHORTLIST:
         full_search = partial & _shortlist_select(
-            row, out, scratch_ptr + pid.to(tl.int64) * (2 * CAP + BLOCK_G), P, K, mid_end, m,
-            partial & (recent_first - SINK_PAGES > TOP), SINK_PAGES, GROUP, BLOCK_G, BLOCK_P, CAP, SHORT_RADIX,
-            RANK, CHUNK)
+            row, out, scratch_ptr + pid.to(tl.int64) * (2 * CAP), P, K, mid_end, m,
+            partial & (recent_first - SINK_PAGES > TOP), SINK_PAGES, GROUP, BLOCK_G, BLOCK_P, CAP, SHORT_RADIX)
     if full_search:
         # The middle pages are [SINK_PAGES, mid_end). Blocks start at multiples of BLOCK_P,
         # so the loads stay aligned (vectorised); `ok` masks the sink pages of block 0.

@@ -31,17 +31,12 @@ SPLIT_TYPES.update({name: "i32" for name in (
 
 # id -> (module, kernel, helpers, types, constexprs, num_warps)
 BUILDS = {}
-# the 128K benchmark's launch: 8320-page table, top 92, groups of 32; the shortlist's searches
-# by radix (RANK False) or ranking all pairs, CHUNK keys a step (the default: 16, 4096-page blocks, 8 warps)
-for shortlist, rank, chunk, radix, block_p, warps in (
-        (False, False, 16, 1, 8192, 16), (False, False, 16, 2, 8192, 16), (False, False, 16, 4, 8192, 16),
-        (True, False, 16, 1, 8192, 16), (True, False, 16, 2, 8192, 16), (True, False, 16, 4, 4096, 8),
-        (True, True, 16, 2, 4096, 8), (True, True, 8, 2, 4096, 8), (True, True, 32, 2, 8192, 16)):
-    BUILDS[f"quest_select-shortlist{int(shortlist)}-rank{int(rank)}-chunk{chunk}-radix{radix}-{block_p}"] = (
-        "quest_select", "_select_kernel", ["_page_keys", "_kth_largest", "_rank_pick", "_shortlist_select"],
-        SELECT_TYPES, dict(PAGE_SIZE=16, SINK_PAGES=4, RECENT=512, TOTAL=2048, TOP=92, BLOCK_P=block_p, BLOCK_K=256,
-                           RADIX_BITS=radix, SHORT_RADIX=radix, SHORTLIST=shortlist, GROUP=32, BLOCK_G=512, CAP=512,
-                           RANK=rank, CHUNK=chunk), warps)
+for shortlist in (True, False):  # the 128K benchmark's launch: 8320-page table, top 92, groups of 32
+    for radix in (1, 2, 4):
+        BUILDS[f"quest_select-shortlist{int(shortlist)}-radix{radix}"] = (
+            "quest_select", "_select_kernel", ["_page_keys", "_kth_largest", "_shortlist_select"], SELECT_TYPES,
+            dict(PAGE_SIZE=16, SINK_PAGES=4, RECENT=512, TOTAL=2048, TOP=92, BLOCK_P=8192, BLOCK_K=256,
+                 RADIX_BITS=radix, SHORT_RADIX=radix, SHORTLIST=shortlist, GROUP=32, BLOCK_G=512, CAP=512), 16)
 # dense split-K decode, GQA 4, d 128, bf16: plain, every head's logits (H2O), the group's max
 # logit (OmniKV); partials merged by the second kernel, by the last program, or one split
 for store, combine in ((0, 0), (0, 2), (1, 0), (2, 0), (2, 1), (2, 2)):
@@ -146,7 +141,7 @@ def test_a_launch_binds_what_its_kernel_calls(device):
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert {"_decode_split_kernel", "_select_kernel", "_rms_norm_kernel", "_prefill_kernel"} <= set(out), sorted(out)
     assert {"softmax_step", "_merge_splits"} <= set(out["_decode_split_kernel"]["called"])
-    assert {"_page_keys", "_kth_largest", "_rank_pick", "_shortlist_select"} <= set(out["_select_kernel"]["called"])
+    assert {"_page_keys", "_kth_largest", "_shortlist_select"} <= set(out["_select_kernel"]["called"])
     assert {"_load_h", "_round_to"} <= set(out["_rms_norm_kernel"]["called"])
     assert out["_prefill_kernel"]["called"] == ["causal_paged_block", "softmax_step"]
     for name, got in out.items():

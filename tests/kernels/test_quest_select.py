@@ -49,18 +49,15 @@ def _scores(values: torch.Tensor, kv_lens, ps) -> torch.Tensor:
 
 
 # How the middle pages are searched: the shortlist with room for every candidate (never
-# the full search here), ranking all pairs (the default; in steps of 1 and 4 keys too) or by
-# radix search, the shortlist with 16 slots (rows with more candidates fall back to the full
-# search), the default, and the full search alone.
+# the full search here), the shortlist with 16 slots (rows with more candidates fall back
+# to the full search), the default, and the full search alone.
 SEARCHES = {"shortlist": dict(shortlist_cap=4096), "fallback": dict(shortlist_cap=16), "default": {},
-            "full": dict(shortlist=False), "radix": dict(shortlist_cap=4096, shortlist_rank=False),
-            "rank1": dict(shortlist_cap=4096, rank_chunk=1), "rank4": dict(shortlist_cap=4096, rank_chunk=4)}
+            "full": dict(shortlist=False)}
 
 
-# (search, radix bits): the full search at each radix, the shortlist's radix search at its
-# default and at 1, its ranking at three step widths
-RUNS = [("full", 1), ("full", 2), ("full", 4), ("shortlist", None), ("radix", None), ("radix", 1),
-        ("rank1", None), ("rank4", None), ("fallback", None), ("default", None)]
+# (search, radix bits): the full search at each radix, the shortlist at its default and at 1
+RUNS = [("full", 1), ("full", 2), ("full", 4), ("shortlist", None), ("shortlist", 1), ("fallback", None),
+        ("default", None)]
 
 
 @pytest.mark.parametrize("search,radix_bits", RUNS)
@@ -84,18 +81,12 @@ def test_shortlist_with_few_groups(gen, device):
 
     P, ps = 2 * MAX_GROUPS + 8, 1
     lens = [P, 200, 90]  # 90: fewer groups (~21) than the 24 pages to take
-    values = torch.randn(len(lens), 2, P, generator=gen)
-    # request 90, head 1: one high page a group, so the groups' maxima alone are too few
-    # (middle pages 2..81 with sink 2: groups 0..20 of 4, the last one pages 80 and 81)
-    page = torch.arange(P)
-    values[2, 1] = torch.where((page % 4 == 2) | (page == 80), 10.0, -10.0) + values[2, 1]
-    scores = _scores(values, lens, ps).to(device)
-    for sink in (4, 2):  # 2: the first group holds middle pages too (no group of sink pages only)
-        args = (scores, torch.tensor(lens, device=device), ps, sink, 8, 24)
-        want = select_pages_batched(*args)
-        for search in ("shortlist", "radix", "fallback"):
-            for got, w in zip(quest_select_pages_triton(*args, block_p=1024, **SEARCHES[search]), want):
-                assert torch.equal(got, w), (sink, search)
+    scores = _scores(torch.randn(len(lens), 2, P, generator=gen), lens, ps).to(device)
+    args = (scores, torch.tensor(lens, device=device), ps, 4, 8, 24)
+    want = select_pages_batched(*args)
+    for search in ("shortlist", "fallback"):
+        for got, w in zip(quest_select_pages_triton(*args, block_p=1024, **SEARCHES[search]), want):
+            assert torch.equal(got, w), search
 
 
 def test_strided_scores_and_int64_lengths(gen, device):
@@ -122,8 +113,7 @@ def test_ties_go_to_the_earlier_page(dtype, gen, device):
     scores = _scores(values, lens, ps).to(dtype).to(device)
     kv_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     runs = [(16, 2, "full"), (128, 1, "full"), (128, 4, "full"),  # 128 >= P: one block
-            (16, None, "shortlist"), (128, None, "shortlist"), (16, None, "rank1"), (128, None, "rank4"),
-            (16, 2, "radix"), (128, 1, "radix"), (16, None, "radix"), (16, 2, "fallback")]
+            (16, 2, "shortlist"), (128, 1, "shortlist"), (16, None, "shortlist"), (16, 2, "fallback")]
     for block, radix_bits, search in runs:
         pages, counts = quest_select_pages_triton(scores, kv_lens, ps, sink, recent, budget, block_p=block,
                                                   radix_bits=radix_bits, **SEARCHES[search])
@@ -157,8 +147,6 @@ def test_bad_inputs_name_the_value(device):
         quest_select_pages_triton(scores, lens, 4, 4, 4, 8, radix_bits=3)
     with pytest.raises(ValueError, match="shortlist_cap must be a power of two >= 16, got 24"):
         quest_select_pages_triton(scores, lens, 4, 4, 4, 8, shortlist_cap=24)
-    with pytest.raises(ValueError, match="rank_chunk must be a power of two, got 12"):
-        quest_select_pages_triton(scores, lens, 4, 4, 4, 8, rank_chunk=12)
 
 
 @pytest.mark.gpu
@@ -170,7 +158,7 @@ def test_gpu_128k_batch6_and_cuda_graph(gen):
     args = (scores, kv_lens, ps, sink, recent, budget)
     for block, radix_bits, search in ((1024, 2, "full"), (4096, 1, "full"), (8192, 1, "full"), (8192, 2, "full"),
                                       (8192, 4, "full"), (8192, 2, "default"), (8192, 1, "shortlist"),
-                                      (4096, 4, "radix"), (4096, None, "rank4"), (8192, 2, "fallback")):
+                                      (8192, 2, "fallback")):
         got = quest_select_pages_triton(*args, block_p=block, radix_bits=radix_bits, **SEARCHES[search])
         for g, w in zip(got, select_pages_batched(*args)):
             assert torch.equal(g, w), (block, radix_bits, search)
