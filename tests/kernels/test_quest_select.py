@@ -81,12 +81,18 @@ def test_shortlist_with_few_groups(gen, device):
 
     P, ps = 2 * MAX_GROUPS + 8, 1
     lens = [P, 200, 90]  # 90: fewer groups (~21) than the 24 pages to take
-    scores = _scores(torch.randn(len(lens), 2, P, generator=gen), lens, ps).to(device)
-    args = (scores, torch.tensor(lens, device=device), ps, 4, 8, 24)
-    want = select_pages_batched(*args)
-    for search in ("shortlist", "fallback"):
-        for got, w in zip(quest_select_pages_triton(*args, block_p=1024, **SEARCHES[search]), want):
-            assert torch.equal(got, w), search
+    values = torch.randn(len(lens), 2, P, generator=gen)
+    # request 90, head 1: one high page a group, so the groups' maxima alone are too few
+    # (middle pages 2..81 with sink 2: groups 0..20 of 4, the last one pages 80 and 81)
+    page = torch.arange(P)
+    values[2, 1] = torch.where((page % 4 == 2) | (page == 80), 10.0, -10.0) + values[2, 1]
+    scores = _scores(values, lens, ps).to(device)
+    for sink in (4, 2):  # 2: the first group holds middle pages too (no group of sink pages only)
+        args = (scores, torch.tensor(lens, device=device), ps, sink, 8, 24)
+        want = select_pages_batched(*args)
+        for search in ("shortlist", "fallback"):
+            for got, w in zip(quest_select_pages_triton(*args, block_p=1024, **SEARCHES[search]), want):
+                assert torch.equal(got, w), (sink, search)
 
 
 def test_strided_scores_and_int64_lengths(gen, device):
