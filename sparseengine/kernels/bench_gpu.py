@@ -183,11 +183,14 @@ def bench_decode(out_path, B, L, chunks=(None, 512, 1024, 2048, 4096, 8192), tun
 
 
 def bench_decode_splits(out_path, B, L, capacity):
-    """Split strategies side by side: per-row chunks (auto) against fixed 2048-token chunks,
-    each merged in the kernel or by the second kernel. `capacity` > L is a page table wider
-    than the rows (a CUDA graph's table sized for max_model_len, e.g. SnapKV's compacted
-    rows at a large batch)."""
-    from triton.testing import do_bench
+    """Split plans side by side, per launch in a CUDA graph of 30 (`per_launch_us`; a cache
+    under the L2's 60 MB is read from L2 after the first launch): the auto plan (fixed
+    chunks for few rows, short rows split finer; one program a row for many rows), the same
+    without the finer splits (`fine_splits=0`: the plan before the finer splits),
+    each row over its own length in `want_splits` chunks, and fixed 2048-token chunks.
+    `capacity` > L is a page table wider than the rows (a CUDA graph's table sized for
+    max_model_len, e.g. SnapKV's compacted rows)."""
+    from sparseengine.kernels.paged_decode import want_splits
 
     q, k_cache, v_cache, page_table, kv_lens = _decode_cache(B, L)
     wide = torch.cat([page_table, page_table[:, :1].expand(-1, capacity // PS - page_table.shape[1])], 1).contiguous()
@@ -195,15 +198,15 @@ def bench_decode_splits(out_path, B, L, capacity):
     shape = {"batch": B, "kv_len": L, "capacity": capacity, "hq": HQ, "hkv": HKV, "head_dim": D, "page_size": PS}
     ref = split_k_decode(q, k_cache, v_cache, wide, kv_lens, mode=MODE_DENSE, capacity=capacity, kv_chunk=2048,
                          fused_combine=False)
-    for chunk in (None, 2048):
-        for fused in (True, False):
-            fn = lambda: split_k_decode(q, k_cache, v_cache, wide, kv_lens, mode=MODE_DENSE,  # noqa: E731
-                                        capacity=capacity, kv_chunk=chunk, fused_combine=fused)
-            err = (fn().float() - ref.float()).abs().max().item()
-            ms = do_bench(fn, return_mode="median")
-            emit(out_path, {"kind": "splits", "kernel": "split_k_decode", "kv_chunk": chunk or "per-row",
-                             "fused_combine": fused, **shape, "ms": ms, "GBps": kv_bytes / ms / 1e6,
-                             "max_abs_diff_vs_fixed_two_kernel": err})
+    plans = {"auto": {}, "auto_no_fine": dict(fine_splits=0),
+             "per_row": dict(row_splits=want_splits(B * HKV, q.device)), "fixed_2048": dict(kv_chunk=2048)}
+    for plan, kw in plans.items():
+        fn = lambda: split_k_decode(q, k_cache, v_cache, wide, kv_lens, mode=MODE_DENSE,  # noqa: E731
+                                    capacity=capacity, **kw)
+        err = (fn().float() - ref.float()).abs().max().item()
+        us = per_launch_us(fn)
+        emit(out_path, {"kind": "splits", "kernel": "split_k_decode", "plan": plan, **kw, **shape, "us": us,
+                        "GBps": kv_bytes / us / 1e3, "max_abs_diff_vs_fixed_2048": err})
 
 
 def _time_cuda(fn, iters=50, warmup=5):
@@ -387,7 +390,8 @@ def main(argv=None):
         bench_quest.bench_quest_attention(args.out)
         return
     if args.splits:
-        for B, L, capacity in ((1, 131072, 133120), (6, 131072, 133120), (32, 32768, 32768), (183, 2304, 133120)):
+        for B, L, capacity in ((1, 131072, 133120), (6, 131072, 133120), (32, 32768, 32768), (1, 2304, 133120),
+                               (6, 2304, 133120), (64, 2304, 133120), (183, 2304, 133120)):
             bench_decode_splits(args.out, B, L, capacity)
         return
     if args.flashinfer:

@@ -77,12 +77,16 @@ def paged_decode_triton(q, k_cache, v_cache, page_table, kv_lens, scale=None, re
                           scale=scale, return_lse=return_lse, kv_chunk=kv_chunk)
 
 
+def want_splits(rows: int, device: torch.device) -> int:
+    """Splits a row so that (request, KV head, chunk) programs fill the GPU ~4 times over."""
+    return max(1, cdiv(4 * _common.num_sms(device), rows))
+
+
 def auto_kv_chunk(capacity: int, rows: int, device: torch.device) -> int:
     """Fixed chunks so that (request, KV head, chunk) programs fill the GPU a few times over."""
-    want_splits = max(1, cdiv(4 * _common.num_sms(device), rows))
     lo = 256 if device.type == "cuda" else 32
     # H200, Hkv=8, d=128 bf16: 1K-2K token chunks ran at 3.7-4.3 TB/s at B=1x128K and B=32x32K.
-    return max(lo, min(2048, next_pow2(cdiv(max(capacity, 1), want_splits))))
+    return max(lo, min(2048, next_pow2(cdiv(max(capacity, 1), want_splits(rows, device)))))
 
 
 def split_plan(capacity: int, rows: int, device: torch.device, kv_chunk: int | None = None,
@@ -107,9 +111,23 @@ def split_plan(capacity: int, rows: int, device: torch.device, kv_chunk: int | N
     return chunk, max(1, cdiv(capacity, chunk))
 
 
+def fine_splits_for(capacity: int, rows: int, device: torch.device, kv_chunk: int | None = None,
+                    row_splits: int | None = None, fine_splits: int | None = None) -> int:
+    """How many chunks a row shorter than the plan's fixed chunks would fill cuts its own
+    length into (0: never finer): with the auto plan's fixed chunks `want_splits`, at most the
+    grid's; `fine_splits` overrides (0 off); a per-row plan has nothing to refine."""
+    chunk, num_splits = split_plan(capacity, rows, device, kv_chunk, row_splits)
+    if not chunk:
+        return 0
+    if fine_splits is None:
+        auto = kv_chunk is None and row_splits is None
+        return min(num_splits, want_splits(rows, device)) if auto else 0
+    return min(num_splits, int(fine_splits))
+
+
 def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, sel=None, num_sel=None,
                    scale=None, return_lse=False, kv_chunk=None, logits=None, logits_group_max=False, block_n=64,
-                   num_warps=4, num_stages=2, fused_combine=None, row_splits=None):
+                   num_warps=4, num_stages=2, fused_combine=None, row_splits=None, fine_splits=None):
     """Launch the split kernel (+ merge). `capacity` = static upper bound of items per row.
 
     mode DENSE: items are tokens 0..kv_len-1. TOKENS: `sel [B, Hkv, K]` token ids, `num_sel
@@ -122,6 +140,11 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
     None (auto): ``MERGE_IN_SPLIT_KERNEL`` (if rows <= counters); one split always writes the
     output directly.
     `row_splits`: each row cuts its own length into this many chunks (default: `split_plan`).
+    `fine_splits`: with fixed chunks, a row whose length would fill fewer than this many
+    takes `ceil(len / fine_splits)` rounded up to whole blocks instead (a short row in a
+    wide page table, e.g. SnapKV's compacted rows in a graph sized for max_model_len, is
+    spread over the GPU instead of one or two chunk programs); 0 turns it off. Default: on
+    in the auto plan (`want_splits`), off when `kv_chunk` or `row_splits` is given.
     """
     B, Hq, d = q.shape
     page_size, Hkv = check_cache(k_cache, Hq, d)
@@ -131,6 +154,7 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
         q = q.contiguous()
     g = Hq // Hkv
     chunk, num_splits = split_plan(capacity, B * Hkv, device, kv_chunk, row_splits)
+    fine = fine_splits_for(capacity, B * Hkv, device, kv_chunk, row_splits, fine_splits)
     if chunk:  # fixed chunks: the grid covers `capacity`
         block_n = min(chunk, block_n)
     combine = _combine_mode(fused_combine, num_splits, B * Hkv)
@@ -156,11 +180,11 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
         sel_t.stride(0) if has_sel else 0, sel_t.stride(1) if has_sel else 0,
         num_sel_t.stride(0) if has_sel else 0, num_sel_t.stride(1) if has_sel else 0,
         out.stride(0), out.stride(1),
-        num_splits, logits.shape[-1] if logits is not None else 0,
+        num_splits, fine, logits.shape[-1] if logits is not None else 0,
         Hkv, Hq,
         GROUP=g, BLOCK_H=max(16, next_pow2(g)), PAGE_SIZE=page_size, CHUNK=chunk, BLOCK_N=block_n,
         MODE=mode, STORE_LOGITS=store_logits, DOT_PREC=_common.dot_precision(q.dtype),
-        COMBINE=combine, **merge_args, num_warps=num_warps, num_stages=num_stages,
+        COMBINE=combine, FINE=fine > 0, **merge_args, num_warps=num_warps, num_stages=num_stages,
     )
     if combine == _PARTIALS:  # a program per (query row, COMBINE_D_TILE channels): more programs than rows
         tile = min(merge_args["BLOCK_D"], COMBINE_D_TILE or merge_args["BLOCK_D"])
@@ -198,11 +222,11 @@ def _decode_split_kernel(
     part_out_ptr, part_lse_ptr, logits_ptr, out_ptr, lse_ptr, counter_ptr, qk_scale,
     stride_qb, stride_qh, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh,
     stride_pt, stride_sel_b, stride_sel_h, stride_ns_b, stride_ns_h, stride_ob, stride_oh,
-    num_splits, logits_len, HKV, HQ,
+    num_splits, fine_splits, logits_len, HKV, HQ,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
     STORE_LOGITS: tl.constexpr, DOT_PREC: tl.constexpr, COMBINE: tl.constexpr, BLOCK_S: tl.constexpr,
-    STORE_LSE: tl.constexpr,
+    STORE_LSE: tl.constexpr, FINE: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -217,6 +241,8 @@ def _decode_split_kernel(
         n_items = tl.load(num_sel_ptr + b * stride_ns_b + kvh * stride_ns_h) * PAGE_SIZE
     if CHUNK == 0:  # the row's own chunk: its items over the splits, whole blocks
         chunk = tl.maximum(tl.cdiv(tl.cdiv(n_items, num_splits), BLOCK_N), 1) * BLOCK_N
+    elif FINE:  # fixed chunks, or finer ones for a row too short to fill fine_splits of them
+        chunk = tl.minimum(tl.maximum(tl.cdiv(tl.cdiv(n_items, fine_splits), BLOCK_N), 1) * BLOCK_N, CHUNK)
     else:
         chunk = CHUNK
     n_active = tl.maximum(tl.cdiv(n_items, chunk), 1)  # splits with items (split 0 always)

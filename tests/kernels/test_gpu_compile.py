@@ -27,7 +27,7 @@ SPLIT_TYPES.update(sel_ptr="*i64", qk_scale="fp32")
 SPLIT_TYPES.update({name: "i32" for name in (
     "stride_qb", "stride_qh", "stride_kp", "stride_ko", "stride_kh", "stride_vp", "stride_vo", "stride_vh",
     "stride_pt", "stride_sel_b", "stride_sel_h", "stride_ns_b", "stride_ns_h", "stride_ob", "stride_oh",
-    "num_splits", "logits_len", "HKV", "HQ")})
+    "num_splits", "fine_splits", "logits_len", "HKV", "HQ")})
 
 # id -> (module, kernel, helpers, types, constexprs, num_warps)
 BUILDS = {}
@@ -43,7 +43,8 @@ for store, combine in ((0, 0), (0, 2), (1, 0), (2, 0), (2, 1), (2, 2)):
     BUILDS[f"split_decode-logits{store}-combine{combine}"] = (
         "paged_decode", "_decode_split_kernel", ["_merge_splits"], SPLIT_TYPES,
         dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16, CHUNK=2048, BLOCK_N=64, MODE=0,
-             STORE_LOGITS=store, DOT_PREC="tf32", COMBINE=combine, BLOCK_S=64, STORE_LSE=True), 4)
+             STORE_LOGITS=store, DOT_PREC="tf32", COMBINE=combine, BLOCK_S=64, STORE_LSE=True,
+             FINE=combine != 2), 4)
 
 # DeltaKV's fused rebuild at a GPU tile (64 entries): int4 and float16 latents into a bf16
 # cache (float16 product), and a float32 engine's (exact product). The first version
