@@ -305,7 +305,9 @@ def _decode_split_kernel(
             tl.store(lse_ptr + b * HQ + hq, lse * 0.6931471805599453, mask=h_mask)
     else:
         row = (b * HQ + hq) * num_splits + split
-        keep = hd_mask if COMBINE == 0 else hd_mask & (split < n_active)
+        # A split past the row's items writes no partial: its lse (-inf, for the second
+        # kernel) gives it weight 0, and the merge loads partials of weight > 0 only.
+        keep = hd_mask & (split < n_active)
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None], mask=keep)
         tl.store(part_lse_ptr + row, lse, mask=h_mask if COMBINE == 0 else h_mask & (split < n_active))
         if COMBINE == 1 and split < n_active:
@@ -335,8 +337,9 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, row, d_start, nu
                   STORE_LSE: tl.constexpr):
     """Merge query row `row` = b * HQ + h, channels `d_start .. d_start + BLOCK_D`: its first
     `n_read` log2-domain partials (of `num_splits` slots) -> out (and, from the channels
-    starting at 0, lse, natural log). Loads bypass L1 (.cg): in the fused kernel other
-    programs wrote the partials just now."""
+    starting at 0, lse, natural log); a partial of weight 0 (lse -inf: a split without
+    items, whose output slot was never written) is not loaded. Loads bypass L1 (.cg): in
+    the fused kernel other programs wrote the partials just now."""
     b = row // HQ
     h = row % HQ
     offs_s = tl.arange(0, BLOCK_S)
@@ -355,7 +358,7 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, row, d_start, nu
         s_mask = s0 + offs_s < n_read
         w = tl.exp2(tl.load(lse_row + s0 + offs_s, mask=s_mask, other=float("-inf"), cache_modifier=".cg") - m)
         o = tl.load(part_out_ptr + (row * num_splits + s0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=s_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
+                    mask=(s_mask & (w > 0))[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
         acc += tl.sum(w[:, None] * o, 0)
         w_vec += w
     w_sum = tl.sum(w_vec, 0)
