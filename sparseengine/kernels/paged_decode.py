@@ -141,7 +141,7 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
     output directly.
     `row_splits`: each row cuts its own length into this many chunks (default: `split_plan`).
     `fine_splits`: with fixed chunks, a row whose length would fill fewer than this many
-    takes `ceil(len / fine_splits)` rounded up to whole blocks instead (a short row in a
+    takes chunks of `ceil(len / fine_splits)` rounded up to whole blocks instead (a short row in a
     wide page table, e.g. SnapKV's compacted rows in a graph sized for max_model_len, is
     spread over the GPU instead of one or two chunk programs); 0 turns it off. Default: on
     in the auto plan (`want_splits`), off when `kv_chunk` or `row_splits` is given.
@@ -242,7 +242,10 @@ def _decode_split_kernel(
     if CHUNK == 0:  # the row's own chunk: its items over the splits, whole blocks
         chunk = tl.maximum(tl.cdiv(tl.cdiv(n_items, num_splits), BLOCK_N), 1) * BLOCK_N
     elif FINE:  # fixed chunks, or finer ones for a row too short to fill fine_splits of them
-        chunk = tl.minimum(tl.maximum(tl.cdiv(tl.cdiv(n_items, fine_splits), BLOCK_N), 1) * BLOCK_N, CHUNK)
+        chunk = CHUNK
+        if tl.cdiv(n_items, CHUNK) < fine_splits:  # (a finer cut only where it adds chunks)
+            chunk = tl.maximum(tl.cdiv(tl.cdiv(n_items, fine_splits), BLOCK_N), 1) * BLOCK_N
+        chunk = tl.multiple_of(chunk, BLOCK_N)
     else:
         chunk = CHUNK
     n_active = tl.maximum(tl.cdiv(n_items, chunk), 1)  # splits with items (split 0 always)
