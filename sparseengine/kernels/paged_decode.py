@@ -48,6 +48,14 @@ MERGE_IN_SPLIT_KERNEL = False
 # Vanilla b=1 at 128K on the H200 (commit 3b57167, results/merge_tile_pdl_ab_h200.jsonl):
 # the merges took 0.09 ms per step against 0.18 a row per program; graph step 8.68 vs 8.86 ms.
 COMBINE_D_TILE: int | None = 32
+# The auto plan cuts short rows finer only when each row should fill this many chunks
+# (rows <= ~4 * SMs / 8: batch <= 9 at 8 KV heads on the H200). Llama-3.1-8B shape at 128K
+# (results/decode_throughput_128k_records.jsonl, commit 8ff9d8e, finer cut at every batch):
+# SnapKV / PyramidKV (total 2048) +22-32% at batch 1-8 against c20ce76, mixed at 16
+# (SnapKV total 8192 -4%), -1 to -9% at 32-64, where a row fills few chunks anyway and the
+# kernel's run-time chunk (not a constexpr) cost ~4% (bench --splits, 64 x 2304 tokens:
+# 262 us against 252 with the fixed chunk). Below this, the kernel keeps the constexpr chunk.
+FINE_MIN_SPLITS = 8
 _split_counters: dict[torch.device, torch.Tensor] = {}
 
 
@@ -114,14 +122,16 @@ def split_plan(capacity: int, rows: int, device: torch.device, kv_chunk: int | N
 def fine_splits_for(capacity: int, rows: int, device: torch.device, kv_chunk: int | None = None,
                     row_splits: int | None = None, fine_splits: int | None = None) -> int:
     """How many chunks a row shorter than the plan's fixed chunks would fill cuts its own
-    length into (0: never finer): with the auto plan's fixed chunks `want_splits`, at most the
-    grid's; `fine_splits` overrides (0 off); a per-row plan has nothing to refine."""
+    length into (0: never finer): with the auto plan's fixed chunks `want_splits` when that
+    is at least `FINE_MIN_SPLITS` (few rows), at most the grid's; `fine_splits` overrides (0
+    off); a per-row plan has nothing to refine."""
     chunk, num_splits = split_plan(capacity, rows, device, kv_chunk, row_splits)
     if not chunk:
         return 0
     if fine_splits is None:
-        auto = kv_chunk is None and row_splits is None
-        return min(num_splits, want_splits(rows, device)) if auto else 0
+        want = want_splits(rows, device)
+        auto = kv_chunk is None and row_splits is None and want >= FINE_MIN_SPLITS
+        return min(num_splits, want) if auto else 0
     return min(num_splits, int(fine_splits))
 
 

@@ -177,9 +177,10 @@ def test_fixed_chunks_split_short_rows_finer(fine_splits, gen, device):
     """Fixed chunks over a page table far wider than the rows (a graph's, sized for
     max_model_len): a row shorter than `fine_splits` chunks cuts its own length finer, a
     long one keeps the chunk; the same attention either way, merged by either path. None:
-    the auto plan (CPU: 4 "SMs", 1 row of Hkv 2 -> 8 splits of 32-token chunks), which
-    turns it on."""
-    q, kv = _inputs((4, 2, 32, 4, [70, 1, 130]), gen, device)
+    the auto plan, which turns it on for one request (CPU: 4 "SMs", 2 rows of Hkv 2: 8
+    chunks a row wanted)."""
+    lens = [70] if fine_splits is None else [70, 1, 130]
+    q, kv = _inputs((4, 2, 32, 4, lens), gen, device)
     wide = torch.cat([kv.page_table, kv.page_table[:, :1].expand(-1, 300)], 1).contiguous()
     args = (q, kv.k_cache, kv.v_cache, wide, kv.kv_lens)
     ref = paged_decode_ref(q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, return_lse=True)
@@ -193,12 +194,13 @@ def test_fixed_chunks_split_short_rows_finer(fine_splits, gen, device):
 
 def test_fine_splits_only_with_the_auto_plans_fixed_chunks():
     """The auto plan's fixed chunks split short rows finer (about `want_splits` chunks, at
-    most the grid's); an explicit kv_chunk or row_splits does not unless fine_splits is given;
-    a per-row plan never does."""
+    most the grid's) when rows are few (`want_splits` >= FINE_MIN_SPLITS); an explicit
+    kv_chunk or row_splits does not unless fine_splits is given; a per-row plan never does."""
     from sparseengine.kernels.paged_decode import fine_splits_for
 
     cpu = torch.device("cpu")  # 4 "SMs": 16 program slots
-    assert fine_splits_for(133120, 8, cpu) == 2  # 2048-token chunks, 65 of them; 16 / 8 rows
+    assert fine_splits_for(133120, 8, cpu) == 0  # 2048-token chunks, 65 of them; 16 / 8 rows: too few
+    assert fine_splits_for(133120, 2, cpu) == 8  # FINE_MIN_SPLITS
     assert fine_splits_for(4096, 1, cpu) == 16  # 16 chunks of 256, want 16
     assert fine_splits_for(600, 1, cpu) == 10  # 10 chunks of 64: no more than the grid
     assert fine_splits_for(100, 1, cpu) == 4  # 4 chunks of 32 (the least chunk on a CPU)
