@@ -66,3 +66,15 @@ def test_default_config_is_the_embedded_model_on_cpu_friendly_settings() -> None
     cfg = compose([])
     assert cfg.engine.model == "smollm2-135m-instruct"
     assert cfg.task.name == "passkey"
+
+
+def test_qwen3_headline_is_the_llama_protocol_on_its_own_shape_and_files() -> None:
+    llama = compose(["experiment=decode_throughput_128k"], return_hydra_config=True)
+    qwen = compose(["experiment=decode_throughput_128k_qwen3"], return_hydra_config=True)
+    assert (llama.engine.model, qwen.engine.model) == ("llama-3.1-8b", "qwen3-8b")
+    assert OmegaConf.to_container(qwen.task) == OmegaConf.to_container(llama.task)
+    assert qwen.total_budget == llama.total_budget == 2048
+    assert qwen.records_path != llama.records_path
+    summary = qwen.hydra.callbacks.summary
+    assert summary.csv_name == "decode_throughput_128k_qwen3.csv"
+    assert list(summary.figures) == ["decode_throughput:decode_throughput_128k_qwen3"]
