@@ -148,7 +148,7 @@ def check_kernels(out_path):
     return ok
 
 
-def _decode_cache(B, L, gen_seed=0):
+def decode_cache(B, L, gen_seed=0):
     torch.manual_seed(gen_seed)
     pages = L // PS
     k_cache = torch.randn(B * pages, PS, HKV, D, device="cuda", dtype=BF16)
@@ -162,7 +162,7 @@ def _decode_cache(B, L, gen_seed=0):
 def bench_decode(out_path, B, L, chunks=(None, 512, 1024, 2048, 4096, 8192), tune=False):
     from triton.testing import do_bench
 
-    q, k_cache, v_cache, page_table, kv_lens = _decode_cache(B, L)
+    q, k_cache, v_cache, page_table, kv_lens = decode_cache(B, L)
     kv_bytes = 2 * B * L * HKV * D * k_cache.element_size()
     shape = {"batch": B, "kv_len": L, "hq": HQ, "hkv": HKV, "head_dim": D, "page_size": PS, "dtype": "bfloat16"}
     for chunk in chunks:
@@ -180,33 +180,6 @@ def bench_decode(out_path, B, L, chunks=(None, 512, 1024, 2048, 4096, 8192), tun
                 emit(out_path, {"kind": "tune", "kernel": "paged_decode_triton", "kv_chunk": chunk or "auto",
                                  "block_n": block_n, "num_warps": warps, "num_stages": stages, **shape, "ms": ms,
                                  "GBps": kv_bytes / ms / 1e6})
-
-
-def bench_decode_splits(out_path, B, L, capacity):
-    """Split plans side by side, per launch in a CUDA graph of 30 (`per_launch_us`; a cache
-    under the L2's 60 MB is read from L2 after the first launch): the auto plan (fixed
-    chunks for few rows, short rows split finer; one program a row for many rows), the same
-    without the finer splits (`fine_splits=0`: the plan before the finer splits),
-    each row over its own length in `want_splits` chunks, and fixed 2048-token chunks.
-    `capacity` > L is a page table wider than the rows (a CUDA graph's table sized for
-    max_model_len, e.g. SnapKV's compacted rows)."""
-    from sparseengine.kernels.paged_decode import want_splits
-
-    q, k_cache, v_cache, page_table, kv_lens = _decode_cache(B, L)
-    wide = torch.cat([page_table, page_table[:, :1].expand(-1, capacity // PS - page_table.shape[1])], 1).contiguous()
-    kv_bytes = 2 * B * L * HKV * D * k_cache.element_size()
-    shape = {"batch": B, "kv_len": L, "capacity": capacity, "hq": HQ, "hkv": HKV, "head_dim": D, "page_size": PS}
-    ref = split_k_decode(q, k_cache, v_cache, wide, kv_lens, mode=MODE_DENSE, capacity=capacity, kv_chunk=2048,
-                         fused_combine=False)
-    plans = {"auto": {}, "auto_no_fine": dict(fine_splits=0),
-             "per_row": dict(row_splits=want_splits(B * HKV, q.device)), "fixed_2048": dict(kv_chunk=2048)}
-    for plan, kw in plans.items():
-        fn = lambda: split_k_decode(q, k_cache, v_cache, wide, kv_lens, mode=MODE_DENSE,  # noqa: E731
-                                    capacity=capacity, **kw)
-        err = (fn().float() - ref.float()).abs().max().item()
-        us = per_launch_us(fn)
-        emit(out_path, {"kind": "splits", "kernel": "split_k_decode", "plan": plan, **kw, **shape, "us": us,
-                        "GBps": kv_bytes / us / 1e3, "max_abs_diff_vs_fixed_2048": err})
 
 
 def _time_cuda(fn, iters=50, warmup=5):
@@ -256,7 +229,7 @@ def bench_flashinfer_decode(out_path, B, L):
     except Exception as e:  # noqa: BLE001 - any import failure means "not available"
         emit(out_path, {"kind": "bench", "kernel": "flashinfer_decode", **shape, "skipped": repr(e)[:300]})
         return
-    q, k_cache, v_cache, page_table, kv_lens = _decode_cache(B, L)
+    q, k_cache, v_cache, page_table, kv_lens = decode_cache(B, L)
     lens = [L - b % PS for b in range(B)]
     kv_lens.copy_(torch.tensor(lens, dtype=torch.int32))
     kv_bytes = 2 * sum(lens) * HKV * D * k_cache.element_size()
@@ -305,7 +278,7 @@ def bench_flashinfer_decode(out_path, B, L):
 def bench_sparse(out_path, B=32, L=32768, budget=2048):
     from triton.testing import do_bench
 
-    q, k_cache, v_cache, page_table, kv_lens = _decode_cache(B, L)
+    q, k_cache, v_cache, page_table, kv_lens = decode_cache(B, L)
     idx = torch.stack([torch.randperm(L, device="cuda")[:budget] for _ in range(B * HKV)]).int().view(B, HKV, budget)
     num = torch.full((B, HKV), budget, dtype=torch.int32, device="cuda")
     pidx = (idx[..., : budget // PS] // PS).contiguous()
@@ -390,9 +363,9 @@ def main(argv=None):
         bench_quest.bench_quest_attention(args.out)
         return
     if args.splits:
-        for B, L, capacity in ((1, 131072, 133120), (6, 131072, 133120), (32, 32768, 32768), (1, 2304, 133120),
-                               (6, 2304, 133120), (64, 2304, 133120), (183, 2304, 133120)):
-            bench_decode_splits(args.out, B, L, capacity)
+        from sparseengine.kernels import bench_splits
+
+        bench_splits.bench_split_plans(args.out)
         return
     if args.flashinfer:
         bench_flashinfer_decode(args.out, 32, 32768)

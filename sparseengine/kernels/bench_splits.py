@@ -1,0 +1,47 @@
+"""The split-K decode's split plans side by side on the GPU
+(`python -m sparseengine.kernels.bench_gpu --splits --out FILE`): the auto plan, the auto
+plan without the finer cut of short rows, each row over its own length, and fixed
+2048-token chunks, at long rows (128K, 32K) and at SnapKV's compacted rows (2304 tokens)
+in a page table sized for max_model_len, from 1 to 183 requests."""
+from __future__ import annotations
+
+import torch
+
+from sparseengine.kernels.bench_gpu import D, HKV, HQ, PS, decode_cache, emit, per_launch_us
+from sparseengine.kernels.paged_decode import MODE_DENSE, split_k_decode
+
+# (requests, tokens a row, page-table capacity in tokens)
+SHAPES = ((1, 131072, 133120), (6, 131072, 133120), (32, 32768, 32768), (1, 2304, 133120), (6, 2304, 133120),
+          (64, 2304, 133120), (183, 2304, 133120))
+
+
+def bench_split_plans(out_path):
+    for B, L, capacity in SHAPES:
+        bench_decode_splits(out_path, B, L, capacity)
+
+
+def bench_decode_splits(out_path, B, L, capacity):
+    """Split plans side by side, per launch in a CUDA graph of 30 (`per_launch_us`; a cache
+    under the L2's 60 MB is read from L2 after the first launch): the auto plan (fixed
+    chunks for few rows, short rows split finer; one program a row for many rows), the same
+    without the finer splits (`fine_splits=0`: the plan before the finer splits),
+    each row over its own length in `want_splits` chunks, and fixed 2048-token chunks.
+    `capacity` > L is a page table wider than the rows (a CUDA graph's table sized for
+    max_model_len, e.g. SnapKV's compacted rows)."""
+    from sparseengine.kernels.paged_decode import want_splits
+
+    q, k_cache, v_cache, page_table, kv_lens = decode_cache(B, L)
+    wide = torch.cat([page_table, page_table[:, :1].expand(-1, capacity // PS - page_table.shape[1])], 1).contiguous()
+    kv_bytes = 2 * B * L * HKV * D * k_cache.element_size()
+    shape = {"batch": B, "kv_len": L, "capacity": capacity, "hq": HQ, "hkv": HKV, "head_dim": D, "page_size": PS}
+    ref = split_k_decode(q, k_cache, v_cache, wide, kv_lens, mode=MODE_DENSE, capacity=capacity, kv_chunk=2048,
+                         fused_combine=False)
+    plans = {"auto": {}, "auto_no_fine": dict(fine_splits=0),
+             "per_row": dict(row_splits=want_splits(B * HKV, q.device)), "fixed_2048": dict(kv_chunk=2048)}
+    for plan, kw in plans.items():
+        fn = lambda: split_k_decode(q, k_cache, v_cache, wide, kv_lens, mode=MODE_DENSE,  # noqa: E731
+                                    capacity=capacity, **kw)
+        err = (fn().float() - ref.float()).abs().max().item()
+        us = per_launch_us(fn)
+        emit(out_path, {"kind": "splits", "kernel": "split_k_decode", "plan": plan, **kw, **shape, "us": us,
+                        "GBps": kv_bytes / us / 1e3, "max_abs_diff_vs_fixed_2048": err})
