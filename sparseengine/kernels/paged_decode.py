@@ -55,10 +55,11 @@ COMBINE_D_TILE: int | None = 32
 # The auto plan cuts short rows finer only when each row should fill this many chunks
 # (rows <= ~4 * SMs / 8: batch <= 9 at 8 KV heads on the H200). Llama-3.1-8B shape at 128K
 # (results/decode_throughput_128k_records.jsonl, commit 8ff9d8e, finer cut at every batch):
-# SnapKV / PyramidKV (total 2048) +22-32% at batch 1-8 against c20ce76, mixed at 16
-# (SnapKV total 8192 -4%), -1 to -9% at 32-64, where a row fills few chunks anyway and the
+# SnapKV / PyramidKV (total 2048) +13-32% at batch 1-8 against c20ce76, mixed at 16
+# (SnapKV total 8192 -4%), -2 to -9% at 32-64, where a row fills few chunks anyway and the
 # kernel's run-time chunk (not a constexpr) cost ~4% (bench --splits, 64 x 2304 tokens:
-# 262 us against 252 with the fixed chunk). Below this, the kernel keeps the constexpr chunk.
+# 262 us against 252 with the fixed chunk). Where fewer chunks a row are wanted, the kernel
+# keeps the constexpr chunk (not rerun end to end since: the path of c20ce76).
 FINE_MIN_SPLITS = 8
 _split_counters: dict[torch.device, torch.Tensor] = {}
 
