@@ -25,7 +25,9 @@ def bench_decode_splits(out_path, B, L, capacity):
     under the L2's 60 MB is read from L2 after the first launch): the auto plan (fixed
     chunks for few rows, short rows split finer; one program a row for many rows), the same
     without the finer splits (`fine_splits=0`: the plan before the finer splits),
-    each row over its own length in `want_splits` chunks, and fixed 2048-token chunks.
+    each row over its own length in `want_splits` chunks (and 2 or 4 times as many: a grid
+    without the fixed plan's empty programs, whose chunks stay short enough to balance), and
+    fixed 2048-token chunks.
     `capacity` > L is a page table wider than the rows (a CUDA graph's table sized for
     max_model_len, e.g. SnapKV's compacted rows)."""
     from sparseengine.kernels.paged_decode import want_splits
@@ -36,8 +38,10 @@ def bench_decode_splits(out_path, B, L, capacity):
     shape = {"batch": B, "kv_len": L, "capacity": capacity, "hq": HQ, "hkv": HKV, "head_dim": D, "page_size": PS}
     ref = split_k_decode(q, k_cache, v_cache, wide, kv_lens, mode=MODE_DENSE, capacity=capacity, kv_chunk=2048,
                          fused_combine=False)
-    plans = {"auto": {}, "auto_no_fine": dict(fine_splits=0),
-             "per_row": dict(row_splits=want_splits(B * HKV, q.device)), "fixed_2048": dict(kv_chunk=2048)}
+    want = want_splits(B * HKV, q.device)
+    plans = {"auto": {}, "auto_no_fine": dict(fine_splits=0), "per_row": dict(row_splits=want),
+             "per_row_2x": dict(row_splits=2 * want), "per_row_4x": dict(row_splits=4 * want),
+             "fixed_2048": dict(kv_chunk=2048)}
     for plan, kw in plans.items():
         fn = lambda: split_k_decode(q, k_cache, v_cache, wide, kv_lens, mode=MODE_DENSE,  # noqa: E731
                                     capacity=capacity, **kw)
