@@ -87,7 +87,7 @@ throughput)
   install_wheels .whl/hydra
   stash_gguf
   exp=${EXPERIMENT:-decode_throughput_128k}
-  shape=llama-3.1-8b; [ "$exp" = decode_throughput_128k_qwen3 ] && shape=qwen3-8b
+  shape=$(python run.py experiment=$exp --cfg job 2>/dev/null | awk '$1=="model:"{print $2; exit}')  # the experiment's model: DeltaKV's checkpoint is fitted for it
   # earlier lanes come along so the summary redraws the whole figure (a rerun lane supersedes)
   [ -f runs/$exp/records.jsonl ] || [ ! -f results/${exp}_records.jsonl ] || { mkdir -p runs/$exp; \
     cp results/${exp}_records.jsonl runs/$exp/records.jsonl; }

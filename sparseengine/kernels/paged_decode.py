@@ -124,19 +124,19 @@ def split_plan(capacity: int, rows: int, device: torch.device, kv_chunk: int | N
     return chunk, max(1, cdiv(capacity, chunk))
 
 
-def fine_splits_for(capacity: int, rows: int, device: torch.device, kv_chunk: int | None = None,
-                    row_splits: int | None = None, fine_splits: int | None = None) -> int:
+def fine_splits_for(plan: tuple[int, int], rows: int, device: torch.device, auto: bool,
+                    fine_splits: int | None = None) -> int:
     """How many chunks a row shorter than the plan's fixed chunks would fill cuts its own
-    length into (0: never finer): with the auto plan's fixed chunks `want_splits` when that
-    is at least `FINE_MIN_SPLITS` (few rows), at most the grid's; `fine_splits` overrides (0
-    off); a per-row plan has nothing to refine."""
-    chunk, num_splits = split_plan(capacity, rows, device, kv_chunk, row_splits)
+    length into (0: never finer). `plan`: `split_plan`'s (chunk, num_splits); `auto`: the
+    plan is the automatic one (no kv_chunk or row_splits given). Auto fixed chunks:
+    `want_splits` when that is at least `FINE_MIN_SPLITS` (few rows), at most the grid's;
+    `fine_splits` overrides (0 off); a per-row plan has nothing to refine."""
+    chunk, num_splits = plan
     if not chunk:
         return 0
     if fine_splits is None:
         want = want_splits(rows, device)
-        auto = kv_chunk is None and row_splits is None and want >= FINE_MIN_SPLITS
-        return min(num_splits, want) if auto else 0
+        return min(num_splits, want) if auto and want >= FINE_MIN_SPLITS else 0
     return min(num_splits, int(fine_splits))
 
 
@@ -169,7 +169,8 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
         q = q.contiguous()
     g = Hq // Hkv
     chunk, num_splits = split_plan(capacity, B * Hkv, device, kv_chunk, row_splits)
-    fine = fine_splits_for(capacity, B * Hkv, device, kv_chunk, row_splits, fine_splits)
+    fine = fine_splits_for((chunk, num_splits), B * Hkv, device, kv_chunk is None and row_splits is None,
+                           fine_splits)
     if chunk:  # fixed chunks: the grid covers `capacity`
         block_n = min(chunk, block_n)
     combine = _combine_mode(fused_combine, num_splits, B * Hkv)

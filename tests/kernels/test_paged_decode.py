@@ -199,12 +199,17 @@ def test_fine_splits_only_with_the_auto_plans_fixed_chunks():
     from sparseengine.kernels.paged_decode import fine_splits_for
 
     cpu = torch.device("cpu")  # 4 "SMs": 16 program slots
-    assert fine_splits_for(133120, 8, cpu) == 0  # 2048-token chunks, 65 of them; 16 / 8 rows: too few
-    assert fine_splits_for(133120, 2, cpu) == 8  # FINE_MIN_SPLITS
-    assert fine_splits_for(4096, 1, cpu) == 16  # 16 chunks of 256, want 16
-    assert fine_splits_for(600, 1, cpu) == 10  # 10 chunks of 64: no more than the grid
-    assert fine_splits_for(100, 1, cpu) == 4  # 4 chunks of 32 (the least chunk on a CPU)
-    assert fine_splits_for(133120, 16, cpu) == 0  # one program per row
-    assert fine_splits_for(4096, 1, cpu, kv_chunk=16) == fine_splits_for(4096, 1, cpu, row_splits=3) == 0
-    assert fine_splits_for(4096, 1, cpu, kv_chunk=16, fine_splits=5) == 5
-    assert fine_splits_for(4096, 1, cpu, fine_splits=0) == 0
+
+    def fine(capacity, rows, kv_chunk=None, row_splits=None, **kw):
+        plan = split_plan(capacity, rows, cpu, kv_chunk, row_splits)
+        return fine_splits_for(plan, rows, cpu, kv_chunk is None and row_splits is None, **kw)
+
+    assert fine(133120, 8) == 0  # 2048-token chunks, 65 of them; 16 / 8 rows: too few
+    assert fine(133120, 2) == 8  # FINE_MIN_SPLITS
+    assert fine(4096, 1) == 16  # 16 chunks of 256, want 16
+    assert fine(600, 1) == 10  # 10 chunks of 64: no more than the grid
+    assert fine(100, 1) == 4  # 4 chunks of 32 (the least chunk on a CPU)
+    assert fine(133120, 16) == 0  # one program per row
+    assert fine(4096, 1, kv_chunk=16) == fine(4096, 1, row_splits=3) == 0
+    assert fine(4096, 1, kv_chunk=16, fine_splits=5) == 5
+    assert fine(4096, 1, fine_splits=0) == 0
