@@ -2,7 +2,8 @@
 (`python -m sparseengine.kernels.bench_gpu --splits --out FILE`): the auto plan, the auto
 plan without the finer cut of short rows, each row over its own length, and fixed
 2048-token chunks, at long rows (128K, 32K) and at SnapKV's compacted rows (2304 tokens)
-in a page table sized for max_model_len, from 1 to 183 requests."""
+in a page table sized for max_model_len, from 1 to 183 requests (and SnapKV's rows at
+total 8192, 8448 tokens, at 16-64)."""
 from __future__ import annotations
 
 import torch
@@ -11,8 +12,9 @@ from sparseengine.kernels.bench_gpu import D, HKV, HQ, PS, decode_cache, emit, p
 from sparseengine.kernels.paged_decode import MODE_DENSE, split_k_decode
 
 # (requests, tokens a row, page-table capacity in tokens)
-SHAPES = ((1, 131072, 133120), (6, 131072, 133120), (32, 32768, 32768), (1, 2304, 133120), (6, 2304, 133120),
-          (64, 2304, 133120), (183, 2304, 133120))
+SHAPES = ((1, 131072, 133120), (6, 131072, 133120), (16, 32768, 32768), (32, 32768, 32768), (1, 2304, 133120),
+          (6, 2304, 133120), (16, 2304, 133120), (32, 2304, 133120), (64, 2304, 133120), (183, 2304, 133120),
+          (16, 8448, 133120), (32, 8448, 133120), (64, 8448, 133120))
 
 
 def bench_split_plans(out_path):
