@@ -13,9 +13,10 @@ allocated once (a fixed address that CUDA-graph replays reuse), so such launches
 run concurrently on two streams of one device.
 
 The grid depends only on static shapes, so the launch is CUDA-graph safe. `split_plan`
-picks fixed chunks (the grid covers the page table's capacity) for few rows, and for rows
-that fill the GPU on their own, one program per row over the row's own length (read on
-the device), so a short row in a wide page table costs no empty programs. With fixed
+picks fixed chunks (the grid covers the page table's capacity) for few rows; for more
+rows, each row cuts its own length (read on the device) into a few chunks, and rows that
+fill the GPU on their own get one program each, so a short row in a wide page table
+costs no empty programs. With fixed
 chunks and very few rows (`fine_splits_for`), a row too short to fill its share of
 chunks cuts its own length finer (SnapKV's compacted rows in a graph table sized for
 max_model_len: 1 x 2304 tokens 9 us against 51). A split past its row's items writes no
@@ -58,9 +59,20 @@ COMBINE_D_TILE: int | None = 32
 # SnapKV / PyramidKV (total 2048) +13-32% at batch 1-8 against c20ce76, mixed at 16
 # (SnapKV total 8192 -4%), -2 to -9% at 32-64, where a row fills few chunks anyway and the
 # kernel's run-time chunk (not a constexpr) cost ~4% (bench --splits, 64 x 2304 tokens:
-# 262 us against 252 with the fixed chunk). Where fewer chunks a row are wanted, the kernel
-# keeps the constexpr chunk (not rerun end to end since: the path of c20ce76).
+# 262 us against 252 with the fixed chunk). Where fewer chunks a row are wanted, the plan
+# cuts each row by its own length (MID_ROW_SPLITS, below) since 4b2f8b9's measurements.
 FINE_MIN_SPLITS = 8
+# Rows between those (want_splits < FINE_MIN_SPLITS) and rows that fill the GPU alone cut
+# their own lengths into this many times want_splits chunks (`split_plan`). H200, per launch
+# in a CUDA graph (bench_gpu --splits, commit 4b2f8b9), us, fixed 2048-token chunks (the
+# plan before) against a row's own length in 1x / 2x / 4x want_splits chunks: SnapKV's
+# compacted rows in a 133120-token table, 16 x 2304 tokens 90.0 vs 48.1 / 50.6 / 50.1,
+# 32 x 2304 123.7 vs 91.8 / 85.7 / 89.6, 64 x 2304 255 vs 154 / 158 / 163, 16 x 8448 156.5
+# vs 167 / 151 / 143.5, 32 x 8448 308 vs 304 / 271 / 274.5, 64 x 8448 622 vs 531 / 529 /
+# 536; long rows filling their table, 16 x 32K 497 vs 616 / 536 / 515, 32 x 32K 1016 vs
+# 1131 / 997 / 1013. 4x is within 4% of the best everywhere. A row far longer than its
+# neighbours (a ragged batch) then runs in fewer, longer programs than fixed chunks give it.
+MID_ROW_SPLITS = 4
 _split_counters: dict[torch.device, torch.Tensor] = {}
 
 
@@ -97,21 +109,34 @@ def want_splits(rows: int, device: torch.device) -> int:
 
 def auto_kv_chunk(capacity: int, rows: int, device: torch.device) -> int:
     """Fixed chunks so that (request, KV head, chunk) programs fill the GPU a few times over."""
-    lo = 256 if device.type == "cuda" else 32
+    lo = _least_chunk(device)
     # H200, Hkv=8, d=128 bf16: 1K-2K token chunks ran at 3.7-4.3 TB/s at B=1x128K and B=32x32K.
     return max(lo, min(2048, next_pow2(cdiv(max(capacity, 1), want_splits(rows, device)))))
+
+
+def _least_chunk(device: torch.device) -> int:
+    return 256 if device.type == "cuda" else 32
 
 
 def split_plan(capacity: int, rows: int, device: torch.device, kv_chunk: int | None = None,
                row_splits: int | None = None) -> tuple[int, int]:
     """(chunk, num_splits) of a launch; chunk 0 = each row cuts its own length (read on the
-    device) into num_splits chunks. Auto: rows that fill the GPU's ~4 blocks per SM on their
-    own get one program each over their own length, so a page table far wider than the rows
-    (a CUDA graph's, sized for max_model_len) spawns no empty programs; fewer rows get fixed
-    `auto_kv_chunk` chunks. Measured on the H200 (bench_gpu --splits, split_k_decode,
-    Hq 32 / Hkv 8 / d 128 bf16): 183 rows x 2304 tokens in a 133120-token table 0.41 ms per
-    row vs 0.70 ms in fixed 2048-token chunks; 1 x 128K 0.19 ms per row (66 splits) vs 0.15
-    ms fixed; 6 x 128K and 32 x 32K within 4% either way."""
+    device) into num_splits chunks. Auto, by how many programs a row should fill
+    (`want_splits`):
+    - rows that fill the GPU's ~4 blocks per SM on their own: one program each over their
+      own length, so a page table far wider than the rows (a CUDA graph's, sized for
+      max_model_len) spawns no empty programs;
+    - few rows (`want_splits >= FINE_MIN_SPLITS`): fixed `auto_kv_chunk` chunks over the
+      capacity (a row's long KV spread evenly whatever its neighbours' lengths; a short row
+      is cut finer, `fine_splits_for`);
+    - between (batch 9-65 at 8 KV heads on the H200): each row over its own length in
+      `MID_ROW_SPLITS * want_splits` chunks (no longer than the capacity cut in chunks of
+      `auto_kv_chunk`'s least), where the fixed chunks' grid over a wide table was almost
+      all empty programs.
+    Measured on the H200 (bench_gpu --splits, split_k_decode, Hq 32 / Hkv 8 / d 128 bf16,
+    results/decode_splits_h200.jsonl): 183 rows x 2304 tokens in a 133120-token table 0.41 ms
+    one program a row against 0.72 ms in fixed 2048-token chunks; the middle band in
+    `MID_ROW_SPLITS`."""
     if kv_chunk is not None:
         if kv_chunk < 16 or kv_chunk & (kv_chunk - 1):
             raise ValueError(f"kv_chunk must be a power of two >= 16, got {kv_chunk}")
@@ -120,6 +145,9 @@ def split_plan(capacity: int, rows: int, device: torch.device, kv_chunk: int | N
         return 0, int(row_splits)
     if rows >= 4 * _common.num_sms(device):
         return 0, 1
+    want = want_splits(rows, device)
+    if want < FINE_MIN_SPLITS:
+        return 0, max(1, min(MID_ROW_SPLITS * want, cdiv(capacity, _least_chunk(device))))
     chunk = auto_kv_chunk(capacity, rows, device)
     return chunk, max(1, cdiv(capacity, chunk))
 

@@ -101,10 +101,14 @@ def test_fused_combine_resets_its_counters(gen, device):
     assert_close(lse, lse_ref, 1e-4, "lse")
 
 
-def test_split_plan_per_row_only_for_rows_that_fill_the_gpu() -> None:
+def test_split_plan_by_how_many_rows() -> None:
     cpu = torch.device("cpu")  # 4 "SMs": 16 program slots
     assert split_plan(4096, 16, cpu) == split_plan(133120, 999, cpu) == (0, 1)  # one program per row
-    assert split_plan(4096, 8, cpu) == (2048, 2)  # fixed chunks fill the slots twice over
+    # Between: a row's own length in MID_ROW_SPLITS x want_splits (2) chunks, however wide
+    # the table; no more than the capacity in chunks of the least auto chunk (32 on a CPU).
+    assert split_plan(4096, 8, cpu) == split_plan(133120, 8, cpu) == (0, 8)
+    assert split_plan(100, 8, cpu) == (0, 4)
+    assert split_plan(4096, 2, cpu) == (512, 8)  # few rows: fixed chunks over the capacity
     assert split_plan(4096, 1, cpu) == (256, 16)
     assert split_plan(4096, 1, cpu, kv_chunk=16) == (16, 256)
     assert split_plan(4096, 1, cpu, row_splits=3) == (0, 3)
