@@ -3,7 +3,7 @@
 plan without the finer cut of short rows, each row over its own length, and fixed
 2048-token chunks, at long rows (128K, 32K) and at SnapKV's compacted rows (2304 tokens)
 in a page table sized for max_model_len, from 1 to 183 requests (and SnapKV's rows at
-total 8192, 8448 tokens, at 16-64)."""
+total 8192, 8448 tokens, at 16-100)."""
 from __future__ import annotations
 
 import torch
@@ -14,7 +14,8 @@ from sparseengine.kernels.paged_decode import MODE_DENSE, split_k_decode
 # (requests, tokens a row, page-table capacity in tokens)
 SHAPES = ((1, 131072, 133120), (6, 131072, 133120), (16, 32768, 32768), (32, 32768, 32768), (1, 2304, 133120),
           (6, 2304, 133120), (16, 2304, 133120), (32, 2304, 133120), (64, 2304, 133120), (183, 2304, 133120),
-          (16, 8448, 133120), (32, 8448, 133120), (64, 8448, 133120))
+          (16, 8448, 133120), (32, 8448, 133120), (64, 8448, 133120), (73, 8448, 133120), (100, 8448, 133120),
+          (128, 2304, 133120), (256, 2304, 133120), (356, 2304, 133120))
 
 
 def bench_split_plans(out_path):

@@ -73,6 +73,13 @@ FINE_MIN_SPLITS = 8
 # 1131 / 997 / 1013. 4x is within 4% of the best everywhere. A row far longer than its
 # neighbours (a ragged batch) then runs in fewer, longer programs than fixed chunks give it.
 MID_ROW_SPLITS = 4
+# Rows that fill the GPU on their own (batch >= 66 at 8 KV heads) had one program each: 584
+# rows of SnapKV total 8192 (8448 tokens, batch 73) then read 71.6% of the limit against
+# 88.1% at batch 64 (cd491c9), a second wave of few long programs. They now take up to
+# ceil(16 * SMs / rows) chunks of at least this many least auto chunks (2048 tokens on a
+# GPU): SnapKV's 2304-token rows at total 2048 stay one program (two 1152-token chunks,
+# 183 x 2304: 433 us against 413).
+MIN_ROW_CHUNK_BLOCKS = 8
 _split_counters: dict[torch.device, torch.Tensor] = {}
 
 
@@ -123,9 +130,10 @@ def split_plan(capacity: int, rows: int, device: torch.device, kv_chunk: int | N
     """(chunk, num_splits) of a launch; chunk 0 = each row cuts its own length (read on the
     device) into num_splits chunks. Auto, by how many programs a row should fill
     (`want_splits`):
-    - rows that fill the GPU's ~4 blocks per SM on their own: one program each over their
-      own length, so a page table far wider than the rows (a CUDA graph's, sized for
-      max_model_len) spawns no empty programs;
+    - rows that fill the GPU's ~4 blocks per SM on their own: each over its own length, so a
+      page table far wider than the rows (a CUDA graph's, sized for max_model_len) spawns no
+      empty programs, in up to `ceil(16 * SMs / rows)` chunks of at least `min_chunk_for`'s
+      tokens (a row shorter than two of those is one program);
     - few rows (`want_splits >= FINE_MIN_SPLITS`): fixed `auto_kv_chunk` chunks over the
       capacity (a row's long KV spread evenly whatever its neighbours' lengths; a short row
       is cut finer, `fine_splits_for`);
@@ -143,8 +151,9 @@ def split_plan(capacity: int, rows: int, device: torch.device, kv_chunk: int | N
         return kv_chunk, max(1, cdiv(capacity, kv_chunk))
     if row_splits is not None:
         return 0, int(row_splits)
-    if rows >= 4 * _common.num_sms(device):
-        return 0, 1
+    sms = _common.num_sms(device)
+    if rows >= 4 * sms:  # up to 16 programs an SM; `min_chunk_for` keeps short rows whole
+        return 0, cdiv(16 * sms, rows)
     want = want_splits(rows, device)
     if want < FINE_MIN_SPLITS:
         return 0, max(1, min(MID_ROW_SPLITS * want, cdiv(capacity, _least_chunk(device))))
@@ -168,9 +177,25 @@ def fine_splits_for(plan: tuple[int, int], rows: int, device: torch.device, auto
     return min(num_splits, int(fine_splits))
 
 
+def min_chunk_for(plan: tuple[int, int], rows: int, device: torch.device, auto: bool,
+                  min_chunk: int | None = None) -> int:
+    """The least chunk a per-row plan cuts a row into (0: none): a row of n items runs in
+    `min(num_splits, max(1, n // min_chunk))` chunks. Auto: `MIN_ROW_CHUNK_BLOCKS` of the
+    least auto chunk (2048 tokens on a GPU) where rows fill the GPU on their own (their
+    plan allows several chunks a row for long rows only); `min_chunk` overrides."""
+    chunk, num_splits = plan
+    if chunk or num_splits == 1:
+        return 0
+    if min_chunk is None:
+        fill = auto and rows >= 4 * _common.num_sms(device)
+        return MIN_ROW_CHUNK_BLOCKS * _least_chunk(device) if fill else 0
+    return max(0, int(min_chunk))
+
+
 def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, sel=None, num_sel=None,
                    scale=None, return_lse=False, kv_chunk=None, logits=None, logits_group_max=False, block_n=64,
-                   num_warps=4, num_stages=2, fused_combine=None, row_splits=None, fine_splits=None):
+                   num_warps=4, num_stages=2, fused_combine=None, row_splits=None, fine_splits=None,
+                   min_chunk=None):
     """Launch the split kernel (+ merge). `capacity` = static upper bound of items per row.
 
     mode DENSE: items are tokens 0..kv_len-1. TOKENS: `sel [B, Hkv, K]` token ids, `num_sel
@@ -188,6 +213,9 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
     wide page table, e.g. SnapKV's compacted rows in a graph sized for max_model_len, is
     spread over the GPU instead of one or two chunk programs); 0 turns it off. Default: on
     in the auto plan (`want_splits`), off when `kv_chunk` or `row_splits` is given.
+    `min_chunk`: with per-row chunks, no chunk shorter than this many items (a short row
+    takes fewer of the splits; `min_chunk_for`); default on in the auto plan for rows that
+    fill the GPU, 0 turns it off.
     """
     B, Hq, d = q.shape
     page_size, Hkv = check_cache(k_cache, Hq, d)
@@ -197,11 +225,12 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
         q = q.contiguous()
     g = Hq // Hkv
     chunk, num_splits = split_plan(capacity, B * Hkv, device, kv_chunk, row_splits)
-    fine = fine_splits_for((chunk, num_splits), B * Hkv, device, kv_chunk is None and row_splits is None,
-                           fine_splits)
+    auto = kv_chunk is None and row_splits is None
+    fine = fine_splits_for((chunk, num_splits), B * Hkv, device, auto, fine_splits)
+    least = min_chunk_for((chunk, num_splits), B * Hkv, device, auto, min_chunk)
     if chunk:  # fixed chunks: the grid covers `capacity`
         block_n = min(chunk, block_n)
-    combine = _combine_mode(fused_combine, num_splits, B * Hkv)
+    combine = _combine_mode(fused_combine, num_splits, B * Hkv, auto and least > 0)
     part_out = _common.empty((B, Hq, num_splits, d), torch.float32, device)
     part_lse = _common.empty((B, Hq, num_splits), torch.float32, device)
     out = _common.empty((B, Hq, d), q.dtype, device)
@@ -224,7 +253,7 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
         sel_t.stride(0) if has_sel else 0, sel_t.stride(1) if has_sel else 0,
         num_sel_t.stride(0) if has_sel else 0, num_sel_t.stride(1) if has_sel else 0,
         out.stride(0), out.stride(1),
-        num_splits, fine, logits.shape[-1] if logits is not None else 0,
+        num_splits, fine, least, logits.shape[-1] if logits is not None else 0,
         Hkv, Hq,
         GROUP=g, BLOCK_H=max(16, next_pow2(g)), PAGE_SIZE=page_size, CHUNK=chunk, BLOCK_N=block_n,
         MODE=mode, STORE_LOGITS=store_logits, DOT_PREC=_common.dot_precision(q.dtype),
@@ -239,12 +268,15 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
     return (out, lse) if return_lse else out
 
 
-def _combine_mode(fused_combine: bool | None, num_splits: int, rows: int) -> int:
+def _combine_mode(fused_combine: bool | None, num_splits: int, rows: int, whole_rows: bool = False) -> int:
+    """`whole_rows`: the auto plan for rows that fill the GPU, where most rows have one
+    chunk with items: merged in the split kernel, such a row writes its output directly
+    (no partial, no merge launch)."""
     if fused_combine is False:
         return _PARTIALS
     if num_splits == 1:
         return _DIRECT
-    if fused_combine is None and not MERGE_IN_SPLIT_KERNEL:
+    if fused_combine is None and not (MERGE_IN_SPLIT_KERNEL or whole_rows):
         return _PARTIALS
     if rows <= MAX_SPLIT_COUNTERS:
         return _LAST_MERGES
@@ -266,7 +298,7 @@ def _decode_split_kernel(
     part_out_ptr, part_lse_ptr, logits_ptr, out_ptr, lse_ptr, counter_ptr, qk_scale,
     stride_qb, stride_qh, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh,
     stride_pt, stride_sel_b, stride_sel_h, stride_ns_b, stride_ns_h, stride_ob, stride_oh,
-    num_splits, fine_splits, logits_len, HKV, HQ,
+    num_splits, fine_splits, min_chunk, logits_len, HKV, HQ,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
     STORE_LOGITS: tl.constexpr, DOT_PREC: tl.constexpr, COMBINE: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -283,8 +315,11 @@ def _decode_split_kernel(
         n_items = tl.load(num_sel_ptr + b * stride_ns_b + kvh * stride_ns_h)
     else:
         n_items = tl.load(num_sel_ptr + b * stride_ns_b + kvh * stride_ns_h) * PAGE_SIZE
-    if CHUNK == 0:  # the row's own chunk: its items over the splits, whole blocks
-        chunk = tl.maximum(tl.cdiv(tl.cdiv(n_items, num_splits), BLOCK_N), 1) * BLOCK_N
+    if CHUNK == 0:  # the row's own chunk: its items over the splits (fewer if min_chunk), whole blocks
+        row_splits = num_splits
+        if min_chunk > 0:
+            row_splits = tl.minimum(num_splits, tl.maximum(n_items // min_chunk, 1))
+        chunk = tl.maximum(tl.cdiv(tl.cdiv(n_items, row_splits), BLOCK_N), 1) * BLOCK_N
     elif FINE:  # fixed chunks, or finer ones for a row too short to fill fine_splits of them
         chunk = CHUNK
         if tl.cdiv(n_items, CHUNK) < fine_splits:  # (a finer cut only where it adds chunks)
@@ -345,7 +380,9 @@ def _decode_split_kernel(
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))  # log2 domain
     hd_mask = h_mask[:, None] & d_mask[None, :]
-    if COMBINE == 2:  # the only split: the partial is the output
+    # The only split, or (merging in this kernel) the row's only split with items: the
+    # partial is the output.
+    if (COMBINE == 2) | ((COMBINE == 1) & (n_active == 1) & (split == 0)):
         tl.store(out_ptr + b * stride_ob + hq[:, None] * stride_oh + offs_d[None, :],
                  (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=hd_mask)
         if STORE_LSE:
@@ -362,7 +399,7 @@ def _decode_split_kernel(
             # program to arrive then sees all the row's partials.
             tl.debug_barrier()
             counter = counter_ptr + pid_bh
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n_active - 1:
+            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n_active - 1:  # n_active > 1 here
                 for i in range(GROUP):
                     _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, b * HQ + kvh * GROUP + i, 0,
                                   num_splits, n_active, stride_ob, stride_oh, HQ, HEAD_DIM, BLOCK_D, BLOCK_S,

@@ -103,7 +103,10 @@ def test_fused_combine_resets_its_counters(gen, device):
 
 def test_split_plan_by_how_many_rows() -> None:
     cpu = torch.device("cpu")  # 4 "SMs": 16 program slots
-    assert split_plan(4096, 16, cpu) == split_plan(133120, 999, cpu) == (0, 1)  # one program per row
+    # Rows that fill the GPU: their own lengths in up to ceil(16 * SMs / rows) chunks (of at
+    # least min_chunk_for's items), one program per row from 16 * SMs rows on.
+    assert split_plan(4096, 16, cpu) == (0, 4) and split_plan(4096, 40, cpu) == (0, 2)
+    assert split_plan(4096, 64, cpu) == split_plan(133120, 999, cpu) == (0, 1)
     # Between: a row's own length in MID_ROW_SPLITS x want_splits (2) chunks, however wide
     # the table; no more than the capacity in chunks of the least auto chunk (32 on a CPU).
     assert split_plan(4096, 8, cpu) == split_plan(133120, 8, cpu) == (0, 8)
@@ -192,6 +195,34 @@ def test_fixed_chunks_split_short_rows_finer(fine_splits, gen, device):
     for fused in (True, False):
         out, lse = split_k_decode(*args, mode=MODE_DENSE, capacity=wide.shape[1] * 4, return_lse=True,
                                   fused_combine=fused, kv_chunk=chunk, fine_splits=fine_splits, block_n=16)
+        assert_close(out, ref[0], 1e-4, f"out fused={fused}")
+        assert_close(lse, ref[1], 1e-4, f"lse fused={fused}")
+
+
+@pytest.mark.parametrize("min_chunk", [None, 32])
+def test_rows_filling_the_gpu_split_only_long_rows(min_chunk, gen, device):
+    """Per-row chunks of at least `min_chunk` items: a row of n items runs in min(splits,
+    n // min_chunk) chunks (here 1, 1, 2, 3 and 4 of 4 splits); the rest of its programs
+    write nothing, and a row with one chunk writes its output directly when the split
+    kernel merges. Both merges, the auto plan (None: CPU rows >= 16 fill the 4 "SMs";
+    min chunk 256, so every row is one chunk) and an explicit one."""
+    from sparseengine.kernels.paged_decode import min_chunk_for
+
+    lens = [10, 40, 64, 100, 130] * 4  # 20 requests x 1 KV head = 20 rows: 4 splits
+    q, kv = _inputs((2, 1, 32, 4, lens), gen, device)
+    cpu = torch.device("cpu")
+    assert min_chunk_for(split_plan(4096, 20, cpu), 20, cpu, True) == 256
+    assert min_chunk_for(split_plan(4096, 20, cpu), 20, cpu, False) == 0  # an explicit plan
+    assert min_chunk_for(split_plan(4096, 8, cpu), 8, cpu, True) == 0  # between: every split has items
+    assert min_chunk_for((0, 4), 20, cpu, True, min_chunk=32) == 32
+    assert min_chunk_for((64, 4), 20, cpu, True, min_chunk=32) == 0  # fixed chunks
+    wide = torch.cat([kv.page_table, kv.page_table[:, :1].expand(-1, 100)], 1).contiguous()
+    args = (q, kv.k_cache, kv.v_cache, wide, kv.kv_lens)
+    ref = paged_decode_ref(q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, return_lse=True)
+    plan = {} if min_chunk is None else dict(row_splits=4, min_chunk=min_chunk)
+    for fused in (True, False, None):
+        out, lse = split_k_decode(*args, mode=MODE_DENSE, capacity=wide.shape[1] * 4, return_lse=True,
+                                  fused_combine=fused, block_n=16, **plan)
         assert_close(out, ref[0], 1e-4, f"out fused={fused}")
         assert_close(lse, ref[1], 1e-4, f"lse fused={fused}")
 
