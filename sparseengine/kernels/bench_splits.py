@@ -23,7 +23,25 @@ def bench_split_plans(out_path):
         bench_decode_splits(out_path, B, L, capacity)
 
 
-def bench_decode_splits(out_path, B, L, capacity):
+LARGE_SHAPES = ((73, 8448, 133120), (128, 2304, 133120), (183, 2304, 133120), (256, 2304, 133120))
+
+
+def bench_large_rows(out_path):
+    """Rows that fill the GPU on their own (`bench_gpu --splits-large`): where the cost of a
+    split grid goes when most rows fill one chunk. One program a row (the plan before
+    638b4df), the auto plan, and 2 or 4 splits of which only the first has items (a
+    `min_chunk` past every row), merged in the split kernel (that split writes the output)
+    or by the merge kernel; the auto plan's splits merged by the merge kernel."""
+    big = 1 << 30
+    plans = {"one_program": dict(row_splits=1), "auto": {}, "auto_merge_kernel": dict(fused_combine=False),
+             "s2_one_active_in_kernel": dict(row_splits=2, min_chunk=big, fused_combine=True),
+             "s2_one_active_merge_kernel": dict(row_splits=2, min_chunk=big, fused_combine=False),
+             "s4_one_active_in_kernel": dict(row_splits=4, min_chunk=big, fused_combine=True)}
+    for B, L, capacity in LARGE_SHAPES:
+        bench_decode_splits(out_path, B, L, capacity, plans)
+
+
+def bench_decode_splits(out_path, B, L, capacity, plans=None):
     """Split plans side by side, per launch in a CUDA graph of 30 (`per_launch_us`; a cache
     under the L2's 60 MB is read from L2 after the first launch): the auto plan (fixed
     chunks for few rows, short rows split finer; one program a row for many rows), the same
@@ -42,9 +60,9 @@ def bench_decode_splits(out_path, B, L, capacity):
     ref = split_k_decode(q, k_cache, v_cache, wide, kv_lens, mode=MODE_DENSE, capacity=capacity, kv_chunk=2048,
                          fused_combine=False)
     want = want_splits(B * HKV, q.device)
-    plans = {"auto": {}, "auto_no_fine": dict(fine_splits=0), "per_row": dict(row_splits=want),
-             "per_row_2x": dict(row_splits=2 * want), "per_row_4x": dict(row_splits=4 * want),
-             "fixed_2048": dict(kv_chunk=2048)}
+    plans = plans or {"auto": {}, "auto_no_fine": dict(fine_splits=0), "per_row": dict(row_splits=want),
+                      "per_row_2x": dict(row_splits=2 * want), "per_row_4x": dict(row_splits=4 * want),
+                      "fixed_2048": dict(kv_chunk=2048)}
     for plan, kw in plans.items():
         fn = lambda: split_k_decode(q, k_cache, v_cache, wide, kv_lens, mode=MODE_DENSE,  # noqa: E731
                                     capacity=capacity, **kw)
