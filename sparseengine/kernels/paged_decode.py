@@ -75,10 +75,13 @@ FINE_MIN_SPLITS = 8
 MID_ROW_SPLITS = 4
 # Rows that fill the GPU on their own (batch >= 66 at 8 KV heads) had one program each: 584
 # rows of SnapKV total 8192 (8448 tokens, batch 73) then read 71.6% of the limit against
-# 88.1% at batch 64 (cd491c9), a second wave of few long programs. They now take up to
-# ceil(16 * SMs / rows) chunks of at least this many least auto chunks (2048 tokens on a
-# GPU): SnapKV's 2304-token rows at total 2048 stay one program (two 1152-token chunks,
-# 183 x 2304: 433 us against 413).
+# 88.1% at batch 64 (cd491c9). Below 8 rows an SM they now take two chunks of at least this
+# many least auto chunks (2048 tokens on a GPU), so short rows stay one chunk. H200, per
+# launch (bench_gpu --splits / --splits-large, 638b4df and 232c1e8): 73 x 8448 tokens 610-633
+# us against 776 one program a row; 128 x 2304 (one chunk with items) 297.5 against 288-294.
+# Up to ceil(16 * SMs / rows) chunks (638b4df) cost 3-7% at 183 and 256 x 2304 (438 / 594
+# against 411 / 567), hence 8. Merged in the split kernel, the same grids ran 8-10% slower
+# on the short rows (455 / 613), though 73 x 8448 ran 594.
 MIN_ROW_CHUNK_BLOCKS = 8
 _split_counters: dict[torch.device, torch.Tensor] = {}
 
@@ -132,8 +135,8 @@ def split_plan(capacity: int, rows: int, device: torch.device, kv_chunk: int | N
     (`want_splits`):
     - rows that fill the GPU's ~4 blocks per SM on their own: each over its own length, so a
       page table far wider than the rows (a CUDA graph's, sized for max_model_len) spawns no
-      empty programs, in up to `ceil(16 * SMs / rows)` chunks of at least `min_chunk_for`'s
-      tokens (a row shorter than two of those is one program);
+      empty programs, in up to `ceil(8 * SMs / rows)` chunks (2 below 8 rows an SM, else 1)
+      of at least `min_chunk_for`'s tokens (a row shorter than two of those is one chunk);
     - few rows (`want_splits >= FINE_MIN_SPLITS`): fixed `auto_kv_chunk` chunks over the
       capacity (a row's long KV spread evenly whatever its neighbours' lengths; a short row
       is cut finer, `fine_splits_for`);
@@ -152,8 +155,8 @@ def split_plan(capacity: int, rows: int, device: torch.device, kv_chunk: int | N
     if row_splits is not None:
         return 0, int(row_splits)
     sms = _common.num_sms(device)
-    if rows >= 4 * sms:  # up to 16 programs an SM; `min_chunk_for` keeps short rows whole
-        return 0, cdiv(16 * sms, rows)
+    if rows >= 4 * sms:  # two chunks a row below 8 programs an SM; `min_chunk_for` keeps short rows whole
+        return 0, cdiv(8 * sms, rows)
     want = want_splits(rows, device)
     if want < FINE_MIN_SPLITS:
         return 0, max(1, min(MID_ROW_SPLITS * want, cdiv(capacity, _least_chunk(device))))
@@ -230,7 +233,7 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
     least = min_chunk_for((chunk, num_splits), B * Hkv, device, auto, min_chunk)
     if chunk:  # fixed chunks: the grid covers `capacity`
         block_n = min(chunk, block_n)
-    combine = _combine_mode(fused_combine, num_splits, B * Hkv, auto and least > 0)
+    combine = _combine_mode(fused_combine, num_splits, B * Hkv)
     part_out = _common.empty((B, Hq, num_splits, d), torch.float32, device)
     part_lse = _common.empty((B, Hq, num_splits), torch.float32, device)
     out = _common.empty((B, Hq, d), q.dtype, device)
@@ -268,15 +271,12 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
     return (out, lse) if return_lse else out
 
 
-def _combine_mode(fused_combine: bool | None, num_splits: int, rows: int, whole_rows: bool = False) -> int:
-    """`whole_rows`: the auto plan for rows that fill the GPU, where most rows have one
-    chunk with items: merged in the split kernel, such a row writes its output directly
-    (no partial, no merge launch)."""
+def _combine_mode(fused_combine: bool | None, num_splits: int, rows: int) -> int:
     if fused_combine is False:
         return _PARTIALS
     if num_splits == 1:
         return _DIRECT
-    if fused_combine is None and not (MERGE_IN_SPLIT_KERNEL or whole_rows):
+    if fused_combine is None and not MERGE_IN_SPLIT_KERNEL:
         return _PARTIALS
     if rows <= MAX_SPLIT_COUNTERS:
         return _LAST_MERGES

@@ -103,10 +103,10 @@ def test_fused_combine_resets_its_counters(gen, device):
 
 def test_split_plan_by_how_many_rows() -> None:
     cpu = torch.device("cpu")  # 4 "SMs": 16 program slots
-    # Rows that fill the GPU: their own lengths in up to ceil(16 * SMs / rows) chunks (of at
-    # least min_chunk_for's items), one program per row from 16 * SMs rows on.
-    assert split_plan(4096, 16, cpu) == (0, 4) and split_plan(4096, 40, cpu) == (0, 2)
-    assert split_plan(4096, 64, cpu) == split_plan(133120, 999, cpu) == (0, 1)
+    # Rows that fill the GPU: their own lengths in up to ceil(8 * SMs / rows) chunks (of at
+    # least min_chunk_for's items), one program per row from 8 * SMs rows on.
+    assert split_plan(4096, 16, cpu) == split_plan(4096, 31, cpu) == (0, 2)
+    assert split_plan(4096, 32, cpu) == split_plan(133120, 999, cpu) == (0, 1)
     # Between: a row's own length in MID_ROW_SPLITS x want_splits (2) chunks, however wide
     # the table; no more than the capacity in chunks of the least auto chunk (32 on a CPU).
     assert split_plan(4096, 8, cpu) == split_plan(133120, 8, cpu) == (0, 8)
@@ -202,13 +202,13 @@ def test_fixed_chunks_split_short_rows_finer(fine_splits, gen, device):
 @pytest.mark.parametrize("min_chunk", [None, 32])
 def test_rows_filling_the_gpu_split_only_long_rows(min_chunk, gen, device):
     """Per-row chunks of at least `min_chunk` items: a row of n items runs in min(splits,
-    n // min_chunk) chunks (here 1, 1, 2, 3 and 4 of 4 splits); the rest of its programs
+    n // min_chunk) chunks (here 1, 1, 2, 3 and 3 of 4 splits); the rest of its programs
     write nothing, and a row with one chunk writes its output directly when the split
     kernel merges. Both merges, the auto plan (None: CPU rows >= 16 fill the 4 "SMs";
     min chunk 256, so every row is one chunk) and an explicit one."""
     from sparseengine.kernels.paged_decode import min_chunk_for
 
-    lens = [10, 40, 64, 100, 130] * 4  # 20 requests x 1 KV head = 20 rows: 4 splits
+    lens = [10, 40, 64, 100, 130] * 4  # 20 requests x 1 KV head = 20 rows
     q, kv = _inputs((2, 1, 32, 4, lens), gen, device)
     cpu = torch.device("cpu")
     assert min_chunk_for(split_plan(4096, 20, cpu), 20, cpu, True) == 256
