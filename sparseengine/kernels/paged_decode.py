@@ -70,18 +70,18 @@ FINE_MIN_SPLITS = 8
 # 32 x 2304 123.7 vs 91.8 / 85.7 / 89.6, 64 x 2304 255 vs 154 / 158 / 163, 16 x 8448 156.5
 # vs 167 / 151 / 143.5, 32 x 8448 308 vs 304 / 271 / 274.5, 64 x 8448 622 vs 531 / 529 /
 # 536; long rows filling their table, 16 x 32K 497 vs 616 / 536 / 515, 32 x 32K 1016 vs
-# 1131 / 997 / 1013. 4x is within 4% of the best everywhere. A row far longer than its
+# 1131 / 997 / 1013. 4x is within 6% of the best everywhere. A row far longer than its
 # neighbours (a ragged batch) then runs in fewer, longer programs than fixed chunks give it.
 MID_ROW_SPLITS = 4
 # Rows that fill the GPU on their own (batch >= 66 at 8 KV heads) had one program each: 584
 # rows of SnapKV total 8192 (8448 tokens, batch 73) then read 71.6% of the limit against
 # 88.1% at batch 64 (cd491c9). Below 8 rows an SM they now take two chunks of at least this
 # many least auto chunks (2048 tokens on a GPU), so short rows stay one chunk. H200, per
-# launch (bench_gpu --splits / --splits-large, 638b4df and 232c1e8): 73 x 8448 tokens 610-633
-# us against 776 one program a row; 128 x 2304 (one chunk with items) 297.5 against 288-294.
-# Up to ceil(16 * SMs / rows) chunks (638b4df) cost 3-7% at 183 and 256 x 2304 (438 / 594
-# against 411 / 567), hence 8. Merged in the split kernel, the same grids ran 8-10% slower
-# on the short rows (455 / 613), though 73 x 8448 ran 594.
+# launch (bench_gpu --splits-large, results/decode_splits_h200.jsonl): at f6fdc30, 73 x 8448
+# tokens 665 us against 774 one program a row, 128 x 2304 (one chunk with items) 295 against
+# 280; end to end SnapKV total 8192 at batch 73 2688 tok/s (80.8% of the limit). Up to
+# ceil(16 * SMs / rows) chunks merged in the split kernel (638b4df) ran 73 x 8448 in 609 us
+# but cost the short rows 8-11% (183 x 2304: 455 against 411), 3-7% with the merge kernel.
 MIN_ROW_CHUNK_BLOCKS = 8
 _split_counters: dict[torch.device, torch.Tensor] = {}
 
