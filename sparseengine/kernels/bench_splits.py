@@ -10,6 +10,7 @@ import torch
 
 from sparseengine.kernels.bench_gpu import D, HKV, HQ, PS, decode_cache, emit, per_launch_us
 from sparseengine.kernels.paged_decode import MODE_DENSE, split_k_decode
+from sparseengine.kernels.split_plan import want_splits
 
 # (requests, tokens a row, page-table capacity in tokens)
 SHAPES = ((1, 131072, 133120), (6, 131072, 133120), (16, 32768, 32768), (32, 32768, 32768), (1, 2304, 133120),
@@ -51,8 +52,6 @@ def bench_decode_splits(out_path, B, L, capacity, plans=None):
     fixed 2048-token chunks.
     `capacity` > L is a page table wider than the rows (a CUDA graph's table sized for
     max_model_len, e.g. SnapKV's compacted rows)."""
-    from sparseengine.kernels.paged_decode import want_splits
-
     q, k_cache, v_cache, page_table, kv_lens = decode_cache(B, L)
     wide = torch.cat([page_table, page_table[:, :1].expand(-1, capacity // PS - page_table.shape[1])], 1).contiguous()
     kv_bytes = 2 * B * L * HKV * D * k_cache.element_size()

@@ -3,7 +3,8 @@ import torch
 import torch.nn.functional as F
 
 from sparseengine.kernels import paged_decode_ref, paged_decode_triton
-from sparseengine.kernels.paged_decode import MODE_DENSE, split_k_decode, split_plan
+from sparseengine.kernels.paged_decode import MODE_DENSE, split_k_decode
+from sparseengine.kernels.split_plan import min_chunk_for, split_plan
 from sparseengine.kernels.testing import CASES, assert_close, case_id, random_paged_kv, randn
 
 
@@ -101,24 +102,6 @@ def test_fused_combine_resets_its_counters(gen, device):
     assert_close(lse, lse_ref, 1e-4, "lse")
 
 
-def test_split_plan_by_how_many_rows() -> None:
-    cpu = torch.device("cpu")  # 4 "SMs": 16 program slots
-    # Rows that fill the GPU: their own lengths in up to ceil(8 * SMs / rows) chunks (of at
-    # least min_chunk_for's items), one program per row from 8 * SMs rows on.
-    assert split_plan(4096, 16, cpu) == split_plan(4096, 31, cpu) == (0, 2)
-    assert split_plan(4096, 32, cpu) == split_plan(133120, 999, cpu) == (0, 1)
-    # Between: a row's own length in MID_ROW_SPLITS x want_splits (2) chunks, however wide
-    # the table; no more than the capacity in chunks of the least auto chunk (32 on a CPU).
-    assert split_plan(4096, 8, cpu) == split_plan(133120, 8, cpu) == (0, 8)
-    assert split_plan(100, 8, cpu) == (0, 4)
-    assert split_plan(4096, 2, cpu) == (512, 8)  # few rows: fixed chunks over the capacity
-    assert split_plan(4096, 1, cpu) == (256, 16)
-    assert split_plan(4096, 1, cpu, kv_chunk=16) == (16, 256)
-    assert split_plan(4096, 1, cpu, row_splits=3) == (0, 3)
-    with pytest.raises(ValueError, match="kv_chunk must be a power of two >= 16, got 24"):
-        split_plan(4096, 1, cpu, kv_chunk=24)
-
-
 @pytest.mark.parametrize("row_splits", [1, 8])
 def test_wide_table_short_rows_leave_splits_inactive(row_splits, gen, device):
     """Rows cutting their own length, in a page table far wider than the lengths: with 8
@@ -206,8 +189,6 @@ def test_rows_filling_the_gpu_split_only_long_rows(min_chunk, gen, device):
     write nothing, and a row with one chunk writes its output directly when the split
     kernel merges. Both merges, the auto plan (None: CPU rows >= 16 fill the 4 "SMs";
     min chunk 256, so every row is one chunk) and an explicit one."""
-    from sparseengine.kernels.paged_decode import min_chunk_for
-
     lens = [10, 40, 64, 100, 130] * 4  # 20 requests x 1 KV head = 20 rows
     q, kv = _inputs((2, 1, 32, 4, lens), gen, device)
     cpu = torch.device("cpu")
@@ -225,26 +206,3 @@ def test_rows_filling_the_gpu_split_only_long_rows(min_chunk, gen, device):
                                   fused_combine=fused, block_n=16, **plan)
         assert_close(out, ref[0], 1e-4, f"out fused={fused}")
         assert_close(lse, ref[1], 1e-4, f"lse fused={fused}")
-
-
-def test_fine_splits_only_with_the_auto_plans_fixed_chunks():
-    """The auto plan's fixed chunks split short rows finer (about `want_splits` chunks, at
-    most the grid's) when rows are few (`want_splits` >= FINE_MIN_SPLITS); an explicit
-    kv_chunk or row_splits does not unless fine_splits is given; a per-row plan never does."""
-    from sparseengine.kernels.paged_decode import fine_splits_for
-
-    cpu = torch.device("cpu")  # 4 "SMs": 16 program slots
-
-    def fine(capacity, rows, kv_chunk=None, row_splits=None, **kw):
-        plan = split_plan(capacity, rows, cpu, kv_chunk, row_splits)
-        return fine_splits_for(plan, rows, cpu, kv_chunk is None and row_splits is None, **kw)
-
-    assert fine(133120, 8) == 0  # 2048-token chunks, 65 of them; 16 / 8 rows: too few
-    assert fine(133120, 2) == 8  # FINE_MIN_SPLITS
-    assert fine(4096, 1) == 16  # 16 chunks of 256, want 16
-    assert fine(600, 1) == 10  # 10 chunks of 64: no more than the grid
-    assert fine(100, 1) == 4  # 4 chunks of 32 (the least chunk on a CPU)
-    assert fine(133120, 16) == 0  # one program per row
-    assert fine(4096, 1, kv_chunk=16) == fine(4096, 1, row_splits=3) == 0
-    assert fine(4096, 1, kv_chunk=16, fine_splits=5) == 5
-    assert fine(4096, 1, fine_splits=0) == 0
