@@ -12,12 +12,11 @@ zeros the counter for the next launch. The counters live in one buffer per devic
 allocated once (a fixed address that CUDA-graph replays reuse), so such launches must not
 run concurrently on two streams of one device.
 
-The grid depends only on static shapes, so the launch is CUDA-graph safe. `split_plan`
-(`split_plan.py`)
-picks fixed chunks (the grid covers the page table's capacity) for few rows; for more
-rows, each row cuts its own length (read on the device) into a few chunks, and rows that
-fill the GPU on their own get one program each, so a short row in a wide page table
-costs no empty programs. With fixed
+The grid depends only on static shapes, so the launch is CUDA-graph safe. The plan
+(`split_plan.py`) takes fixed chunks (the grid covers the page table's capacity) for few
+rows; for more rows, each row cuts its own length (read on the device) into a few chunks,
+and rows that fill the GPU on their own into one or two, so a short row in a wide page
+table costs no empty programs. With fixed
 chunks and very few rows (`fine_splits_for`), a row too short to fill its share of
 chunks cuts its own length finer (SnapKV's compacted rows in a graph table sized for
 max_model_len: 1 x 2304 tokens 9 us against 51). A split past its row's items writes no
