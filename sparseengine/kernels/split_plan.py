@@ -63,6 +63,11 @@ def _least_chunk(device: torch.device) -> int:
     return 256 if device.type == "cuda" else 32
 
 
+def _fills_gpu(rows: int, device: torch.device) -> bool:
+    """Rows fill the GPU's ~4 blocks per SM on their own (one program a row would)."""
+    return rows >= 4 * _common.num_sms(device)
+
+
 def split_plan(capacity: int, rows: int, device: torch.device, kv_chunk: int | None = None,
                row_splits: int | None = None) -> tuple[int, int]:
     """(chunk, num_splits) of a launch; chunk 0 = each row cuts its own length (read on the
@@ -75,7 +80,7 @@ def split_plan(capacity: int, rows: int, device: torch.device, kv_chunk: int | N
     - few rows (`want_splits >= FINE_MIN_SPLITS`): fixed `auto_kv_chunk` chunks over the
       capacity (a row's long KV spread evenly whatever its neighbours' lengths; a short row
       is cut finer, `fine_splits_for`);
-    - between (batch 9-65 at 8 KV heads on the H200): each row over its own length in
+    - between (batch 10-65 at 8 KV heads on the H200): each row over its own length in
       `MID_ROW_SPLITS * want_splits` chunks (no longer than the capacity cut in chunks of
       `auto_kv_chunk`'s least), where the fixed chunks' grid over a wide table was almost
       all empty programs.
@@ -89,9 +94,8 @@ def split_plan(capacity: int, rows: int, device: torch.device, kv_chunk: int | N
         return kv_chunk, max(1, cdiv(capacity, kv_chunk))
     if row_splits is not None:
         return 0, int(row_splits)
-    sms = _common.num_sms(device)
-    if rows >= 4 * sms:  # two chunks a row below 8 programs an SM; `min_chunk_for` keeps short rows whole
-        return 0, cdiv(8 * sms, rows)
+    if _fills_gpu(rows, device):  # two chunks a row below 8 rows an SM; `min_chunk_for` keeps short rows whole
+        return 0, cdiv(8 * _common.num_sms(device), rows)
     want = want_splits(rows, device)
     if want < FINE_MIN_SPLITS:
         return 0, max(1, min(MID_ROW_SPLITS * want, cdiv(capacity, _least_chunk(device))))
@@ -125,6 +129,6 @@ def min_chunk_for(plan: tuple[int, int], rows: int, device: torch.device, auto: 
     if chunk or num_splits == 1:
         return 0
     if min_chunk is None:
-        fill = auto and rows >= 4 * _common.num_sms(device)
+        fill = auto and _fills_gpu(rows, device)
         return MIN_ROW_CHUNK_BLOCKS * _least_chunk(device) if fill else 0
     return max(0, int(min_chunk))
