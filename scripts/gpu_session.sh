@@ -3,6 +3,7 @@
 #   bash scripts/gpu_session.sh check        # GPU tests, kernels (+FlashInfer side by side), TTFT, profiles
 #   bash scripts/gpu_session.sh profiles     # GPU tests (no FlashInfer), per-kernel decode profiles (vanilla b1, quest b6, omnikv b6, snapkv b183, h2o b128, deltakv b1 and b6), DeltaKV's flush times
 #   bash scripts/gpu_session.sh pick         # GPU tests (kernels, methods), OmniKV's pick side by side, OmniKV b6 profile
+#   bash scripts/gpu_session.sh balanced     # split-K decode tests (all, compiled), the balanced plan beside the per-row one
 #   bash scripts/gpu_session.sh throughput [hydra overrides]   # python run.py -m experiment=$EXPERIMENT
 #     (EXPERIMENT: decode_throughput_128k, the default, or decode_throughput_128k_qwen3)
 #   bash scripts/gpu_session.sh accuracy [hydra overrides]     # python run.py -m experiment=accuracy_smollm2 on the GPU
@@ -82,6 +83,22 @@ pick)
   timeout 120 python -m sparseengine.kernels.bench_gpu --omnikv-select --out "$OUT/omnikv_select.jsonl" 2>&1 | tail -20
   timeout 120 python scripts/profile_decode_step.py --method omnikv --batch 6 --steps 8 --commit "$COMMIT" \
     --out "$OUT/profile_omnikv_b6.json" 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -30
+  ;;
+balanced)
+  timeout 240 python -m pytest tests/kernels/test_paged_decode.py tests/kernels/test_sparse_decode.py \
+    tests/kernels/test_attention_colsum.py tests/kernels/test_omnikv_scores.py tests/kernels/test_split_plan.py -q -p no:cacheprovider -rs 2>&1 \
+    | tail -12 | tee "$OUT/gpu_tests.log"
+  timeout 150 python -m sparseengine.kernels.bench_gpu --splits-ragged --out "$OUT/decode_ragged.jsonl" 2>&1 \
+    | python -c "
+import json, sys
+for line in sys.stdin:
+    try:
+        r = json.loads(line)
+    except ValueError:
+        print(line.rstrip()[-300:]); continue
+    if r.get('kind') == 'splits_ragged':
+        print(f\"{r['shape']:>22} {r['plan']:>16} {r['us']:9.1f} us {r['GBps']:7.0f} GB/s err {r['max_abs_diff_vs_fixed_2048']:.1e}\")
+"
   ;;
 throughput)
   install_wheels .whl/hydra

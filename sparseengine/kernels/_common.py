@@ -73,7 +73,8 @@ class LazyKernel:
             for name in helpers:
                 if compiled and not hasattr(module[name], "fn"):  # another kernel may have jitted it
                     module[name] = triton.jit(module[name])
-            bind_shared_helpers(self.fn, compiled)
+            for f in (self.fn, *(module[h] for h in helpers)):  # shared helpers the module's helpers call too
+                bind_shared_helpers(getattr(f, "fn", f), compiled)
             self._jitted = triton.jit(self.fn)
         return self._jitted[grid]
 

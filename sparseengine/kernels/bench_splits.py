@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from sparseengine.kernels.bench_gpu import D, HKV, HQ, PS, decode_cache, emit, per_launch_us
+from sparseengine.kernels.bench_gpu import BF16, D, HKV, HQ, PS, decode_cache, emit, per_launch_us
 from sparseengine.kernels.paged_decode import MODE_DENSE, split_k_decode
 from sparseengine.kernels.split_plan import want_splits
 
@@ -68,4 +68,54 @@ def bench_decode_splits(out_path, B, L, capacity, plans=None):
         err = (fn().float() - ref.float()).abs().max().item()
         us = per_launch_us(fn)
         emit(out_path, {"kind": "splits", "kernel": "split_k_decode", "plan": plan, **kw, **shape, "us": us,
+                        "GBps": kv_bytes / us / 1e3, "max_abs_diff_vs_fixed_2048": err})
+
+
+# (name, row lengths, page-table capacity in tokens): a ragged batch beside the uniform batch
+# of the same rows' mean length where that is a shape above
+RAGGED_SHAPES = (
+    ("b16_one_128k", [131072] + [2304] * 15, 133120),
+    ("b32_one_128k", [131072] + [4096] * 31, 133120),
+    ("b64_spread_1k_32k", [1024 + (32768 - 1024) * i // 63 for i in range(64)], 133120),
+    ("b100_one_128k", [131072] + [1024] * 99, 133120),
+    ("b200_two_64k", [65536] * 2 + [2048] * 198, 133120),
+)
+UNIFORM_CHECKS = ((16, 2304), (64, 2304), (64, 8448), (73, 8448), (183, 2304), (16, 32768), (6, 131072))
+
+
+def bench_ragged(out_path):
+    """The balanced plan (`bench_gpu --splits-ragged`): ragged batches, and uniform ones
+    (the engine's benchmark rows) as a check that it costs nothing there; per launch in a
+    CUDA graph, the auto plan (balanced where it cuts rows by their own lengths) beside the
+    same plan unbalanced (each row over its own length) and fixed 2048-token chunks."""
+    plans = {"auto": {}, "auto_unbalanced": dict(balanced=False), "fixed_2048": dict(kv_chunk=2048)}
+    for name, lens, capacity in RAGGED_SHAPES:
+        _bench_rows(out_path, name, lens, capacity, plans)
+    for B, L in UNIFORM_CHECKS:
+        _bench_rows(out_path, f"b{B}_uniform_{L}", [L] * B, 133120, plans)
+
+
+def _bench_rows(out_path, name, lens, capacity, plans):
+    torch.manual_seed(0)
+    B, pages = len(lens), [-(-n // PS) for n in lens]
+    k_cache = torch.randn(sum(pages), PS, HKV, D, device="cuda", dtype=BF16)
+    v_cache = torch.randn_like(k_cache)
+    perm = torch.randperm(sum(pages), device="cuda").int()
+    table = torch.zeros(B, capacity // PS, dtype=torch.int32, device="cuda")
+    at = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = perm[at:at + n]
+        at += n
+    kv_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(B, HQ, D, device="cuda", dtype=BF16)
+    kv_bytes = 2 * sum(lens) * HKV * D * k_cache.element_size()
+    ref = split_k_decode(q, k_cache, v_cache, table, kv_lens, mode=MODE_DENSE, capacity=capacity, kv_chunk=2048,
+                         fused_combine=False)
+    shape = {"shape": name, "batch": B, "tokens": sum(lens), "max_len": max(lens), "capacity": capacity}
+    for plan, kw in plans.items():
+        fn = lambda: split_k_decode(q, k_cache, v_cache, table, kv_lens, mode=MODE_DENSE,  # noqa: E731
+                                    capacity=capacity, **kw)
+        err = (fn().float() - ref.float()).abs().max().item()
+        us = per_launch_us(fn)
+        emit(out_path, {"kind": "splits_ragged", "kernel": "split_k_decode", "plan": plan, **kw, **shape, "us": us,
                         "GBps": kv_bytes / us / 1e3, "max_abs_diff_vs_fixed_2048": err})

@@ -55,6 +55,9 @@ MERGE_IN_SPLIT_KERNEL = False
 # the merges took 0.09 ms per step against 0.18 a row per program; graph step 8.68 vs 8.86 ms.
 COMBINE_D_TILE: int | None = 32
 _split_counters: dict[torch.device, torch.Tensor] = {}
+# The balanced plan's programs each read every row's length (a block of next_pow2(rows)):
+# beyond this many rows the per-row plan runs instead.
+MAX_BALANCED_ROWS = 8192
 
 
 def paged_decode_ref(q, k_cache, v_cache, page_table, kv_lens, scale=None, return_lse=False):
@@ -86,7 +89,7 @@ def paged_decode_triton(q, k_cache, v_cache, page_table, kv_lens, scale=None, re
 def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, sel=None, num_sel=None,
                    scale=None, return_lse=False, kv_chunk=None, logits=None, logits_group_max=False, block_n=64,
                    num_warps=4, num_stages=2, fused_combine=None, row_splits=None, fine_splits=None,
-                   min_chunk=None):
+                   min_chunk=None, balanced=None, plan_out=None):
     """Launch the split kernel (+ merge). `capacity` = static upper bound of items per row.
 
     mode DENSE: items are tokens 0..kv_len-1. TOKENS: `sel [B, Hkv, K]` token ids, `num_sel
@@ -107,6 +110,10 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
     `min_chunk`: with per-row chunks, no chunk shorter than this many items (a short row
     takes fewer of the splits; `min_chunk_for`); default on in the auto plan for rows that
     fill the GPU, 0 turns it off.
+    `balanced`: True runs the balanced plan over the plan's `B * Hkv * num_splits` programs
+    (`_balanced_chunks`: one chunk length for the batch, so a row far longer than the
+    others takes more chunks, not longer ones); None (auto): where the auto plan cuts each
+    row by its own length; False never.
     """
     B, Hq, d = q.shape
     page_size, Hkv = check_cache(k_cache, Hq, d)
@@ -114,16 +121,30 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
     _common.check_dtypes(q, k_cache, v_cache)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    g = Hq // Hkv
-    chunk, num_splits = split_plan(capacity, B * Hkv, device, kv_chunk, row_splits)
+    g, rows = Hq // Hkv, B * Hkv
+    chunk, num_splits = split_plan(capacity, rows, device, kv_chunk, row_splits)
     auto = kv_chunk is None and row_splits is None
-    fine = fine_splits_for((chunk, num_splits), B * Hkv, device, auto, fine_splits)
-    least = min_chunk_for((chunk, num_splits), B * Hkv, device, auto, min_chunk)
-    if chunk:  # fixed chunks: the grid covers `capacity`
+    fine = fine_splits_for((chunk, num_splits), rows, device, auto, fine_splits)
+    least = min_chunk_for((chunk, num_splits), rows, device, auto, min_chunk)
+    balanced = _balanced(balanced, chunk, auto, rows)
+    if chunk and not balanced:  # fixed chunks: the grid covers `capacity`
         block_n = min(chunk, block_n)
-    combine = _combine_mode(fused_combine, num_splits, B * Hkv)
-    part_out = _common.empty((B, Hq, num_splits, d), torch.float32, device)
-    part_lse = _common.empty((B, Hq, num_splits), torch.float32, device)
+    combine = _combine_mode(fused_combine, 2 if balanced and num_splits == 1 else num_splits, rows)
+    if balanced and num_splits == 1 and fused_combine is None:
+        combine = _LAST_MERGES  # one chunk a row unless ragged: no merge launch for the usual case
+    # Partials: a (row, split) grid's at [B, Hq, num_splits]; the balanced plan's at [chunk, group
+    # head], at most rows * num_splits + rows chunks (each row rounds its count up once).
+    slots = (rows * num_splits + rows) * g if balanced else B * Hq * num_splits
+    part_out = _common.empty((slots, d), torch.float32, device)
+    part_lse = _common.empty((slots,), torch.float32, device)
+    meta = kv_lens
+    if plan_out is not None and not balanced:
+        raise ValueError("plan_out is written by the balanced plan only (balanced=False or a fixed-chunk plan)")
+    if balanced:
+        meta = plan_out if plan_out is not None else torch.empty((rows, 2), dtype=torch.int32, device=device)
+        if meta.shape != (rows, 2) or meta.dtype != torch.int32 or not meta.is_contiguous():
+            raise ValueError(f"plan_out must be a contiguous int32 [{rows}, 2] tensor, got "
+                             f"{meta.dtype} {tuple(meta.shape)}")
     out = _common.empty((B, Hq, d), q.dtype, device)
     lse = _common.empty((B, Hq), torch.float32, device) if return_lse else part_lse
     counters = _counters(device) if combine == _LAST_MERGES else kv_lens
@@ -134,9 +155,10 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
     store_logits = 0 if logits is None else (2 if logits_group_max else 1)
     merge_args = dict(HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_S=min(64, next_pow2(num_splits)),
                       STORE_LSE=return_lse)
-    _decode_split_kernel[(B * Hkv, num_splits)](
+    grid = (rows * num_splits,) if balanced else (rows, num_splits)
+    _decode_split_kernel[grid](
         q, k_cache, v_cache, page_table, kv_lens, sel_t, num_sel_t, part_out, part_lse, logits_t,
-        out, lse, counters, _common.default_scale(d, scale) * LOG2E,
+        out, lse, counters, meta, _common.default_scale(d, scale) * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -145,18 +167,30 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
         num_sel_t.stride(0) if has_sel else 0, num_sel_t.stride(1) if has_sel else 0,
         out.stride(0), out.stride(1),
         num_splits, fine, least, logits.shape[-1] if logits is not None else 0,
-        Hkv, Hq,
+        Hkv, Hq, rows,
         GROUP=g, BLOCK_H=max(16, next_pow2(g)), PAGE_SIZE=page_size, CHUNK=chunk, BLOCK_N=block_n,
         MODE=mode, STORE_LOGITS=store_logits, DOT_PREC=_common.dot_precision(q.dtype),
-        COMBINE=combine, FINE=fine > 0, **merge_args, num_warps=num_warps, num_stages=num_stages,
+        COMBINE=combine, FINE=fine > 0, BALANCED=balanced, BLOCK_R=next_pow2(rows) if balanced else 1,
+        **merge_args, num_warps=num_warps, num_stages=num_stages,
     )
     if combine == _PARTIALS:  # a program per (query row, COMBINE_D_TILE channels): more programs than rows
         tile = min(merge_args["BLOCK_D"], COMBINE_D_TILE or merge_args["BLOCK_D"])
         _combine_splits_kernel[(B * Hq, merge_args["BLOCK_D"] // tile)](
-            part_out, part_lse, out, lse, num_splits, out.stride(0), out.stride(1), Hq,
-            **dict(merge_args, BLOCK_D=tile, BLOCK_S=min(4096 // tile, next_pow2(num_splits))), num_warps=4,
+            part_out, part_lse, out, lse, meta, num_splits, out.stride(0), out.stride(1), Hq,
+            **dict(merge_args, BLOCK_D=tile, BLOCK_S=min(4096 // tile, next_pow2(num_splits))), GROUP=g,
+            BALANCED=balanced, num_warps=4,
         )
     return (out, lse) if return_lse else out
+
+
+def _balanced(balanced: bool | None, chunk: int, auto: bool, rows: int) -> bool:
+    """Whether a launch takes the balanced plan: asked, or (None) the auto plan's per-row
+    chunks (`split_plan` chunk 0), for up to `MAX_BALANCED_ROWS` rows."""
+    if balanced is None:
+        return auto and not chunk and rows <= MAX_BALANCED_ROWS
+    if balanced and rows > MAX_BALANCED_ROWS:
+        raise ValueError(f"the balanced plan takes at most {MAX_BALANCED_ROWS} rows (B * Hkv), got {rows}")
+    return bool(balanced)
 
 
 def _combine_mode(fused_combine: bool | None, num_splits: int, rows: int) -> int:
@@ -183,39 +217,114 @@ def _counters(device: torch.device) -> torch.Tensor:
 @lazy_jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, sel_ptr, num_sel_ptr,
-    part_out_ptr, part_lse_ptr, logits_ptr, out_ptr, lse_ptr, counter_ptr, qk_scale,
+    part_out_ptr, part_lse_ptr, logits_ptr, out_ptr, lse_ptr, counter_ptr, meta_ptr, qk_scale,
     stride_qb, stride_qh, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh,
     stride_pt, stride_sel_b, stride_sel_h, stride_ns_b, stride_ns_h, stride_ob, stride_oh,
-    num_splits, fine_splits, min_chunk, logits_len, HKV, HQ,
+    num_splits, fine_splits, min_chunk, logits_len, HKV, HQ, rows,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
     STORE_LOGITS: tl.constexpr, DOT_PREC: tl.constexpr, COMBINE: tl.constexpr, BLOCK_S: tl.constexpr,
-    STORE_LSE: tl.constexpr, FINE: tl.constexpr,
+    STORE_LSE: tl.constexpr, FINE: tl.constexpr, BALANCED: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
-    split = tl.program_id(1)
+    if BALANCED:  # a flat grid over the batch's chunks (`_balanced_chunks`), several a program if need be
+        n_prog = tl.num_programs(0)
+        total = _balanced_chunks(kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, rows, n_prog, min_chunk, HKV,
+                                 -1, PAGE_SIZE, BLOCK_N, MODE, BLOCK_R)[0]
+        for item in range(tl.program_id(0), total, n_prog):
+            _, r, split, first, n_active, chunk, n_items = _balanced_chunks(
+                kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, rows, n_prog, min_chunk, HKV, item,
+                PAGE_SIZE, BLOCK_N, MODE, BLOCK_R)
+            if split == 0:  # the row's chunks, for the merge kernel
+                tl.store(meta_ptr + 2 * r, first)
+                tl.store(meta_ptr + 2 * r + 1, n_active)
+            _attend_chunk(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, sel_ptr, part_out_ptr, part_lse_ptr,
+                          logits_ptr, out_ptr, lse_ptr, counter_ptr, qk_scale, stride_qb, stride_qh, stride_kp,
+                          stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, stride_pt, stride_sel_b,
+                          stride_sel_h, stride_ob, stride_oh, logits_len, HKV, HQ,
+                          r, split, chunk, n_items, n_active, item * GROUP, 1, first * GROUP, GROUP,
+                          GROUP, BLOCK_H, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, MODE, STORE_LOGITS, DOT_PREC,
+                          COMBINE, BLOCK_S, STORE_LSE, True)
+    else:  # a (row, split) grid
+        pid_bh = tl.program_id(0)
+        split = tl.program_id(1)
+        b = pid_bh // HKV
+        kvh = pid_bh % HKV
+        if MODE == 0:
+            n_items = tl.load(kv_lens_ptr + b)
+        elif MODE == 1:
+            n_items = tl.load(num_sel_ptr + b * stride_ns_b + kvh * stride_ns_h)
+        else:
+            n_items = tl.load(num_sel_ptr + b * stride_ns_b + kvh * stride_ns_h) * PAGE_SIZE
+        if CHUNK == 0:  # the row's own chunk: its items over the splits (fewer if min_chunk), whole blocks
+            row_splits = num_splits
+            if min_chunk > 0:
+                row_splits = tl.minimum(num_splits, tl.maximum(n_items // min_chunk, 1))
+            chunk = tl.maximum(tl.cdiv(tl.cdiv(n_items, row_splits), BLOCK_N), 1) * BLOCK_N
+        elif FINE:  # fixed chunks, or finer ones for a row too short to fill fine_splits of them
+            chunk = CHUNK
+            if tl.cdiv(n_items, CHUNK) < fine_splits:  # (a finer cut only where it adds chunks)
+                chunk = tl.maximum(tl.cdiv(tl.cdiv(n_items, fine_splits), BLOCK_N), 1) * BLOCK_N
+            chunk = tl.multiple_of(chunk, BLOCK_N)
+        else:
+            chunk = CHUNK
+        n_active = tl.maximum(tl.cdiv(n_items, chunk), 1)  # splits with items (split 0 always)
+        head0 = (b * HQ + kvh * GROUP) * num_splits
+        _attend_chunk(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, sel_ptr, part_out_ptr, part_lse_ptr,
+                      logits_ptr, out_ptr, lse_ptr, counter_ptr, qk_scale, stride_qb, stride_qh, stride_kp,
+                      stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, stride_pt, stride_sel_b, stride_sel_h,
+                      stride_ob, stride_oh, logits_len, HKV, HQ,
+                      pid_bh, split, chunk, n_items, n_active, head0 + split, num_splits, head0, 1,
+                      GROUP, BLOCK_H, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, MODE, STORE_LOGITS, DOT_PREC,
+                      COMBINE, BLOCK_S, STORE_LSE, False)
+
+
+def _balanced_chunks(kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, rows, n_prog, min_chunk, HKV, item,
+                     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The balanced plan, computed alike by every program from the rows' lengths: a chunk
+    of C = ceil(total items / n_prog) (whole blocks) for the batch; row r of n items takes
+    k = ceil(n / C) chunks (at most n // min_chunk where min_chunk > 0; at least 1) of
+    ceil(n / k) items each, whole blocks; the chunks are numbered row after row. Returns
+    (the number of chunks, then for chunk `item`: its row, its index in the row, the
+    row's first chunk, the row's number of chunks, the row's chunk length, the row's items)."""
+    r = tl.arange(0, BLOCK_R)
+    ok = r < rows
+    if MODE == 0:
+        n = tl.load(kv_lens_ptr + r // HKV, mask=ok, other=0)
+    else:
+        n = tl.load(num_sel_ptr + (r // HKV) * stride_ns_b + (r % HKV) * stride_ns_h, mask=ok, other=0)
+        if MODE == 2:
+            n = n * PAGE_SIZE
+    n = n.to(tl.int32)
+    c = tl.cdiv(tl.cdiv(tl.sum(n.to(tl.int64), 0), n_prog), BLOCK_N).to(tl.int32)
+    c = tl.maximum(c, 1) * BLOCK_N
+    k = tl.maximum(tl.cdiv(n, c), 1)
+    if min_chunk > 0:
+        k = tl.minimum(k, tl.maximum(n // min_chunk, 1))
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(n, k), BLOCK_N), 1) * BLOCK_N
+    k = tl.where(ok, tl.maximum(tl.cdiv(n, chunk), 1), 0)
+    cum = tl.cumsum(k, 0)
+    row = tl.sum((cum <= item).to(tl.int32), 0)
+    here = r == row
+    return (tl.sum(k, 0), row, item - tl.sum(tl.where(here, cum - k, 0), 0), tl.sum(tl.where(here, cum - k, 0), 0),
+            tl.sum(tl.where(here, k, 0), 0), tl.sum(tl.where(here, chunk, 0), 0), tl.sum(tl.where(here, n, 0), 0))
+
+
+def _attend_chunk(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, sel_ptr, part_out_ptr, part_lse_ptr, logits_ptr,
+                  out_ptr, lse_ptr, counter_ptr, qk_scale, stride_qb, stride_qh, stride_kp, stride_ko, stride_kh,
+                  stride_vp, stride_vo, stride_vh, stride_pt, stride_sel_b, stride_sel_h, stride_ob, stride_oh,
+                  logits_len, HKV, HQ, pid_bh, split, chunk, n_items, n_active, slot, slot_h, merge_base, merge_step,
+                  GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, STORE_LOGITS: tl.constexpr,
+                  DOT_PREC: tl.constexpr, COMBINE: tl.constexpr, BLOCK_S: tl.constexpr, STORE_LSE: tl.constexpr,
+                  BALANCED: tl.constexpr):
+    """Chunk `split` (items [split * chunk, min(n_items, ...))) of row `pid_bh` (request x
+    KV head) for the group's query heads: its partial at slots `slot + i * slot_h` (query
+    head i of the group), or the output itself where the row has one chunk with items (or
+    the launch one split). With COMBINE 1 the last of the row's chunks to finish merges
+    the row's partials, at `merge_base + i * slot_h + s * merge_step` for chunk s."""
     b = pid_bh // HKV
     kvh = pid_bh % HKV
     kv_len = tl.load(kv_lens_ptr + b)
-    if MODE == 0:
-        n_items = kv_len
-    elif MODE == 1:
-        n_items = tl.load(num_sel_ptr + b * stride_ns_b + kvh * stride_ns_h)
-    else:
-        n_items = tl.load(num_sel_ptr + b * stride_ns_b + kvh * stride_ns_h) * PAGE_SIZE
-    if CHUNK == 0:  # the row's own chunk: its items over the splits (fewer if min_chunk), whole blocks
-        row_splits = num_splits
-        if min_chunk > 0:
-            row_splits = tl.minimum(num_splits, tl.maximum(n_items // min_chunk, 1))
-        chunk = tl.maximum(tl.cdiv(tl.cdiv(n_items, row_splits), BLOCK_N), 1) * BLOCK_N
-    elif FINE:  # fixed chunks, or finer ones for a row too short to fill fine_splits of them
-        chunk = CHUNK
-        if tl.cdiv(n_items, CHUNK) < fine_splits:  # (a finer cut only where it adds chunks)
-            chunk = tl.maximum(tl.cdiv(tl.cdiv(n_items, fine_splits), BLOCK_N), 1) * BLOCK_N
-        chunk = tl.multiple_of(chunk, BLOCK_N)
-    else:
-        chunk = CHUNK
-    n_active = tl.maximum(tl.cdiv(n_items, chunk), 1)  # splits with items (split 0 always)
     start = split * chunk  # an inactive split reads nothing (and, merging in-kernel, writes nothing)
     end = tl.minimum(start + chunk, n_items)
 
@@ -268,15 +377,15 @@ def _decode_split_kernel(
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))  # log2 domain
     hd_mask = h_mask[:, None] & d_mask[None, :]
-    # The only split, or (merging in this kernel) the row's only split with items: the
-    # partial is the output.
-    if (COMBINE == 2) | ((COMBINE == 1) & (n_active == 1) & (split == 0)):
+    # The only split, or the row's only split with items where the merge kernel skips such
+    # rows (balanced) or there is none (merging in this kernel): the partial is the output.
+    if (COMBINE == 2) | (((COMBINE == 1) | BALANCED) & (n_active == 1) & (split == 0)):
         tl.store(out_ptr + b * stride_ob + hq[:, None] * stride_oh + offs_d[None, :],
                  (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=hd_mask)
         if STORE_LSE:
             tl.store(lse_ptr + b * HQ + hq, lse * 0.6931471805599453, mask=h_mask)
     else:
-        row = (b * HQ + hq) * num_splits + split
+        row = slot + offs_h * slot_h
         # A split past the row's items writes no partial: its lse (-inf, for the second
         # kernel) gives it weight 0, and the merge loads partials of weight > 0 only.
         keep = hd_mask & (split < n_active)
@@ -289,38 +398,49 @@ def _decode_split_kernel(
             counter = counter_ptr + pid_bh
             if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n_active - 1:  # n_active > 1 here
                 for i in range(GROUP):
-                    _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, b * HQ + kvh * GROUP + i, 0,
-                                  num_splits, n_active, stride_ob, stride_oh, HQ, HEAD_DIM, BLOCK_D, BLOCK_S,
-                                  STORE_LSE)
+                    _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, b * HQ + kvh * GROUP + i,
+                                  merge_base + i * slot_h, merge_step, 0, n_active,
+                                  stride_ob, stride_oh, HQ, HEAD_DIM, BLOCK_D, BLOCK_S, STORE_LSE)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 @lazy_jit
 def _combine_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_splits, stride_ob, stride_oh, HQ,
+    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, meta_ptr, num_splits, stride_ob, stride_oh, HQ,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, STORE_LSE: tl.constexpr,
+    GROUP: tl.constexpr, BALANCED: tl.constexpr,
 ):
-    _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, tl.program_id(0), tl.program_id(1) * BLOCK_D,
-                  num_splits, num_splits, stride_ob, stride_oh, HQ, HEAD_DIM, BLOCK_D, BLOCK_S, STORE_LSE)
+    row = tl.program_id(0)
+    if BALANCED:  # the row's chunks are numbered in `meta`; a row of one chunk wrote its output
+        kv_row = (row // HQ) * (HQ // GROUP) + (row % HQ) // GROUP
+        first = tl.load(meta_ptr + 2 * kv_row)
+        n_read = tl.load(meta_ptr + 2 * kv_row + 1)
+        if n_read > 1:
+            _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, row, first * GROUP + row % HQ % GROUP,
+                          GROUP, tl.program_id(1) * BLOCK_D, n_read, stride_ob, stride_oh, HQ, HEAD_DIM, BLOCK_D,
+                          BLOCK_S, STORE_LSE)
+    else:
+        _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, row, row * num_splits, 1,
+                      tl.program_id(1) * BLOCK_D, num_splits, stride_ob, stride_oh, HQ, HEAD_DIM, BLOCK_D, BLOCK_S,
+                      STORE_LSE)
 
 
-def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, row, d_start, num_splits, n_read, stride_ob,
+def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, row, base, step, d_start, n_read, stride_ob,
                   stride_oh, HQ, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
                   STORE_LSE: tl.constexpr):
-    """Merge query row `row` = b * HQ + h, channels `d_start .. d_start + BLOCK_D`: its first
-    `n_read` log2-domain partials (of `num_splits` slots) -> out (and, from the channels
-    starting at 0, lse, natural log); a partial of weight 0 (lse -inf: a split without
-    items, whose output slot was never written) is not loaded. Loads bypass L1 (.cg): in
-    the fused kernel other programs wrote the partials just now."""
+    """Merge query row `row` = b * HQ + h, channels `d_start .. d_start + BLOCK_D`: its
+    `n_read` log2-domain partials, at slots `base + s * step` -> out (and, from the
+    channels starting at 0, lse, natural log); a partial of weight 0 (lse -inf: a split
+    without items, whose output slot was never written) is not loaded. Loads bypass L1
+    (.cg): in the fused kernel other programs wrote the partials just now."""
     b = row // HQ
     h = row % HQ
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = d_start + tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    lse_row = part_lse_ptr + row * num_splits
     m_vec = tl.full([BLOCK_S], float("-inf"), tl.float32)
     for s0 in range(0, n_read, BLOCK_S):
-        m_vec = tl.maximum(m_vec, tl.load(lse_row + s0 + offs_s, mask=s0 + offs_s < n_read,
+        m_vec = tl.maximum(m_vec, tl.load(part_lse_ptr + base + (s0 + offs_s) * step, mask=s0 + offs_s < n_read,
                                           other=float("-inf"), cache_modifier=".cg"))
     m = tl.max(m_vec, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
@@ -328,8 +448,9 @@ def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, row, d_start, nu
     w_vec = tl.zeros([BLOCK_S], tl.float32)
     for s0 in range(0, n_read, BLOCK_S):
         s_mask = s0 + offs_s < n_read
-        w = tl.exp2(tl.load(lse_row + s0 + offs_s, mask=s_mask, other=float("-inf"), cache_modifier=".cg") - m)
-        o = tl.load(part_out_ptr + (row * num_splits + s0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+        slots = base + (s0 + offs_s) * step
+        w = tl.exp2(tl.load(part_lse_ptr + slots, mask=s_mask, other=float("-inf"), cache_modifier=".cg") - m)
+        o = tl.load(part_out_ptr + slots[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :],
                     mask=(s_mask & (w > 0))[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
         acc += tl.sum(w[:, None] * o, 0)
         w_vec += w

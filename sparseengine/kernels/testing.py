@@ -119,7 +119,9 @@ def compile_for_gpu(kernel, helpers, types: dict, constexprs: dict, *, num_warps
     shared_saved: dict = {}
     try:
         module["tl"] = triton.language
-        bind_shared_helpers(fn, True, shared_saved)  # as LazyKernel binds them
+        for f in (fn, *(getattr(module.get(h), "fn", module.get(h)) for h in helpers)):  # as LazyKernel binds them
+            if f is not None:
+                bind_shared_helpers(f, True, shared_saved)
         if "libdevice" in fn.__code__.co_names or any("libdevice" in getattr(module[h], "__code__", fn.__code__)
                                                        .co_names for h in helpers):
             from triton.language.extra.cuda import libdevice

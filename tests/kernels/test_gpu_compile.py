@@ -21,13 +21,14 @@ from sparseengine.kernels.testing import record_launches  # noqa: E402
 SELECT_TYPES = dict(scores_ptr="*fp32", kv_lens_ptr="*i32", pages_ptr="*i64", counts_ptr="*i32",
                     scratch_ptr="*i32", stride_sb="i32", stride_sh="i32", HKV="i32", P="i32", K="i32")
 SPLIT_TYPES = {name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
-SPLIT_TYPES.update({name: "*i32" for name in ("page_table_ptr", "kv_lens_ptr", "num_sel_ptr", "counter_ptr")})
+SPLIT_TYPES.update({name: "*i32" for name in ("page_table_ptr", "kv_lens_ptr", "num_sel_ptr", "counter_ptr",
+                                               "meta_ptr")})
 SPLIT_TYPES.update({name: "*fp32" for name in ("part_out_ptr", "part_lse_ptr", "logits_ptr", "lse_ptr")})
 SPLIT_TYPES.update(sel_ptr="*i64", qk_scale="fp32")
 SPLIT_TYPES.update({name: "i32" for name in (
     "stride_qb", "stride_qh", "stride_kp", "stride_ko", "stride_kh", "stride_vp", "stride_vo", "stride_vh",
     "stride_pt", "stride_sel_b", "stride_sel_h", "stride_ns_b", "stride_ns_h", "stride_ob", "stride_oh",
-    "num_splits", "fine_splits", "logits_len", "HKV", "HQ")})
+    "num_splits", "fine_splits", "min_chunk", "logits_len", "HKV", "HQ", "rows")})
 
 # id -> (module, kernel, helpers, types, constexprs, num_warps)
 BUILDS = {}
@@ -39,12 +40,21 @@ for shortlist in (True, False):  # the 128K benchmark's launch: 8320-page table,
                  RADIX_BITS=radix, SHORT_RADIX=radix, SHORTLIST=shortlist, GROUP=32, BLOCK_G=512, CAP=512), 16)
 # dense split-K decode, GQA 4, d 128, bf16: plain, every head's logits (H2O), the group's max
 # logit (OmniKV); partials merged by the second kernel, by the last program, or one split
+# (the merge kernel or the last program); the balanced plan's flat grid over 520 rows, dense
+# and over selected pages (Quest), merged by either
+SPLIT_HELPERS = ["_merge_splits", "_attend_chunk", "_balanced_chunks"]
 for store, combine in ((0, 0), (0, 2), (1, 0), (2, 0), (2, 1), (2, 2)):
     BUILDS[f"split_decode-logits{store}-combine{combine}"] = (
-        "paged_decode", "_decode_split_kernel", ["_merge_splits"], SPLIT_TYPES,
+        "paged_decode", "_decode_split_kernel", SPLIT_HELPERS, SPLIT_TYPES,
         dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16, CHUNK=2048, BLOCK_N=64, MODE=0,
              STORE_LOGITS=store, DOT_PREC="tf32", COMBINE=combine, BLOCK_S=64, STORE_LSE=True,
-             FINE=combine != 2), 4)
+             FINE=combine != 2, BALANCED=False, BLOCK_R=1), 4)
+for mode, combine in ((0, 0), (0, 1), (2, 0), (2, 1)):
+    BUILDS[f"split_decode-balanced-mode{mode}-combine{combine}"] = (
+        "paged_decode", "_decode_split_kernel", SPLIT_HELPERS, SPLIT_TYPES,
+        dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16, CHUNK=0, BLOCK_N=64, MODE=mode,
+             STORE_LOGITS=0, DOT_PREC="tf32", COMBINE=combine, BLOCK_S=64, STORE_LSE=False, FINE=False,
+             BALANCED=True, BLOCK_R=1024), 4)
 
 # DeltaKV's fused rebuild at a GPU tile (64 entries): int4 and float16 latents into a bf16
 # cache (float16 product), and a float32 engine's (exact product). The first version
@@ -97,7 +107,9 @@ for name, b in json.loads(sys.stdin.read()).items():
     kernel = getattr(importlib.import_module(b["module"]), b["kernel"])
     kernel[(1,)]  # what a launch does first (nothing runs): jit the kernel, bind what it calls
     module = kernel.fn.__globals__
-    called = [(module, h) for h in module_helpers(kernel.fn)] + shared(kernel.fn)
+    helpers = module_helpers(kernel.fn)
+    called = [(module, h) for h in helpers] + shared(kernel.fn)
+    called += [c for h in helpers for c in shared(getattr(module[h], "fn", module[h])) if c not in called]
     signature = {n: b["types"].get(n, "constexpr") for n in kernel._jitted.arg_names}
     compiled = triton.compile(ASTSource(fn=kernel._jitted, signature=signature, constexprs=b["constexprs"]),
                               target=GPUTarget("cuda", 90, 32), options=b["options"])

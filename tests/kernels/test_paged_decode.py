@@ -4,7 +4,7 @@ import torch.nn.functional as F
 
 from sparseengine.kernels import paged_decode_ref, paged_decode_triton
 from sparseengine.kernels.paged_decode import MODE_DENSE, split_k_decode
-from sparseengine.kernels.split_plan import min_chunk_for, split_plan
+from sparseengine.kernels.split_plan import balanced_chunks, min_chunk_for, split_plan
 from sparseengine.kernels.testing import CASES, assert_close, case_id, random_paged_kv, randn
 
 
@@ -206,3 +206,89 @@ def test_rows_filling_the_gpu_split_only_long_rows(min_chunk, gen, device):
                                   fused_combine=fused, block_n=16, **plan)
         assert_close(out, ref[0], 1e-4, f"out fused={fused}")
         assert_close(lse, ref[1], 1e-4, f"lse fused={fused}")
+
+
+RAGGED = [300, 10, 0, 37, 5, 64, 12, 9]  # one row far longer than the rest, an empty one
+
+
+@pytest.mark.parametrize("row_splits,min_chunk", [(1, None), (2, None), (3, 32)])
+def test_balanced_plan_gives_a_long_row_more_chunks(row_splits, min_chunk, gen, device):
+    """The balanced plan over a ragged batch: the kernel numbers each row's chunks as
+    `balanced_chunks` defines (read back through `plan_out`), the 300-token row takes at
+    least twice `row_splits` chunks where the per-row plan gives it `row_splits`, and the
+    attention matches the reference under every merge (the merge kernel, the last program,
+    the auto choice)."""
+    q, kv = _inputs((4, 2, 32, 4, RAGGED), gen, device)
+    rows = len(RAGGED) * 2
+    n_items = torch.tensor(RAGGED).repeat_interleave(2)
+    first, k, _ = balanced_chunks(n_items, rows * row_splits, 16, min_chunk or 0)
+    assert k[0] >= 2 * row_splits and int(k.sum()) <= rows * row_splits + rows
+    ref = paged_decode_ref(q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, return_lse=True)
+    for fused in (True, False, None):
+        plan = torch.full((rows, 2), -7, dtype=torch.int32, device=device)
+        out, lse = split_k_decode(q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, mode=MODE_DENSE,
+                                  capacity=kv.page_table.shape[1] * 4, return_lse=True, fused_combine=fused,
+                                  block_n=16, row_splits=row_splits, min_chunk=min_chunk, balanced=True,
+                                  plan_out=plan)
+        assert torch.equal(plan.cpu().long(), torch.stack([first, k], 1)), f"plan fused={fused}"
+        assert_close(out, ref[0], 1e-4, f"out fused={fused}")
+        assert_close(lse, ref[1], 1e-4, f"lse fused={fused}")
+
+
+def test_balanced_chunks_rule():
+    """`balanced_chunks` by hand: 4 rows of 1000, 10, 0 and 90 items over 8 programs,
+    blocks of 16: C = ceil(1100 / 8) = 138 -> 144; the long row 7 chunks of 144, the others
+    one each; with min_chunk 256 the long row at most 1000 // 256 = 3 chunks (of 336)."""
+    n = torch.tensor([1000, 10, 0, 90])
+    first, k, chunk = balanced_chunks(n, 8, 16)
+    assert k.tolist() == [7, 1, 1, 1] and first.tolist() == [0, 7, 8, 9]
+    assert chunk.tolist() == [144, 16, 16, 96]
+    first, k, chunk = balanced_chunks(n, 8, 16, min_chunk=256)
+    assert k.tolist() == [3, 1, 1, 1] and chunk[0] == 336
+    # uniform rows: exactly the per-row plan's row_splits chunks a row
+    assert balanced_chunks(torch.full((5,), 2304), 5 * 20, 64)[1].tolist() == [18] * 5
+
+
+def test_balanced_plan_inputs_are_checked(gen, device):
+    q, kv = _inputs((4, 2, 32, 4, [20, 3]), gen, device)
+    args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens)
+    with pytest.raises(ValueError, match="plan_out must be a contiguous int32"):
+        split_k_decode(*args, mode=MODE_DENSE, capacity=32, row_splits=2, balanced=True,
+                       plan_out=torch.zeros(4, 2, dtype=torch.int64, device=device))
+    with pytest.raises(ValueError, match="balanced plan only"):
+        split_k_decode(*args, mode=MODE_DENSE, capacity=32, kv_chunk=16,
+                       plan_out=torch.zeros(4, 2, dtype=torch.int32, device=device))
+
+
+@pytest.mark.gpu
+def test_gpu_balanced_plan_follows_lengths_across_graph_replays(gen):
+    """The balanced plan is computed on the device at every launch: a CUDA graph captured
+    over one ragged batch (21 requests, 168 rows: the auto plan's per-row band on the H200)
+    replays correctly after the lengths change (the long row moves, a row empties), with
+    the plan read back through `plan_out` matching `balanced_chunks`."""
+    lens = [20000] + [700 + 37 * i for i in range(20)]
+    q, kv = _inputs((32, 8, 128, 16, [20000] * 21), gen, "cuda", torch.bfloat16)  # room for any row to grow
+    kv.kv_lens.copy_(torch.tensor(lens, dtype=kv.kv_lens.dtype))
+    capacity = kv.page_table.shape[1] * 16
+    chunk, num_splits = split_plan(capacity, 168, torch.device("cuda"))
+    assert chunk == 0  # the auto plan cuts rows by their own lengths here: balanced
+    plan = torch.zeros(168, 2, dtype=torch.int32, device="cuda")
+
+    def launch():
+        return split_k_decode(q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, mode=MODE_DENSE,
+                              capacity=capacity, return_lse=True, plan_out=plan)
+
+    launch()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = launch()
+    for new_lens in (lens, [700] * 10 + [0, 19000] + [900] * 9):
+        kv.kv_lens.copy_(torch.tensor(new_lens, dtype=kv.kv_lens.dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        out_ref, lse_ref = paged_decode_ref(q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, return_lse=True)
+        assert_close(out, out_ref, 2e-2, "out")
+        assert_close(lse, lse_ref, 1e-3, "lse")
+        first, k, _ = balanced_chunks(torch.tensor(new_lens).repeat_interleave(8), 168 * num_splits, 64)
+        assert torch.equal(plan.cpu().long(), torch.stack([first, k], 1))

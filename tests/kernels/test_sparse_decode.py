@@ -108,3 +108,32 @@ def test_gpu_bf16_32k(gen):
     base = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens)
     assert_close(sparse_decode_triton(*base, idx, num), sparse_decode_ref(*base, idx, num), 2e-2)
     assert_close(sparse_page_decode_triton(*base, pidx, pnum), sparse_page_decode_ref(*base, pidx, pnum), 2e-2)
+
+
+@pytest.mark.parametrize("mode", ["tokens", "pages"])
+def test_balanced_plan_over_selections(mode, gen, device):
+    """The balanced plan reads each (request, KV head) row's own count (selections differ
+    by head, one row far longer): the same attention as the reference, with the
+    `balanced_chunks` plan over those counts."""
+    from sparseengine.kernels.paged_decode import MODE_PAGES, MODE_TOKENS, split_k_decode
+    from sparseengine.kernels.split_plan import balanced_chunks
+
+    hq, hkv, d, ps, lens = 4, 2, 32, 4, [200, 30, 9, 50]
+    q, kv = _inputs((hq, hkv, d, ps, lens), gen, device)
+    if mode == "tokens":
+        idx, num = _token_selection(lens, hkv, 160, gen, device)
+        ref, per_row, kw = sparse_decode_ref, num.flatten().cpu(), dict(mode=MODE_TOKENS, capacity=160)
+    else:
+        idx, num = _page_selection(lens, hkv, ps, 40, gen, device)
+        ref, per_row, kw = sparse_page_decode_ref, num.flatten().cpu() * ps, dict(mode=MODE_PAGES, capacity=160)
+    args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens)
+    out_ref, lse_ref = ref(*args, idx, num, return_lse=True)
+    first, k, _ = balanced_chunks(per_row, 8 * 2, 16)
+    assert k.max() > 2  # the long rows take more chunks than the 2 a row of the grid
+    for fused in (True, False):
+        plan = torch.zeros(8, 2, dtype=torch.int32, device=device)
+        out, lse = split_k_decode(*args, sel=idx, num_sel=num, return_lse=True, row_splits=2, balanced=True,
+                                  fused_combine=fused, block_n=16, plan_out=plan, **kw)
+        assert torch.equal(plan.cpu().long(), torch.stack([first, k], 1))
+        assert_close(out, out_ref, 1e-4, f"out fused={fused}")
+        assert_close(lse, lse_ref, 1e-4, f"lse fused={fused}")
