@@ -110,8 +110,8 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
     `min_chunk`: with per-row chunks, no chunk shorter than this many items (a short row
     takes fewer of the splits; `min_chunk_for`); default on in the auto plan for rows that
     fill the GPU, 0 turns it off.
-    `balanced`: True runs the balanced plan over the plan's `B * Hkv * num_splits` programs
-    (`_balanced_chunks`: one chunk length for the batch, so a row far longer than the
+    `balanced`: True runs the balanced plan over `B * Hkv * (num_splits + 1)` programs
+    (`_balanced_chunk`: one chunk length for the batch, so a row far longer than the
     others takes more chunks, not longer ones); None (auto): where the auto plan cuts each
     row by its own length; False never.
     """
@@ -155,7 +155,7 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
     store_logits = 0 if logits is None else (2 if logits_group_max else 1)
     merge_args = dict(HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_S=min(64, next_pow2(num_splits)),
                       STORE_LSE=return_lse)
-    grid = (rows * num_splits,) if balanced else (rows, num_splits)
+    grid = (rows * (num_splits + 1),) if balanced else (rows, num_splits)
     _decode_split_kernel[grid](
         q, k_cache, v_cache, page_table, kv_lens, sel_t, num_sel_t, part_out, part_lse, logits_t,
         out, lse, counters, meta, _common.default_scale(d, scale) * LOG2E,
@@ -226,14 +226,11 @@ def _decode_split_kernel(
     STORE_LOGITS: tl.constexpr, DOT_PREC: tl.constexpr, COMBINE: tl.constexpr, BLOCK_S: tl.constexpr,
     STORE_LSE: tl.constexpr, FINE: tl.constexpr, BALANCED: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    if BALANCED:  # a flat grid over the batch's chunks (`_balanced_chunks`), several a program if need be
-        n_prog = tl.num_programs(0)
-        total = _balanced_chunks(kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, rows, n_prog, min_chunk, HKV,
-                                 -1, PAGE_SIZE, BLOCK_N, MODE, BLOCK_R)[0]
-        for item in range(tl.program_id(0), total, n_prog):
-            _, r, split, first, n_active, chunk, n_items = _balanced_chunks(
-                kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, rows, n_prog, min_chunk, HKV, item,
-                PAGE_SIZE, BLOCK_N, MODE, BLOCK_R)
+    if BALANCED:  # a flat grid over the batch's chunks (`_balanced_chunk`): one a program, the rest idle
+        r, split, first, n_active, chunk, n_items = _balanced_chunk(
+            kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, rows, num_splits, min_chunk, HKV, tl.program_id(0),
+            PAGE_SIZE, BLOCK_N, MODE, BLOCK_R)
+        if split >= 0:
             if split == 0:  # the row's chunks, for the merge kernel
                 tl.store(meta_ptr + 2 * r, first)
                 tl.store(meta_ptr + 2 * r + 1, n_active)
@@ -241,7 +238,7 @@ def _decode_split_kernel(
                           logits_ptr, out_ptr, lse_ptr, counter_ptr, qk_scale, stride_qb, stride_qh, stride_kp,
                           stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, stride_pt, stride_sel_b,
                           stride_sel_h, stride_ob, stride_oh, logits_len, HKV, HQ,
-                          r, split, chunk, n_items, n_active, item * GROUP, 1, first * GROUP, GROUP,
+                          r, split, chunk, n_items, n_active, tl.program_id(0) * GROUP, 1, first * GROUP, GROUP,
                           GROUP, BLOCK_H, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, MODE, STORE_LOGITS, DOT_PREC,
                           COMBINE, BLOCK_S, STORE_LSE, True)
     else:  # a (row, split) grid
@@ -278,35 +275,48 @@ def _decode_split_kernel(
                       COMBINE, BLOCK_S, STORE_LSE, False)
 
 
-def _balanced_chunks(kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, rows, n_prog, min_chunk, HKV, item,
-                     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, BLOCK_R: tl.constexpr):
-    """The balanced plan, computed alike by every program from the rows' lengths: a chunk
-    of C = ceil(total items / n_prog) (whole blocks) for the batch; row r of n items takes
-    k = ceil(n / C) chunks (at most n // min_chunk where min_chunk > 0; at least 1) of
-    ceil(n / k) items each, whole blocks; the chunks are numbered row after row. Returns
-    (the number of chunks, then for chunk `item`: its row, its index in the row, the
-    row's first chunk, the row's number of chunks, the row's chunk length, the row's items)."""
-    r = tl.arange(0, BLOCK_R)
-    ok = r < rows
+def _row_items(kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, r, ok, HKV, PAGE_SIZE: tl.constexpr,
+               MODE: tl.constexpr):
+    """Items of rows `r` (request x KV head; a block or one) where `ok`: the request's
+    tokens, the row's selected tokens, or its selected pages' tokens."""
     if MODE == 0:
         n = tl.load(kv_lens_ptr + r // HKV, mask=ok, other=0)
     else:
         n = tl.load(num_sel_ptr + (r // HKV) * stride_ns_b + (r % HKV) * stride_ns_h, mask=ok, other=0)
         if MODE == 2:
             n = n * PAGE_SIZE
-    n = n.to(tl.int32)
-    c = tl.cdiv(tl.cdiv(tl.sum(n.to(tl.int64), 0), n_prog), BLOCK_N).to(tl.int32)
-    c = tl.maximum(c, 1) * BLOCK_N
+    return n.to(tl.int32)
+
+
+def _row_chunks(n, c, min_chunk, BLOCK_N: tl.constexpr):
+    """(chunks, chunk length) of rows of n items under the batch's chunk c (`balanced_chunks`)."""
     k = tl.maximum(tl.cdiv(n, c), 1)
     if min_chunk > 0:
         k = tl.minimum(k, tl.maximum(n // min_chunk, 1))
     chunk = tl.maximum(tl.cdiv(tl.cdiv(n, k), BLOCK_N), 1) * BLOCK_N
-    k = tl.where(ok, tl.maximum(tl.cdiv(n, chunk), 1), 0)
-    cum = tl.cumsum(k, 0)
-    row = tl.sum((cum <= item).to(tl.int32), 0)
-    here = r == row
-    return (tl.sum(k, 0), row, item - tl.sum(tl.where(here, cum - k, 0), 0), tl.sum(tl.where(here, cum - k, 0), 0),
-            tl.sum(tl.where(here, k, 0), 0), tl.sum(tl.where(here, chunk, 0), 0), tl.sum(tl.where(here, n, 0), 0))
+    return tl.maximum(tl.cdiv(n, chunk), 1), chunk
+
+
+def _balanced_chunk(kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, rows, num_splits, min_chunk, HKV, item,
+                    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Chunk `item` of the balanced plan, computed alike by every program from the rows'
+    lengths (`split_plan.balanced_chunks`): the batch's chunk c = ceil(items / (rows *
+    num_splits)) in whole blocks; row r of n items takes k = ceil(n / c) chunks (at most n
+    // min_chunk where min_chunk > 0, at least 1) of ceil(n / k) items, whole blocks,
+    numbered row after row: at most rows * (num_splits + 1) chunks. Returns (row, index in
+    the row (-1: no such chunk), the row's first chunk, its chunks, its chunk length, its
+    items). Only scalars leave: the row arrays are dead before the attention's loop."""
+    r = tl.arange(0, BLOCK_R)
+    ok = r < rows
+    n = _row_items(kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, r, ok, HKV, PAGE_SIZE, MODE)
+    c = tl.maximum(tl.cdiv(tl.cdiv(tl.sum(n.to(tl.int64), 0), rows * num_splits), BLOCK_N), 1).to(tl.int32) * BLOCK_N
+    k = tl.where(ok, _row_chunks(n, c, min_chunk, BLOCK_N)[0], 0)
+    before = tl.cumsum(k, 0) <= item  # rows wholly before the item's
+    row = tl.sum(before.to(tl.int32), 0)
+    first = tl.sum(tl.where(before, k, 0), 0)
+    n_row = _row_items(kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, row, row < rows, HKV, PAGE_SIZE, MODE)
+    k_row, chunk = _row_chunks(n_row, c, min_chunk, BLOCK_N)
+    return row, tl.where(row < rows, item - first, -1), first, k_row, chunk, n_row
 
 
 def _attend_chunk(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, sel_ptr, part_out_ptr, part_lse_ptr, logits_ptr,

@@ -135,7 +135,7 @@ def min_chunk_for(plan: tuple[int, int], rows: int, device: torch.device, auto: 
 
 
 def balanced_chunks(n_items: torch.Tensor, n_prog: int, block_n: int, min_chunk: int = 0):
-    """The balanced plan (the torch twin of the split kernel's `_balanced_chunks`): rows of
+    """The balanced plan (the torch twin of the split kernel's `_balanced_chunk`): rows of
     `n_items [R]` items over `n_prog` programs. One chunk length for the batch, C =
     ceil(total / n_prog) rounded up to whole `block_n` blocks; a row of n items takes k =
     ceil(n / C) chunks (at most n // min_chunk where min_chunk > 0, at least 1) of ceil(n /

@@ -42,7 +42,7 @@ for shortlist in (True, False):  # the 128K benchmark's launch: 8320-page table,
 # logit (OmniKV); partials merged by the second kernel, by the last program, or one split
 # (the merge kernel or the last program); the balanced plan's flat grid over 520 rows, dense
 # and over selected pages (Quest), merged by either
-SPLIT_HELPERS = ["_merge_splits", "_attend_chunk", "_balanced_chunks"]
+SPLIT_HELPERS = None  # found from the kernel's code
 for store, combine in ((0, 0), (0, 2), (1, 0), (2, 0), (2, 1), (2, 2)):
     BUILDS[f"split_decode-logits{store}-combine{combine}"] = (
         "paged_decode", "_decode_split_kernel", SPLIT_HELPERS, SPLIT_TYPES,
