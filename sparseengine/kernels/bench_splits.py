@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from sparseengine.kernels.bench_gpu import BF16, D, HKV, HQ, PS, decode_cache, emit, per_launch_us
+from sparseengine.kernels import paged_decode
 from sparseengine.kernels.paged_decode import MODE_DENSE, split_k_decode
 from sparseengine.kernels.split_plan import want_splits
 
@@ -88,11 +89,25 @@ def bench_ragged(out_path):
     (the engine's benchmark rows) as a check that it costs nothing there; per launch in a
     CUDA graph, the auto plan (balanced where it cuts rows by their own lengths) beside the
     same plan unbalanced (each row over its own length) and fixed 2048-token chunks."""
-    plans = {"auto": {}, "auto_unbalanced": dict(balanced=False), "fixed_2048": dict(kv_chunk=2048)}
+    plans = {"auto": {}, "auto_unbalanced": dict(balanced=False), "fixed_2048": dict(kv_chunk=2048),
+             "auto_w8": dict(num_warps=8), "auto_unbalanced_w8": dict(balanced=False, num_warps=8),
+             "auto_merge_kernel": dict(fused_combine=False), "auto_row_block_256": dict(row_block=256)}
     for name, lens, capacity in RAGGED_SHAPES:
         _bench_rows(out_path, name, lens, capacity, plans)
     for B, L in UNIFORM_CHECKS:
         _bench_rows(out_path, f"b{B}_uniform_{L}", [L] * B, 133120, plans)
+    _emit_registers(out_path)
+
+
+def _emit_registers(out_path):
+    """Registers and spills of each split-kernel build the runs compiled."""
+    from sparseengine.kernels.paged_decode import _decode_split_kernel
+
+    for cache in _decode_split_kernel._jitted.device_caches.values():
+        for key, kernel in cache[0].items():
+            emit(out_path, {"kind": "registers", "kernel": "_decode_split_kernel", "n_regs": getattr(kernel, "n_regs", None),
+                            "n_spills": getattr(kernel, "n_spills", None), "num_warps": kernel.metadata.num_warps,
+                            "key": str(key)[-400:]})
 
 
 def _bench_rows(out_path, name, lens, capacity, plans):
@@ -113,9 +128,15 @@ def _bench_rows(out_path, name, lens, capacity, plans):
                          fused_combine=False)
     shape = {"shape": name, "batch": B, "tokens": sum(lens), "max_len": max(lens), "capacity": capacity}
     for plan, kw in plans.items():
+        launch = {k: v for k, v in kw.items() if k != "row_block"}
         fn = lambda: split_k_decode(q, k_cache, v_cache, table, kv_lens, mode=MODE_DENSE,  # noqa: E731
-                                    capacity=capacity, **kw)
-        err = (fn().float() - ref.float()).abs().max().item()
-        us = per_launch_us(fn)
+                                    capacity=capacity, **launch)
+        saved = paged_decode.BALANCED_ROW_BLOCK
+        paged_decode.BALANCED_ROW_BLOCK = kw.get("row_block", saved)
+        try:
+            err = (fn().float() - ref.float()).abs().max().item()
+            us = per_launch_us(fn)
+        finally:
+            paged_decode.BALANCED_ROW_BLOCK = saved
         emit(out_path, {"kind": "splits_ragged", "kernel": "split_k_decode", "plan": plan, **kw, **shape, "us": us,
                         "GBps": kv_bytes / us / 1e3, "max_abs_diff_vs_fixed_2048": err})

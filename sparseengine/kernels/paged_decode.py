@@ -55,8 +55,9 @@ MERGE_IN_SPLIT_KERNEL = False
 # the merges took 0.09 ms per step against 0.18 a row per program; graph step 8.68 vs 8.86 ms.
 COMBINE_D_TILE: int | None = 32
 _split_counters: dict[torch.device, torch.Tensor] = {}
-# The balanced plan's programs each read every row's length (a block of next_pow2(rows)):
-# beyond this many rows the per-row plan runs instead.
+# The balanced plan's programs each read every row's length, in blocks of at most
+# BALANCED_ROW_BLOCK rows; beyond MAX_BALANCED_ROWS rows the per-row plan runs instead.
+BALANCED_ROW_BLOCK = 2048
 MAX_BALANCED_ROWS = 8192
 
 
@@ -170,7 +171,7 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
         Hkv, Hq, rows,
         GROUP=g, BLOCK_H=max(16, next_pow2(g)), PAGE_SIZE=page_size, CHUNK=chunk, BLOCK_N=block_n,
         MODE=mode, STORE_LOGITS=store_logits, DOT_PREC=_common.dot_precision(q.dtype),
-        COMBINE=combine, FINE=fine > 0, BALANCED=balanced, BLOCK_R=next_pow2(rows) if balanced else 1,
+        COMBINE=combine, FINE=fine > 0, BALANCED=balanced, BLOCK_R=min(next_pow2(rows), BALANCED_ROW_BLOCK) if balanced else 1,
         **merge_args, num_warps=num_warps, num_stages=num_stages,
     )
     if combine == _PARTIALS:  # a program per (query row, COMBINE_D_TILE channels): more programs than rows
@@ -306,14 +307,24 @@ def _balanced_chunk(kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, rows, nu
     numbered row after row: at most rows * (num_splits + 1) chunks. Returns (row, index in
     the row (-1: no such chunk), the row's first chunk, its chunks, its chunk length, its
     items). Only scalars leave: the row arrays are dead before the attention's loop."""
-    r = tl.arange(0, BLOCK_R)
-    ok = r < rows
-    n = _row_items(kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, r, ok, HKV, PAGE_SIZE, MODE)
-    c = tl.maximum(tl.cdiv(tl.cdiv(tl.sum(n.to(tl.int64), 0), rows * num_splits), BLOCK_N), 1).to(tl.int32) * BLOCK_N
-    k = tl.where(ok, _row_chunks(n, c, min_chunk, BLOCK_N)[0], 0)
-    before = tl.cumsum(k, 0) <= item  # rows wholly before the item's
-    row = tl.sum(before.to(tl.int32), 0)
-    first = tl.sum(tl.where(before, k, 0), 0)
+    total = tl.zeros([], tl.int64)
+    for r0 in range(0, rows, BLOCK_R):  # rows in blocks of BLOCK_R: one block unless past BALANCED_ROW_BLOCK
+        r = r0 + tl.arange(0, BLOCK_R)
+        n = _row_items(kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, r, r < rows, HKV, PAGE_SIZE, MODE)
+        total += tl.sum(n.to(tl.int64), 0)
+    c = tl.maximum(tl.cdiv(tl.cdiv(total, rows * num_splits), BLOCK_N), 1).to(tl.int32) * BLOCK_N
+    row = tl.zeros([], tl.int32)
+    first = tl.zeros([], tl.int32)
+    carry = tl.zeros([], tl.int32)  # chunks of the blocks before
+    for r0 in range(0, rows, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        ok = r < rows
+        n = _row_items(kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, r, ok, HKV, PAGE_SIZE, MODE)
+        k = tl.where(ok, _row_chunks(n, c, min_chunk, BLOCK_N)[0], 0)
+        before = carry + tl.cumsum(k, 0) <= item  # rows wholly before the item's
+        row += tl.sum(before.to(tl.int32), 0)
+        first += tl.sum(tl.where(before, k, 0), 0)
+        carry += tl.sum(k, 0)
     n_row = _row_items(kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, row, row < rows, HKV, PAGE_SIZE, MODE)
     k_row, chunk = _row_chunks(n_row, c, min_chunk, BLOCK_N)
     return row, tl.where(row < rows, item - first, -1), first, k_row, chunk, n_row

@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from sparseengine.kernels import paged_decode_ref, paged_decode_triton
+from sparseengine.kernels import paged_decode
 from sparseengine.kernels.paged_decode import MODE_DENSE, split_k_decode
 from sparseengine.kernels.split_plan import balanced_chunks, min_chunk_for, split_plan
 from sparseengine.kernels.testing import CASES, assert_close, case_id, random_paged_kv, randn
@@ -211,13 +212,15 @@ def test_rows_filling_the_gpu_split_only_long_rows(min_chunk, gen, device):
 RAGGED = [300, 10, 0, 37, 5, 64, 12, 9]  # one row far longer than the rest, an empty one
 
 
-@pytest.mark.parametrize("row_splits,min_chunk", [(1, None), (2, None), (3, 32)])
-def test_balanced_plan_gives_a_long_row_more_chunks(row_splits, min_chunk, gen, device):
+@pytest.mark.parametrize("row_splits,min_chunk,row_block", [(1, None, None), (2, None, 4), (3, 32, None)])
+def test_balanced_plan_gives_a_long_row_more_chunks(row_splits, min_chunk, row_block, gen, device, monkeypatch):
     """The balanced plan over a ragged batch: the kernel numbers each row's chunks as
     `balanced_chunks` defines (read back through `plan_out`), the 300-token row takes at
     least twice `row_splits` chunks where the per-row plan gives it `row_splits`, and the
     attention matches the reference under every merge (the merge kernel, the last program,
-    the auto choice)."""
+    the auto choice). `row_block` 4: every program reads the 16 rows' lengths in 4 blocks."""
+    if row_block:
+        monkeypatch.setattr(paged_decode, "BALANCED_ROW_BLOCK", row_block)
     q, kv = _inputs((4, 2, 32, 4, RAGGED), gen, device)
     rows = len(RAGGED) * 2
     n_items = torch.tensor(RAGGED).repeat_interleave(2)
