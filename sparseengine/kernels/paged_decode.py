@@ -300,34 +300,38 @@ def _row_chunks(n, c, min_chunk, BLOCK_N: tl.constexpr):
 
 def _balanced_chunk(kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, rows, num_splits, min_chunk, HKV, item,
                     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Chunk `item` of the balanced plan, computed alike by every program from the rows'
-    lengths (`split_plan.balanced_chunks`): the batch's chunk c = ceil(items / (rows *
-    num_splits)) in whole blocks; row r of n items takes k = ceil(n / c) chunks (at most n
-    // min_chunk where min_chunk > 0, at least 1) of ceil(n / k) items, whole blocks,
-    numbered row after row: at most rows * (num_splits + 1) chunks. Returns (row, index in
-    the row (-1: no such chunk), the row's first chunk, its chunks, its chunk length, its
-    items). Only scalars leave: the row arrays are dead before the attention's loop."""
+    """Chunk `item` of the balanced plan (`split_plan.balanced_chunks`, its definition),
+    computed alike by every program from the rows' lengths, read in blocks of BLOCK_R.
+    Returns (row, index in the row (-1: no such chunk: the program idles), the row's first
+    chunk, its chunks, its chunk length, its items). Only scalars leave: the row arrays
+    are dead before the attention's loop."""
     total = tl.zeros([], tl.int64)
-    for r0 in range(0, rows, BLOCK_R):  # rows in blocks of BLOCK_R: one block unless past BALANCED_ROW_BLOCK
+    n_max = tl.zeros([], tl.int32)
+    for r0 in range(0, rows, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
         n = _row_items(kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, r, r < rows, HKV, PAGE_SIZE, MODE)
         total += tl.sum(n.to(tl.int64), 0)
+        n_max = tl.maximum(n_max, tl.max(n, 0))
     c = tl.maximum(tl.cdiv(tl.cdiv(total, rows * num_splits), BLOCK_N), 1).to(tl.int32) * BLOCK_N
-    row = tl.zeros([], tl.int32)
-    first = tl.zeros([], tl.int32)
-    carry = tl.zeros([], tl.int32)  # chunks of the blocks before
-    for r0 in range(0, rows, BLOCK_R):
-        r = r0 + tl.arange(0, BLOCK_R)
-        ok = r < rows
-        n = _row_items(kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, r, ok, HKV, PAGE_SIZE, MODE)
-        k = tl.where(ok, _row_chunks(n, c, min_chunk, BLOCK_N)[0], 0)
-        before = carry + tl.cumsum(k, 0) <= item  # rows wholly before the item's
-        row += tl.sum(before.to(tl.int32), 0)
-        first += tl.sum(tl.where(before, k, 0), 0)
-        carry += tl.sum(k, 0)
+    row = item // num_splits  # every row within num_splits chunks: row r's from r * num_splits
+    first = row * num_splits
+    if tl.cdiv(n_max, c) > num_splits:  # else the chunks numbered row after row
+        row = tl.zeros([], tl.int32)
+        first = tl.zeros([], tl.int32)
+        carry = tl.zeros([], tl.int32)  # chunks of the blocks before
+        for r0 in range(0, rows, BLOCK_R):
+            r = r0 + tl.arange(0, BLOCK_R)
+            ok = r < rows
+            n = _row_items(kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, r, ok, HKV, PAGE_SIZE, MODE)
+            k = tl.where(ok, _row_chunks(n, c, min_chunk, BLOCK_N)[0], 0)
+            before = carry + tl.cumsum(k, 0) <= item  # rows wholly before the item's
+            row += tl.sum(before.to(tl.int32), 0)
+            first += tl.sum(tl.where(before, k, 0), 0)
+            carry += tl.sum(k, 0)
     n_row = _row_items(kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, row, row < rows, HKV, PAGE_SIZE, MODE)
     k_row, chunk = _row_chunks(n_row, c, min_chunk, BLOCK_N)
-    return row, tl.where(row < rows, item - first, -1), first, k_row, chunk, n_row
+    split = item - first
+    return row, tl.where((row < rows) & (split < k_row), split, -1), first, k_row, chunk, n_row
 
 
 def _attend_chunk(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, sel_ptr, part_out_ptr, part_lse_ptr, logits_ptr,

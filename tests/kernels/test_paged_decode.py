@@ -224,7 +224,7 @@ def test_balanced_plan_gives_a_long_row_more_chunks(row_splits, min_chunk, row_b
     q, kv = _inputs((4, 2, 32, 4, RAGGED), gen, device)
     rows = len(RAGGED) * 2
     n_items = torch.tensor(RAGGED).repeat_interleave(2)
-    first, k, _ = balanced_chunks(n_items, rows * row_splits, 16, min_chunk or 0)
+    first, k, _ = balanced_chunks(n_items, row_splits, 16, min_chunk or 0)
     assert k[0] >= 2 * row_splits and int(k.sum()) <= rows * row_splits + rows
     ref = paged_decode_ref(q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, return_lse=True)
     for fused in (True, False, None):
@@ -239,17 +239,39 @@ def test_balanced_plan_gives_a_long_row_more_chunks(row_splits, min_chunk, row_b
 
 
 def test_balanced_chunks_rule():
-    """`balanced_chunks` by hand: 4 rows of 1000, 10, 0 and 90 items over 8 programs,
+    """`balanced_chunks` by hand: 4 rows of 1000, 10, 0 and 90 items in 2 splits a row,
     blocks of 16: C = ceil(1100 / 8) = 138 -> 144; the long row 7 chunks of 144, the others
-    one each; with min_chunk 256 the long row at most 1000 // 256 = 3 chunks (of 336)."""
+    one each, numbered row after row; with min_chunk 256 the long row at most 1000 // 256 =
+    3 chunks (of 336). Rows of like lengths keep num_splits slots each."""
     n = torch.tensor([1000, 10, 0, 90])
-    first, k, chunk = balanced_chunks(n, 8, 16)
+    first, k, chunk = balanced_chunks(n, 2, 16)
     assert k.tolist() == [7, 1, 1, 1] and first.tolist() == [0, 7, 8, 9]
     assert chunk.tolist() == [144, 16, 16, 96]
-    first, k, chunk = balanced_chunks(n, 8, 16, min_chunk=256)
-    assert k.tolist() == [3, 1, 1, 1] and chunk[0] == 336
-    # uniform rows: exactly the per-row plan's row_splits chunks a row
-    assert balanced_chunks(torch.full((5,), 2304), 5 * 20, 64)[1].tolist() == [18] * 5
+    first, k, chunk = balanced_chunks(n, 2, 16, min_chunk=256)
+    assert k.tolist() == [3, 1, 1, 1] and first.tolist() == [0, 3, 4, 5] and chunk[0] == 336
+    # uniform rows: exactly the per-row plan's row_splits chunks a row, at r * row_splits
+    first, k, chunk = balanced_chunks(torch.full((5,), 2304), 20, 64)
+    assert k.tolist() == [18] * 5 and first.tolist() == [0, 20, 40, 60, 80] and chunk.tolist() == [128] * 5
+    # like lengths (C = ceil(310 / 15) = 21 -> 32, the longest 3 chunks): row slots too
+    first, k, _ = balanced_chunks(torch.tensor([80, 70, 0, 90, 70]), 3, 16)
+    assert first.tolist() == [0, 3, 6, 9, 12] and k.tolist() == [3, 3, 1, 3, 3]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_balanced_plan_over_like_lengths_keeps_row_slots(fused, gen, device):
+    """Rows of like lengths (none past 3 chunks of the batch's chunk) keep 3 slots each,
+    some idle; the merge reads each row's own chunks."""
+    lens = [80, 70, 0, 90, 70]
+    q, kv = _inputs((4, 1, 32, 4, lens), gen, device)
+    first, k, _ = balanced_chunks(torch.tensor(lens), 3, 16)
+    plan = torch.zeros(5, 2, dtype=torch.int32, device=device)
+    out, lse = split_k_decode(q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, mode=MODE_DENSE,
+                              capacity=kv.page_table.shape[1] * 4, return_lse=True, fused_combine=fused, block_n=16,
+                              row_splits=3, balanced=True, plan_out=plan)
+    assert torch.equal(plan.cpu().long(), torch.stack([first, k], 1))
+    ref = paged_decode_ref(q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, return_lse=True)
+    assert_close(out, ref[0], 1e-4, "out")
+    assert_close(lse, ref[1], 1e-4, "lse")
 
 
 def test_balanced_plan_inputs_are_checked(gen, device):
@@ -293,5 +315,5 @@ def test_gpu_balanced_plan_follows_lengths_across_graph_replays(gen):
         out_ref, lse_ref = paged_decode_ref(q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, return_lse=True)
         assert_close(out, out_ref, 2e-2, "out")
         assert_close(lse, lse_ref, 1e-3, "lse")
-        first, k, _ = balanced_chunks(torch.tensor(new_lens).repeat_interleave(8), 168 * num_splits, 64)
+        first, k, _ = balanced_chunks(torch.tensor(new_lens).repeat_interleave(8), num_splits, 64)
         assert torch.equal(plan.cpu().long(), torch.stack([first, k], 1))
