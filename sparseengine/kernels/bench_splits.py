@@ -89,9 +89,7 @@ def bench_ragged(out_path):
     (the engine's benchmark rows) as a check that it costs nothing there; per launch in a
     CUDA graph, the auto plan (balanced where it cuts rows by their own lengths) beside the
     same plan unbalanced (each row over its own length) and fixed 2048-token chunks."""
-    plans = {"auto": {}, "auto_unbalanced": dict(balanced=False), "fixed_2048": dict(kv_chunk=2048),
-             "auto_w8": dict(num_warps=8), "auto_unbalanced_w8": dict(balanced=False, num_warps=8),
-             "auto_merge_kernel": dict(fused_combine=False), "auto_row_block_256": dict(row_block=256)}
+    plans = {"auto": {}, "auto_unbalanced": dict(balanced=False), "fixed_2048": dict(kv_chunk=2048)}
     for name, lens, capacity in RAGGED_SHAPES:
         _bench_rows(out_path, name, lens, capacity, plans)
     for B, L in UNIFORM_CHECKS:
