@@ -59,6 +59,9 @@ _split_counters: dict[torch.device, torch.Tensor] = {}
 # BALANCED_ROW_BLOCK rows; beyond MAX_BALANCED_ROWS rows the per-row plan runs instead.
 BALANCED_ROW_BLOCK = 2048
 MAX_BALANCED_ROWS = 8192
+# Rows of like lengths keep the per-row plan's num_splits slots (no prefix sum over the rows)
+# unless the longest needs more than this many times num_splits of the batch's chunks.
+BALANCED_SLACK = 2
 
 
 def paged_decode_ref(q, k_cache, v_cache, page_table, kv_lens, scale=None, return_lse=False):
@@ -172,6 +175,7 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
         GROUP=g, BLOCK_H=max(16, next_pow2(g)), PAGE_SIZE=page_size, CHUNK=chunk, BLOCK_N=block_n,
         MODE=mode, STORE_LOGITS=store_logits, DOT_PREC=_common.dot_precision(q.dtype),
         COMBINE=combine, FINE=fine > 0, BALANCED=balanced, BLOCK_R=min(next_pow2(rows), BALANCED_ROW_BLOCK) if balanced else 1,
+        SLACK=BALANCED_SLACK,
         **merge_args, num_warps=num_warps, num_stages=num_stages,
     )
     if combine == _PARTIALS:  # a program per (query row, COMBINE_D_TILE channels): more programs than rows
@@ -226,11 +230,12 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
     STORE_LOGITS: tl.constexpr, DOT_PREC: tl.constexpr, COMBINE: tl.constexpr, BLOCK_S: tl.constexpr,
     STORE_LSE: tl.constexpr, FINE: tl.constexpr, BALANCED: tl.constexpr, BLOCK_R: tl.constexpr,
+    SLACK: tl.constexpr,
 ):
     if BALANCED:  # a flat grid over the batch's chunks (`_balanced_chunk`): one a program, the rest idle
         r, split, first, n_active, chunk, n_items = _balanced_chunk(
             kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, rows, num_splits, min_chunk, HKV, tl.program_id(0),
-            PAGE_SIZE, BLOCK_N, MODE, BLOCK_R)
+            PAGE_SIZE, BLOCK_N, MODE, BLOCK_R, SLACK)
         if split >= 0:
             if split == 0:  # the row's chunks, for the merge kernel
                 tl.store(meta_ptr + 2 * r, first)
@@ -289,9 +294,10 @@ def _row_items(kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, r, ok, HKV, P
     return n.to(tl.int32)
 
 
-def _row_chunks(n, c, min_chunk, BLOCK_N: tl.constexpr):
-    """(chunks, chunk length) of rows of n items under the batch's chunk c (`balanced_chunks`)."""
-    k = tl.maximum(tl.cdiv(n, c), 1)
+def _row_chunks(n, c, min_chunk, cap, BLOCK_N: tl.constexpr):
+    """(chunks, chunk length) of rows of n items under the batch's chunk c, at most `cap`
+    chunks a row (`balanced_chunks`)."""
+    k = tl.minimum(tl.maximum(tl.cdiv(n, c), 1), cap)
     if min_chunk > 0:
         k = tl.minimum(k, tl.maximum(n // min_chunk, 1))
     chunk = tl.maximum(tl.cdiv(tl.cdiv(n, k), BLOCK_N), 1) * BLOCK_N
@@ -299,7 +305,8 @@ def _row_chunks(n, c, min_chunk, BLOCK_N: tl.constexpr):
 
 
 def _balanced_chunk(kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, rows, num_splits, min_chunk, HKV, item,
-                    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, BLOCK_R: tl.constexpr):
+                    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, BLOCK_R: tl.constexpr,
+                    SLACK: tl.constexpr):
     """Chunk `item` of the balanced plan (`split_plan.balanced_chunks`, its definition),
     computed alike by every program from the rows' lengths, read in blocks of BLOCK_R.
     Returns (row, index in the row (-1: no such chunk: the program idles), the row's first
@@ -313,9 +320,11 @@ def _balanced_chunk(kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, rows, nu
         total += tl.sum(n.to(tl.int64), 0)
         n_max = tl.maximum(n_max, tl.max(n, 0))
     c = tl.maximum(tl.cdiv(tl.cdiv(total, rows * num_splits), BLOCK_N), 1).to(tl.int32) * BLOCK_N
-    row = item // num_splits  # every row within num_splits chunks: row r's from r * num_splits
+    row = item // num_splits  # like lengths: row r's chunks from r * num_splits, at most num_splits
     first = row * num_splits
-    if tl.cdiv(n_max, c) > num_splits:  # else the chunks numbered row after row
+    cap = num_splits
+    if tl.cdiv(n_max, c) > SLACK * num_splits:  # a row far longer: the chunks numbered row after row
+        cap = tl.full([], 1 << 30, tl.int32)
         row = tl.zeros([], tl.int32)
         first = tl.zeros([], tl.int32)
         carry = tl.zeros([], tl.int32)  # chunks of the blocks before
@@ -323,13 +332,13 @@ def _balanced_chunk(kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, rows, nu
             r = r0 + tl.arange(0, BLOCK_R)
             ok = r < rows
             n = _row_items(kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, r, ok, HKV, PAGE_SIZE, MODE)
-            k = tl.where(ok, _row_chunks(n, c, min_chunk, BLOCK_N)[0], 0)
+            k = tl.where(ok, _row_chunks(n, c, min_chunk, cap, BLOCK_N)[0], 0)
             before = carry + tl.cumsum(k, 0) <= item  # rows wholly before the item's
             row += tl.sum(before.to(tl.int32), 0)
             first += tl.sum(tl.where(before, k, 0), 0)
             carry += tl.sum(k, 0)
     n_row = _row_items(kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, row, row < rows, HKV, PAGE_SIZE, MODE)
-    k_row, chunk = _row_chunks(n_row, c, min_chunk, BLOCK_N)
+    k_row, chunk = _row_chunks(n_row, c, min_chunk, cap, BLOCK_N)
     split = item - first
     return row, tl.where((row < rows) & (split < k_row), split, -1), first, k_row, chunk, n_row
 

@@ -255,19 +255,27 @@ def test_balanced_chunks_rule():
     # like lengths (C = ceil(310 / 15) = 21 -> 32, the longest 3 chunks): row slots too
     first, k, _ = balanced_chunks(torch.tensor([80, 70, 0, 90, 70]), 3, 16)
     assert first.tolist() == [0, 3, 6, 9, 12] and k.tolist() == [3, 3, 1, 3, 3]
+    # a row within slack (2) x num_splits chunks (C = ceil(270 / 8) = 34 -> 48, 150 items: 4)
+    # keeps its 2 slots, in longer chunks; past it (200 items: 5) the rows are numbered on
+    first, k, chunk = balanced_chunks(torch.tensor([150, 40, 40, 40]), 2, 16)
+    assert first.tolist() == [0, 2, 4, 6] and k.tolist() == [2, 1, 1, 1] and chunk[0] == 80
+    first, k, _ = balanced_chunks(torch.tensor([200, 40, 40, 40]), 2, 16)
+    assert first.tolist() == [0, 5, 6, 7] and k.tolist() == [5, 1, 1, 1]
 
 
 @pytest.mark.parametrize("fused", [True, False])
-def test_balanced_plan_over_like_lengths_keeps_row_slots(fused, gen, device):
-    """Rows of like lengths (none past 3 chunks of the batch's chunk) keep 3 slots each,
-    some idle; the merge reads each row's own chunks."""
-    lens = [80, 70, 0, 90, 70]
+@pytest.mark.parametrize("lens,splits", [([80, 70, 0, 90, 70], 3), ([150, 40, 40, 40], 2)])
+def test_balanced_plan_over_like_lengths_keeps_row_slots(lens, splits, fused, gen, device):
+    """Rows of like lengths keep `splits` slots each, some idle (none past 3 chunks of the
+    batch's chunk; or the 150-item row, within twice its 2 slots, in 2 longer chunks);
+    the merge reads each row's own chunks."""
     q, kv = _inputs((4, 1, 32, 4, lens), gen, device)
-    first, k, _ = balanced_chunks(torch.tensor(lens), 3, 16)
-    plan = torch.zeros(5, 2, dtype=torch.int32, device=device)
+    first, k, _ = balanced_chunks(torch.tensor(lens), splits, 16)
+    assert first.tolist() == [r * splits for r in range(len(lens))]
+    plan = torch.zeros(len(lens), 2, dtype=torch.int32, device=device)
     out, lse = split_k_decode(q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, mode=MODE_DENSE,
                               capacity=kv.page_table.shape[1] * 4, return_lse=True, fused_combine=fused, block_n=16,
-                              row_splits=3, balanced=True, plan_out=plan)
+                              row_splits=splits, balanced=True, plan_out=plan)
     assert torch.equal(plan.cpu().long(), torch.stack([first, k], 1))
     ref = paged_decode_ref(q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, return_lse=True)
     assert_close(out, ref[0], 1e-4, "out")
