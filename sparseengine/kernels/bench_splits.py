@@ -80,6 +80,10 @@ RAGGED_SHAPES = (
     ("b64_spread_1k_32k", [1024 + (32768 - 1024) * i // 63 for i in range(64)], 133120),
     ("b100_one_128k", [131072] + [1024] * 99, 133120),
     ("b200_two_64k", [65536] * 2 + [2048] * 198, 133120),
+    # near-uniform: compacted rows a few hundred decode steps apart (the engine's decode window)
+    ("b16_staggered_2304", [2304 + 20 * i for i in range(16)], 133120),
+    ("b64_staggered_2304", [2304 + 5 * i for i in range(64)], 133120),
+    ("b183_staggered_2304", [2304 + 2 * i for i in range(183)], 133120),
 )
 UNIFORM_CHECKS = ((16, 2304), (64, 2304), (64, 8448), (73, 8448), (183, 2304), (16, 32768), (6, 131072))
 
