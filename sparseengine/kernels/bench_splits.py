@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from sparseengine.kernels.bench_gpu import BF16, D, HKV, HQ, PS, decode_cache, emit, per_launch_us
-from sparseengine.kernels import paged_decode
 from sparseengine.kernels.paged_decode import MODE_DENSE, split_k_decode
 from sparseengine.kernels.split_plan import want_splits
 
@@ -130,15 +129,9 @@ def _bench_rows(out_path, name, lens, capacity, plans):
                          fused_combine=False)
     shape = {"shape": name, "batch": B, "tokens": sum(lens), "max_len": max(lens), "capacity": capacity}
     for plan, kw in plans.items():
-        launch = {k: v for k, v in kw.items() if k != "row_block"}
         fn = lambda: split_k_decode(q, k_cache, v_cache, table, kv_lens, mode=MODE_DENSE,  # noqa: E731
-                                    capacity=capacity, **launch)
-        saved = paged_decode.BALANCED_ROW_BLOCK
-        paged_decode.BALANCED_ROW_BLOCK = kw.get("row_block", saved)
-        try:
-            err = (fn().float() - ref.float()).abs().max().item()
-            us = per_launch_us(fn)
-        finally:
-            paged_decode.BALANCED_ROW_BLOCK = saved
+                                    capacity=capacity, **kw)
+        err = (fn().float() - ref.float()).abs().max().item()
+        us = per_launch_us(fn)
         emit(out_path, {"kind": "splits_ragged", "kernel": "split_k_decode", "plan": plan, **kw, **shape, "us": us,
                         "GBps": kv_bytes / us / 1e3, "max_abs_diff_vs_fixed_2048": err})

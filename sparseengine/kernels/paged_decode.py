@@ -4,8 +4,8 @@ Triton path: split-K flash decoding. Each request's KV range is cut into chunks;
 program per (request, KV head, chunk) loads the g query heads of the group (GQA: K/V are
 read once for the whole group), runs an online softmax over the chunk in fp32 and writes a
 partial (normalised output, log-sum-exp). One chunk writes the output directly; several
-are merged per (request, query head) by a second kernel (the default, see
-`MERGE_IN_SPLIT_KERNEL`) or by the last program of the row to finish: each program with
+are merged per (request, query head) (`split_merge.py`) by a second kernel (the default,
+see `MERGE_IN_SPLIT_KERNEL`) or by the last program of the row to finish: each program with
 items counts itself in on the row's int32 counter (an acq_rel atomic, after a barrier so
 that all of its partial stores come first); the one that sees `n_active - 1` merges and
 zeros the counter for the next launch. The counters live in one buffer per device,
@@ -16,7 +16,9 @@ The grid depends only on static shapes, so the launch is CUDA-graph safe. The pl
 (`split_plan.py`) takes fixed chunks (the grid covers the page table's capacity) for few
 rows; for more rows, each row cuts its own length (read on the device) into a few chunks,
 and rows that fill the GPU on their own into one or two, so a short row in a wide page
-table costs no empty programs. With fixed
+table costs no empty programs. Those per-row plans run balanced (`balanced_plan.py`): one
+chunk length for the batch, read on the device, so a ragged batch's long row takes more
+programs (a flat grid of `rows * (num_splits + 1)` programs). With fixed
 chunks and very few rows (`fine_splits_for`), a row too short to fill its share of
 chunks cuts its own length finer (SnapKV's compacted rows in a graph table sized for
 max_model_len: 1 x 2304 tokens 9 us against 51). A split past its row's items writes no
@@ -30,9 +32,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import _common
+from . import _common, balanced_plan
 from ._common import LOG2E, check_cache, check_launch, lazy_jit, next_pow2
+from .balanced_plan import balanced_chunk
 from .online_softmax import softmax_step
+from .split_merge import _combine_splits_kernel, merge_splits
 from .split_plan import fine_splits_for, min_chunk_for, split_plan
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
@@ -55,13 +59,6 @@ MERGE_IN_SPLIT_KERNEL = False
 # the merges took 0.09 ms per step against 0.18 a row per program; graph step 8.68 vs 8.86 ms.
 COMBINE_D_TILE: int | None = 32
 _split_counters: dict[torch.device, torch.Tensor] = {}
-# The balanced plan's programs each read every row's length, in blocks of at most
-# BALANCED_ROW_BLOCK rows; beyond MAX_BALANCED_ROWS rows the per-row plan runs instead.
-BALANCED_ROW_BLOCK = 2048
-MAX_BALANCED_ROWS = 8192
-# Rows of like lengths keep the per-row plan's num_splits slots (no prefix sum over the rows)
-# unless the longest needs more than this many times num_splits of the batch's chunks.
-BALANCED_SLACK = 2
 
 
 def paged_decode_ref(q, k_cache, v_cache, page_table, kv_lens, scale=None, return_lse=False):
@@ -115,7 +112,7 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
     takes fewer of the splits; `min_chunk_for`); default on in the auto plan for rows that
     fill the GPU, 0 turns it off.
     `balanced`: True runs the balanced plan over `B * Hkv * (num_splits + 1)` programs
-    (`_balanced_chunk`: one chunk length for the batch, so a row far longer than the
+    (`balanced_plan.py`: one chunk length for the batch, so a row far longer than the
     others takes more chunks, not longer ones); None (auto): where the auto plan cuts each
     row by its own length; False never.
     """
@@ -130,7 +127,7 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
     auto = kv_chunk is None and row_splits is None
     fine = fine_splits_for((chunk, num_splits), rows, device, auto, fine_splits)
     least = min_chunk_for((chunk, num_splits), rows, device, auto, min_chunk)
-    balanced = _balanced(balanced, chunk, auto, rows)
+    balanced = balanced_plan.use_balanced(balanced, chunk, auto, rows)
     if chunk and not balanced:  # fixed chunks: the grid covers `capacity`
         block_n = min(chunk, block_n)
     combine = _combine_mode(fused_combine, 2 if balanced and num_splits == 1 else num_splits, rows)
@@ -141,14 +138,7 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
     slots = (rows * num_splits + rows) * g if balanced else B * Hq * num_splits
     part_out = _common.empty((slots, d), torch.float32, device)
     part_lse = _common.empty((slots,), torch.float32, device)
-    meta = kv_lens
-    if plan_out is not None and not balanced:
-        raise ValueError("plan_out is written by the balanced plan only (balanced=False or a fixed-chunk plan)")
-    if balanced:
-        meta = plan_out if plan_out is not None else torch.empty((rows, 2), dtype=torch.int32, device=device)
-        if meta.shape != (rows, 2) or meta.dtype != torch.int32 or not meta.is_contiguous():
-            raise ValueError(f"plan_out must be a contiguous int32 [{rows}, 2] tensor, got "
-                             f"{meta.dtype} {tuple(meta.shape)}")
+    meta = balanced_plan.plan_buffer(plan_out, rows, device) if balanced else balanced_plan.no_plan(plan_out, kv_lens)
     out = _common.empty((B, Hq, d), q.dtype, device)
     lse = _common.empty((B, Hq), torch.float32, device) if return_lse else part_lse
     counters = _counters(device) if combine == _LAST_MERGES else kv_lens
@@ -174,8 +164,8 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
         Hkv, Hq, rows,
         GROUP=g, BLOCK_H=max(16, next_pow2(g)), PAGE_SIZE=page_size, CHUNK=chunk, BLOCK_N=block_n,
         MODE=mode, STORE_LOGITS=store_logits, DOT_PREC=_common.dot_precision(q.dtype),
-        COMBINE=combine, FINE=fine > 0, BALANCED=balanced, BLOCK_R=min(next_pow2(rows), BALANCED_ROW_BLOCK) if balanced else 1,
-        SLACK=BALANCED_SLACK,
+        COMBINE=combine, FINE=fine > 0, BALANCED=balanced,
+        BLOCK_R=min(next_pow2(rows), balanced_plan.BALANCED_ROW_BLOCK) if balanced else 1, SLACK=balanced_plan.BALANCED_SLACK,
         **merge_args, num_warps=num_warps, num_stages=num_stages,
     )
     if combine == _PARTIALS:  # a program per (query row, COMBINE_D_TILE channels): more programs than rows
@@ -186,16 +176,6 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
             BALANCED=balanced, num_warps=4,
         )
     return (out, lse) if return_lse else out
-
-
-def _balanced(balanced: bool | None, chunk: int, auto: bool, rows: int) -> bool:
-    """Whether a launch takes the balanced plan: asked, or (None) the auto plan's per-row
-    chunks (`split_plan` chunk 0), for up to `MAX_BALANCED_ROWS` rows."""
-    if balanced is None:
-        return auto and not chunk and rows <= MAX_BALANCED_ROWS
-    if balanced and rows > MAX_BALANCED_ROWS:
-        raise ValueError(f"the balanced plan takes at most {MAX_BALANCED_ROWS} rows (B * Hkv), got {rows}")
-    return bool(balanced)
 
 
 def _combine_mode(fused_combine: bool | None, num_splits: int, rows: int) -> int:
@@ -232,8 +212,8 @@ def _decode_split_kernel(
     STORE_LSE: tl.constexpr, FINE: tl.constexpr, BALANCED: tl.constexpr, BLOCK_R: tl.constexpr,
     SLACK: tl.constexpr,
 ):
-    if BALANCED:  # a flat grid over the batch's chunks (`_balanced_chunk`): one a program, the rest idle
-        r, split, first, n_active, chunk, n_items = _balanced_chunk(
+    if BALANCED:  # a flat grid over the batch's chunks (`balanced_plan.py`): one a program, the rest idle
+        r, split, first, n_active, chunk, n_items = balanced_chunk(
             kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, rows, num_splits, min_chunk, HKV, tl.program_id(0),
             PAGE_SIZE, BLOCK_N, MODE, BLOCK_R, SLACK)
         if split >= 0:
@@ -279,68 +259,6 @@ def _decode_split_kernel(
                       pid_bh, split, chunk, n_items, n_active, head0 + split, num_splits, head0, 1,
                       GROUP, BLOCK_H, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, MODE, STORE_LOGITS, DOT_PREC,
                       COMBINE, BLOCK_S, STORE_LSE, False)
-
-
-def _row_items(kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, r, ok, HKV, PAGE_SIZE: tl.constexpr,
-               MODE: tl.constexpr):
-    """Items of rows `r` (request x KV head; a block or one) where `ok`: the request's
-    tokens, the row's selected tokens, or its selected pages' tokens."""
-    if MODE == 0:
-        n = tl.load(kv_lens_ptr + r // HKV, mask=ok, other=0)
-    else:
-        n = tl.load(num_sel_ptr + (r // HKV) * stride_ns_b + (r % HKV) * stride_ns_h, mask=ok, other=0)
-        if MODE == 2:
-            n = n * PAGE_SIZE
-    return n.to(tl.int32)
-
-
-def _row_chunks(n, c, min_chunk, cap, BLOCK_N: tl.constexpr):
-    """(chunks, chunk length) of rows of n items under the batch's chunk c, at most `cap`
-    chunks a row (`balanced_chunks`)."""
-    k = tl.minimum(tl.maximum(tl.cdiv(n, c), 1), cap)
-    if min_chunk > 0:
-        k = tl.minimum(k, tl.maximum(n // min_chunk, 1))
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(n, k), BLOCK_N), 1) * BLOCK_N
-    return tl.maximum(tl.cdiv(n, chunk), 1), chunk
-
-
-def _balanced_chunk(kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, rows, num_splits, min_chunk, HKV, item,
-                    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, BLOCK_R: tl.constexpr,
-                    SLACK: tl.constexpr):
-    """Chunk `item` of the balanced plan (`split_plan.balanced_chunks`, its definition),
-    computed alike by every program from the rows' lengths, read in blocks of BLOCK_R.
-    Returns (row, index in the row (-1: no such chunk: the program idles), the row's first
-    chunk, its chunks, its chunk length, its items). Only scalars leave: the row arrays
-    are dead before the attention's loop."""
-    total = tl.zeros([], tl.int64)
-    n_max = tl.zeros([], tl.int32)
-    for r0 in range(0, rows, BLOCK_R):
-        r = r0 + tl.arange(0, BLOCK_R)
-        n = _row_items(kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, r, r < rows, HKV, PAGE_SIZE, MODE)
-        total += tl.sum(n.to(tl.int64), 0)
-        n_max = tl.maximum(n_max, tl.max(n, 0))
-    c = tl.maximum(tl.cdiv(tl.cdiv(total, rows * num_splits), BLOCK_N), 1).to(tl.int32) * BLOCK_N
-    row = item // num_splits  # like lengths: row r's chunks from r * num_splits, at most num_splits
-    first = row * num_splits
-    cap = num_splits
-    if tl.cdiv(n_max, c) > SLACK * num_splits:  # a row far longer: the chunks numbered row after row
-        cap = tl.full([], 1 << 30, tl.int32)
-        row = tl.zeros([], tl.int32)
-        first = tl.zeros([], tl.int32)
-        carry = tl.zeros([], tl.int32)  # chunks of the blocks before
-        for r0 in range(0, rows, BLOCK_R):
-            r = r0 + tl.arange(0, BLOCK_R)
-            ok = r < rows
-            n = _row_items(kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, r, ok, HKV, PAGE_SIZE, MODE)
-            k = tl.where(ok, _row_chunks(n, c, min_chunk, cap, BLOCK_N)[0], 0)
-            before = carry + tl.cumsum(k, 0) <= item  # rows wholly before the item's
-            row += tl.sum(before.to(tl.int32), 0)
-            first += tl.sum(tl.where(before, k, 0), 0)
-            carry += tl.sum(k, 0)
-    n_row = _row_items(kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, row, row < rows, HKV, PAGE_SIZE, MODE)
-    k_row, chunk = _row_chunks(n_row, c, min_chunk, cap, BLOCK_N)
-    split = item - first
-    return row, tl.where((row < rows) & (split < k_row), split, -1), first, k_row, chunk, n_row
 
 
 def _attend_chunk(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, sel_ptr, part_out_ptr, part_lse_ptr, logits_ptr,
@@ -432,66 +350,7 @@ def _attend_chunk(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, sel_ptr, par
             counter = counter_ptr + pid_bh
             if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == n_active - 1:  # n_active > 1 here
                 for i in range(GROUP):
-                    _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, b * HQ + kvh * GROUP + i,
+                    merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, b * HQ + kvh * GROUP + i,
                                   merge_base + i * slot_h, merge_step, 0, n_active,
                                   stride_ob, stride_oh, HQ, HEAD_DIM, BLOCK_D, BLOCK_S, STORE_LSE)
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
-
-
-@lazy_jit
-def _combine_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, meta_ptr, num_splits, stride_ob, stride_oh, HQ,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, STORE_LSE: tl.constexpr,
-    GROUP: tl.constexpr, BALANCED: tl.constexpr,
-):
-    row = tl.program_id(0)
-    if BALANCED:  # the row's chunks are numbered in `meta`; a row of one chunk wrote its output
-        kv_row = (row // HQ) * (HQ // GROUP) + (row % HQ) // GROUP
-        first = tl.load(meta_ptr + 2 * kv_row)
-        n_read = tl.load(meta_ptr + 2 * kv_row + 1)
-        if n_read > 1:
-            _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, row, first * GROUP + row % HQ % GROUP,
-                          GROUP, tl.program_id(1) * BLOCK_D, n_read, stride_ob, stride_oh, HQ, HEAD_DIM, BLOCK_D,
-                          BLOCK_S, STORE_LSE)
-    else:
-        _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, row, row * num_splits, 1,
-                      tl.program_id(1) * BLOCK_D, num_splits, stride_ob, stride_oh, HQ, HEAD_DIM, BLOCK_D, BLOCK_S,
-                      STORE_LSE)
-
-
-def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, row, base, step, d_start, n_read, stride_ob,
-                  stride_oh, HQ, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                  STORE_LSE: tl.constexpr):
-    """Merge query row `row` = b * HQ + h, channels `d_start .. d_start + BLOCK_D`: its
-    `n_read` log2-domain partials, at slots `base + s * step` -> out (and, from the
-    channels starting at 0, lse, natural log); a partial of weight 0 (lse -inf: a split
-    without items, whose output slot was never written) is not loaded. Loads bypass L1
-    (.cg): in the fused kernel other programs wrote the partials just now."""
-    b = row // HQ
-    h = row % HQ
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = d_start + tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    m_vec = tl.full([BLOCK_S], float("-inf"), tl.float32)
-    for s0 in range(0, n_read, BLOCK_S):
-        m_vec = tl.maximum(m_vec, tl.load(part_lse_ptr + base + (s0 + offs_s) * step, mask=s0 + offs_s < n_read,
-                                          other=float("-inf"), cache_modifier=".cg"))
-    m = tl.max(m_vec, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    w_vec = tl.zeros([BLOCK_S], tl.float32)
-    for s0 in range(0, n_read, BLOCK_S):
-        s_mask = s0 + offs_s < n_read
-        slots = base + (s0 + offs_s) * step
-        w = tl.exp2(tl.load(part_lse_ptr + slots, mask=s_mask, other=float("-inf"), cache_modifier=".cg") - m)
-        o = tl.load(part_out_ptr + slots[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :],
-                    mask=(s_mask & (w > 0))[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
-        acc += tl.sum(w[:, None] * o, 0)
-        w_vec += w
-    w_sum = tl.sum(w_vec, 0)
-    out = acc / tl.where(w_sum > 0, w_sum, 1.0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
-    if STORE_LSE:
-        if d_start == 0:
-            lse = tl.where(w_sum > 0, m + tl.log2(tl.where(w_sum > 0, w_sum, 1.0)), float("-inf"))
-            tl.store(lse_ptr + row, lse * 0.6931471805599453)

@@ -132,30 +132,3 @@ def min_chunk_for(plan: tuple[int, int], rows: int, device: torch.device, auto: 
         fill = auto and _fills_gpu(rows, device)
         return MIN_ROW_CHUNK_BLOCKS * _least_chunk(device) if fill else 0
     return max(0, int(min_chunk))
-
-
-def balanced_chunks(n_items: torch.Tensor, num_splits: int, block_n: int, min_chunk: int = 0, slack: int = 2):
-    """The balanced plan (the torch twin of the split kernel's `_balanced_chunk`; `slack` is
-    its `BALANCED_SLACK`): R rows of `n_items [R]` items in num_splits chunk slots a row
-    (the kernel launches R more programs: rounding can add one chunk a row). One chunk
-    length for the batch, C = ceil(total / (R * num_splits)) rounded up to whole `block_n`
-    blocks. Rows of like lengths (ceil(max n / C) <= slack * num_splits) keep the per-row
-    plan's slots: row r's chunks start at r * num_splits, at most num_splits of them. Else
-    (a row far longer than the others) the chunks are numbered row after row, as many as
-    a row needs: the long row takes more chunks, not longer ones. Either way a row of n
-    items takes k = ceil(n / C) chunks (within those limits; at most n // min_chunk where
-    min_chunk > 0; at least 1) of ceil(n / k) items each, whole blocks. Returns per row
-    (first chunk, chunks, chunk length) as int64 [R] tensors."""
-    n = n_items.to(torch.int64)
-    c = max(1, cdiv(cdiv(int(n.sum()), n.numel() * num_splits), block_n)) * block_n
-    like = cdiv(int(n.max()), c) <= slack * num_splits
-    k = ((n + c - 1) // c).clamp(min=1)
-    if like:
-        k = k.clamp(max=num_splits)
-    if min_chunk > 0:
-        k = torch.minimum(k, (n // min_chunk).clamp(min=1))
-    chunk = (((n + k - 1) // k + block_n - 1) // block_n).clamp(min=1) * block_n
-    k = ((n + chunk - 1) // chunk).clamp(min=1)
-    if like:
-        return torch.arange(n.numel()) * num_splits, k, chunk
-    return torch.cumsum(k, 0) - k, k, chunk

@@ -153,7 +153,8 @@ def test_a_launch_binds_what_its_kernel_calls(device):
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert {"_decode_split_kernel", "_select_kernel", "_rms_norm_kernel", "_prefill_kernel"} <= set(out), sorted(out)
-    assert {"softmax_step", "_merge_splits"} <= set(out["_decode_split_kernel"]["called"])
+    assert {"softmax_step", "merge_splits", "balanced_chunk", "balanced_row_items"} <= set(
+        out["_decode_split_kernel"]["called"])
     assert {"_page_keys", "_kth_largest", "_shortlist_select"} <= set(out["_select_kernel"]["called"])
     assert {"_load_h", "_round_to"} <= set(out["_rms_norm_kernel"]["called"])
     assert out["_prefill_kernel"]["called"] == ["causal_paged_block", "softmax_step"]

@@ -3,9 +3,10 @@ import torch
 import torch.nn.functional as F
 
 from sparseengine.kernels import paged_decode_ref, paged_decode_triton
-from sparseengine.kernels import paged_decode
+from sparseengine.kernels import balanced_plan
 from sparseengine.kernels.paged_decode import MODE_DENSE, split_k_decode
-from sparseengine.kernels.split_plan import balanced_chunks, min_chunk_for, split_plan
+from sparseengine.kernels.balanced_plan import balanced_chunks
+from sparseengine.kernels.split_plan import min_chunk_for, split_plan
 from sparseengine.kernels.testing import CASES, assert_close, case_id, random_paged_kv, randn
 
 
@@ -220,7 +221,7 @@ def test_balanced_plan_gives_a_long_row_more_chunks(row_splits, min_chunk, row_b
     attention matches the reference under every merge (the merge kernel, the last program,
     the auto choice). `row_block` 4: every program reads the 16 rows' lengths in 4 blocks."""
     if row_block:
-        monkeypatch.setattr(paged_decode, "BALANCED_ROW_BLOCK", row_block)
+        monkeypatch.setattr(balanced_plan, "BALANCED_ROW_BLOCK", row_block)
     q, kv = _inputs((4, 2, 32, 4, RAGGED), gen, device)
     rows = len(RAGGED) * 2
     n_items = torch.tensor(RAGGED).repeat_interleave(2)

@@ -116,7 +116,7 @@ def test_balanced_plan_over_selections(mode, gen, device):
     by head, one row far longer): the same attention as the reference, with the
     `balanced_chunks` plan over those counts."""
     from sparseengine.kernels.paged_decode import MODE_PAGES, MODE_TOKENS, split_k_decode
-    from sparseengine.kernels.split_plan import balanced_chunks
+    from sparseengine.kernels.balanced_plan import balanced_chunks
 
     hq, hkv, d, ps, lens = 4, 2, 32, 4, [200, 30, 9, 50]
     q, kv = _inputs((hq, hkv, d, ps, lens), gen, device)
