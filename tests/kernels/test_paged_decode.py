@@ -284,6 +284,15 @@ def test_balanced_plan_over_like_lengths_keeps_row_slots(lens, splits, fused, ge
 
 
 def test_balanced_plan_inputs_are_checked(gen, device):
+    """Which launches take the balanced plan (the auto plan's per-row chunks, up to
+    MAX_BALANCED_ROWS rows; asked for explicitly), and the errors for a bad plan buffer or
+    too many rows."""
+    use = balanced_plan.use_balanced
+    limit = balanced_plan.MAX_BALANCED_ROWS
+    assert use(None, 0, True, 100) and not use(None, 2048, True, 100) and not use(None, 0, False, 100)
+    assert not use(None, 0, True, limit + 1) and use(True, 2048, False, 100) and not use(False, 0, True, 100)
+    with pytest.raises(ValueError, match=f"at most {limit} rows"):
+        use(True, 0, True, limit + 1)
     q, kv = _inputs((4, 2, 32, 4, [20, 3]), gen, device)
     args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens)
     with pytest.raises(ValueError, match="plan_out must be a contiguous int32"):
