@@ -56,18 +56,23 @@ def bench_decode_splits(out_path, B, L, capacity, plans=None):
     wide = torch.cat([page_table, page_table[:, :1].expand(-1, capacity // PS - page_table.shape[1])], 1).contiguous()
     kv_bytes = 2 * B * L * HKV * D * k_cache.element_size()
     shape = {"batch": B, "kv_len": L, "capacity": capacity, "hq": HQ, "hkv": HKV, "head_dim": D, "page_size": PS}
-    ref = split_k_decode(q, k_cache, v_cache, wide, kv_lens, mode=MODE_DENSE, capacity=capacity, kv_chunk=2048,
-                         fused_combine=False)
     want = want_splits(B * HKV, q.device)
     plans = plans or {"auto": {}, "auto_no_fine": dict(fine_splits=0), "per_row": dict(row_splits=want),
                       "per_row_2x": dict(row_splits=2 * want), "per_row_4x": dict(row_splits=4 * want),
                       "fixed_2048": dict(kv_chunk=2048)}
+    _time_plans(out_path, "splits", plans, shape, kv_bytes, (q, k_cache, v_cache, wide, kv_lens), capacity)
+
+
+def _time_plans(out_path, kind, plans, shape, kv_bytes, inputs, capacity):
+    """Each plan's launch (split_k_decode's keyword arguments) over `inputs` (q, caches,
+    page table, lengths): its time per launch and its largest difference from fixed
+    2048-token chunks merged by the merge kernel, one record each."""
+    ref = split_k_decode(*inputs, mode=MODE_DENSE, capacity=capacity, kv_chunk=2048, fused_combine=False)
     for plan, kw in plans.items():
-        fn = lambda: split_k_decode(q, k_cache, v_cache, wide, kv_lens, mode=MODE_DENSE,  # noqa: E731
-                                    capacity=capacity, **kw)
+        fn = lambda: split_k_decode(*inputs, mode=MODE_DENSE, capacity=capacity, **kw)  # noqa: E731
         err = (fn().float() - ref.float()).abs().max().item()
         us = per_launch_us(fn)
-        emit(out_path, {"kind": "splits", "kernel": "split_k_decode", "plan": plan, **kw, **shape, "us": us,
+        emit(out_path, {"kind": kind, "kernel": "split_k_decode", "plan": plan, **kw, **shape, "us": us,
                         "GBps": kv_bytes / us / 1e3, "max_abs_diff_vs_fixed_2048": err})
 
 
@@ -125,13 +130,5 @@ def _bench_rows(out_path, name, lens, capacity, plans):
     kv_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     q = torch.randn(B, HQ, D, device="cuda", dtype=BF16)
     kv_bytes = 2 * sum(lens) * HKV * D * k_cache.element_size()
-    ref = split_k_decode(q, k_cache, v_cache, table, kv_lens, mode=MODE_DENSE, capacity=capacity, kv_chunk=2048,
-                         fused_combine=False)
     shape = {"shape": name, "batch": B, "tokens": sum(lens), "max_len": max(lens), "capacity": capacity}
-    for plan, kw in plans.items():
-        fn = lambda: split_k_decode(q, k_cache, v_cache, table, kv_lens, mode=MODE_DENSE,  # noqa: E731
-                                    capacity=capacity, **kw)
-        err = (fn().float() - ref.float()).abs().max().item()
-        us = per_launch_us(fn)
-        emit(out_path, {"kind": "splits_ragged", "kernel": "split_k_decode", "plan": plan, **kw, **shape, "us": us,
-                        "GBps": kv_bytes / us / 1e3, "max_abs_diff_vs_fixed_2048": err})
+    _time_plans(out_path, "splits_ragged", plans, shape, kv_bytes, (q, k_cache, v_cache, table, kv_lens), capacity)

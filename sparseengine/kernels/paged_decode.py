@@ -130,9 +130,7 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
     balanced = balanced_plan.use_balanced(balanced, chunk, auto, rows)
     if chunk and not balanced:  # fixed chunks: the grid covers `capacity`
         block_n = min(chunk, block_n)
-    combine = _combine_mode(fused_combine, 2 if balanced and num_splits == 1 else num_splits, rows)
-    if balanced and num_splits == 1 and fused_combine is None:
-        combine = _LAST_MERGES  # one chunk a row unless ragged: no merge launch for the usual case
+    combine = _combine_mode(fused_combine, num_splits, rows, balanced)
     # Partials: a (row, split) grid's at [B, Hq, num_splits]; the balanced plan's at [chunk, group
     # head], at most rows * num_splits + rows chunks (each row rounds its count up once).
     slots = (rows * num_splits + rows) * g if balanced else B * Hq * num_splits
@@ -178,12 +176,16 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
     return (out, lse) if return_lse else out
 
 
-def _combine_mode(fused_combine: bool | None, num_splits: int, rows: int) -> int:
+def _combine_mode(fused_combine: bool | None, num_splits: int, rows: int, balanced: bool) -> int:
+    """How the launch's partials are merged. One split a row writes the output directly;
+    under the balanced plan a row may still take several chunks (a ragged batch), so with
+    one split a row the auto choice merges in the split kernel (no merge launch for the
+    usual one-chunk rows)."""
     if fused_combine is False:
         return _PARTIALS
-    if num_splits == 1:
+    if num_splits == 1 and not balanced:
         return _DIRECT
-    if fused_combine is None and not MERGE_IN_SPLIT_KERNEL:
+    if fused_combine is None and not MERGE_IN_SPLIT_KERNEL and not (balanced and num_splits == 1):
         return _PARTIALS
     if rows <= MAX_SPLIT_COUNTERS:
         return _LAST_MERGES
