@@ -72,6 +72,9 @@ def lane(row: pd.Series) -> str:
         name += f" (total {total_budget(row)})"
     if row.get("prefill_sparse_method") not in (None, "none"):
         name += f" + {row['prefill_sparse_method']}"
+    plan = row.get("decode_split_plan")
+    if isinstance(plan, str) and plan != "auto":
+        name += f" [{plan} split plan]"
     return name
 
 
@@ -108,7 +111,9 @@ def throughput_table(df: pd.DataFrame) -> pd.DataFrame:
     if "end_time" in tp.columns:
         tp = tp.sort_values("end_time", kind="stable")
     for _, row in tp.iterrows():
+        mix = row.get("decode/length_mix")
         common = {"model": row["model"], "context_length": row["context_length"],
+                  "length_mix": mix if isinstance(mix, str) else str(row["context_length"]) + "x1",
                   "device": row.get("provenance.device_name"), "provider": row.get("attention/provider"),
                   "commit": row.get("provenance.git_commit"), "dirty": row.get("provenance.git_dirty")}
         for prefix, name, method in (("decode", lane(row), row["sparse_method"]), ("hf", "hf_generate", "hf")):
@@ -119,22 +124,25 @@ def throughput_table(df: pd.DataFrame) -> pd.DataFrame:
                          "max_batch": row.get("decode/max_batch") if prefix == "decode" else b,
                          "first_unfit_batch": row.get("decode/first_unfit_batch") if prefix == "decode" else None}
                 for key in ("output_tok_s", "step_s", "pct_of_limit", "limit_tok_s", "bytes_per_step",
-                            "ttft_s_mean", "tpot_s_mean", "kv_tokens_mean", "preemptions", "cold_output_tok_s"):
+                            "ttft_s_mean", "tpot_s_mean", "kv_tokens_mean", "preemptions", "cold_output_tok_s",
+                            "prompt_tokens_mean"):
                     entry[key] = row.get(f"{prefix}/bs{b}/{key}")
                 entry["bandwidth_gbps"] = row.get("roofline/bandwidth_gbps")
                 out.append(entry)
     table = pd.DataFrame(out)
     if table.empty:
         return table
-    keys = ["lane", "model", "context_length", "batch"]
+    keys = ["lane", "model", "context_length", "length_mix", "batch"]
     return table.drop_duplicates(keys, keep="last").sort_values(keys).reset_index(drop=True)
 
 
 def improvement_over_vanilla(tp: pd.DataFrame, reference: str = "vanilla") -> pd.DataFrame:
-    """Each lane at the reference's largest batch, as a ratio of the reference's tok/s."""
+    """Each lane at the reference lane's largest batch, as a ratio of the reference's tok/s
+    (per model, context and length mix)."""
     rows = []
-    for (model, ctx), group in tp.groupby(["model", "context_length"]):
-        ref = group[group["sparse_method"] == reference]
+    keys = ["model", "context_length"] + (["length_mix"] if "length_mix" in tp.columns else [])
+    for (model, ctx, *_), group in tp.groupby(keys):
+        ref = group[group["lane"] == reference]
         if ref.empty:
             continue
         at = int(ref["batch"].max())

@@ -4,6 +4,8 @@
 #   bash scripts/gpu_session.sh profiles     # GPU tests (no FlashInfer), per-kernel decode profiles (vanilla b1, quest b6, omnikv b6, snapkv b183, h2o b128, deltakv b1 and b6), DeltaKV's flush times
 #   bash scripts/gpu_session.sh pick         # GPU tests (kernels, methods), OmniKV's pick side by side, OmniKV b6 profile
 #   bash scripts/gpu_session.sh balanced     # split-K decode tests (all, compiled), the balanced plan beside the per-row one
+#   bash scripts/gpu_session.sh ragged [hydra overrides]  # our dense decode beside FlashInfer's on ragged batches (carry
+#     the FlashInfer wheels too), then python run.py -m experiment=decode_throughput_ragged
 #   bash scripts/gpu_session.sh throughput [hydra overrides]   # python run.py -m experiment=$EXPERIMENT
 #     (EXPERIMENT: decode_throughput_128k, the default, or decode_throughput_128k_qwen3)
 #   bash scripts/gpu_session.sh accuracy [hydra overrides]     # python run.py -m experiment=accuracy_smollm2 on the GPU
@@ -17,7 +19,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 WANDB_MODE=offline
 # The device copy's .git can name an older commit: pass COMMIT=<sha> DIRTY=0|1 so records carry provenance.
 COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export SPARSEENGINE_GIT_COMMIT=$COMMIT SPARSEENGINE_GIT_DIRTY=${DIRTY:-}
-phase=${1:?phase: check, profiles, pick, throughput or accuracy}; shift
+phase=${1:?phase: check, profiles, pick, balanced, ragged, throughput or accuracy}; shift
 FI_WHEELS=.whl/flashinfer; [ -d .whl/flashinfer_trim ] && FI_WHEELS=.whl/flashinfer_trim
 export FI_WHEELS
 
@@ -89,16 +91,15 @@ balanced)
     tests/kernels/test_attention_colsum.py tests/kernels/test_omnikv_scores.py tests/kernels/test_split_plan.py -q -p no:cacheprovider -rs 2>&1 \
     | tail -12 | tee "$OUT/gpu_tests.log"
   timeout 150 python -m sparseengine.kernels.bench_gpu --splits-ragged --out "$OUT/decode_ragged.jsonl" 2>&1 \
-    | python -c "
-import json, sys
-for line in sys.stdin:
-    try:
-        r = json.loads(line)
-    except ValueError:
-        print(line.rstrip()[-300:]); continue
-    if r.get('kind') == 'splits_ragged':
-        print(f\"{r['shape']:>22} {r['plan']:>16} {r['us']:9.1f} us {r['GBps']:7.0f} GB/s err {r['max_abs_diff_vs_fixed_2048']:.1e}\")
-"
+    | python scripts/show_bench.py splits_ragged shape plan us GBps max_abs_diff_vs_fixed_2048
+  ;;
+ragged)
+  bash scripts/gpu_flashinfer_check.sh build > "$OUT/flashinfer_build.log" 2>&1; tail -3 "$OUT/flashinfer_build.log"
+  install_wheels "$FI_WHEELS"
+  timeout "${KERNEL_TIMEOUT:-150}" python -m sparseengine.kernels.bench_gpu --splits-ragged-flashinfer \
+    --out "$OUT/decode_ragged_flashinfer.jsonl" 2>&1 \
+    | python scripts/show_bench.py ragged_flashinfer shape impl us GBps max_abs_err_row0_vs_ref
+  EXPERIMENT=decode_throughput_ragged SKIP_TESTS=1 bash "$0" throughput "$@"
   ;;
 throughput)
   install_wheels .whl/hydra

@@ -27,6 +27,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": ("auto", "float32", "bfloat16", "float16"),
     "device": ("auto", "cpu", "cuda"),
     "attention_provider": ("auto", "torch", "triton", "flashinfer"),
+    "decode_split_plan": ("auto", "per_row"),
 }
 
 
@@ -47,6 +48,10 @@ class Config:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     attention_provider: str = "auto"
+    # How the Triton split-K decode cuts rows into programs: "auto" (kernels/split_plan.py,
+    # balanced across the batch where rows are cut by their own lengths) or "per_row" (each
+    # row by its own length only: the plan before the balanced one, kept for A/B runs).
+    decode_split_plan: str = "auto"
     tensor_parallel_size: int = 1
     sparse_method: str = "vanilla"
     prefill_sparse_method: str = "none"

@@ -75,6 +75,13 @@ def read_tokens(config, context_len: int) -> tuple[float, float]:
     return float(min(context_len, config.total_attended)), 0.0
 
 
+def mean_reads(model, config, context_lens: list[int]) -> tuple[float, float]:
+    """``read_tokens``'s estimate averaged over requests of these lengths, as
+    ``decode_step_cost``'s ``measured`` (KV tokens per layer, metadata bytes per step)."""
+    reads = [read_tokens(config, n) for n in context_lens]
+    return (sum(t for t, _ in reads) / len(reads), sum(m for _, m in reads) * model.num_layers / len(reads))
+
+
 @dataclass(frozen=True)
 class StepCost:
     bytes: float

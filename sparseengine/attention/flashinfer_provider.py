@@ -80,8 +80,10 @@ class FlashInferAttentionProvider(AttentionProvider):
     name = "flashinfer"
     supports_cuda_graphs = False
 
-    def __init__(self, device: torch.device, decode_tensor_cores: bool | None = None) -> None:
-        """``decode_tensor_cores``: None picks by GQA group (``decode_uses_tensor_cores``)."""
+    def __init__(self, device: torch.device, decode_tensor_cores: bool | None = None,
+                 split_plan: str = "auto") -> None:
+        """``decode_tensor_cores``: None picks by GQA group (``decode_uses_tensor_cores``);
+        ``split_plan``: the Triton ops' split-K plan (``TritonAttentionProvider``)."""
         if device.type != "cuda":
             raise ConfigError(f"attention_provider='flashinfer' needs a CUDA device (got {device.type!r}) and the "
                               f"flashinfer package (`{PIP_INSTALL}`); on CPU use 'torch' or 'auto'")
@@ -89,7 +91,7 @@ class FlashInferAttentionProvider(AttentionProvider):
         self.version = self.flashinfer.__version__
         self.device = device
         self.decode_tensor_cores = decode_tensor_cores
-        self.triton = TritonAttentionProvider()
+        self.triton = TritonAttentionProvider(split_plan)
         self._workspace: torch.Tensor | None = None  # allocated at the first plan
         self._wrappers: dict[tuple, list] = {}  # reused across steps: (kind, tensor_cores) -> wrappers
         self._step = lambda: None  # weak reference to the step planned for (a ctx holds the KV pool)

@@ -72,26 +72,33 @@ def check_prefill_scores(score_rows: "ScoreRows | None") -> None:
                          "reports column sums only (kind='colsum')")
 
 
-def make_provider(name: str, device: torch.device) -> AttentionProvider:
+def make_provider(name: str, device: torch.device, split_plan: str = "auto") -> AttentionProvider:
     """``auto``: Triton on CUDA, the torch reference on CPU (never FlashInfer: it is an
     optional package and only an explicit choice). An explicit choice that the device or
-    the installed packages cannot run is an error, never a silent fallback."""
+    the installed packages cannot run is an error, never a silent fallback. ``split_plan``
+    (``Config.decode_split_plan``) goes to the Triton split-K decode (FlashInfer's provider
+    passes it to the Triton ops it runs); the torch provider has no split plan, so any
+    choice but ``auto`` there is an error."""
     import os
 
     from sparseengine.attention.torch_ref import TorchAttentionProvider
 
     if name in ("auto", "torch") and (name == "torch" or device.type == "cpu"):
+        if split_plan != "auto":
+            raise ConfigError(f"decode_split_plan={split_plan!r} chooses the Triton split-K decode's plan, but "
+                              f"attention_provider={name!r} runs the torch reference here (no split plan); use "
+                              "attention_provider='triton' (on CPU under TRITON_INTERPRET=1) or decode_split_plan='auto'")
         return TorchAttentionProvider()
     if name == "auto":
         name = "triton"
     if name == "flashinfer":  # checks the device and the package itself, naming the fix
         from sparseengine.attention.flashinfer_provider import FlashInferAttentionProvider
-        return FlashInferAttentionProvider(device)
+        return FlashInferAttentionProvider(device, split_plan=split_plan)
     interpreted = name == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
     if device.type != "cuda" and not interpreted:
         raise ConfigError(f"attention_provider={name!r} needs a CUDA device (Triton also runs on CPU under "
                           "TRITON_INTERPRET=1); on CPU use 'torch' or 'auto'")
     if name == "triton":
         from sparseengine.attention.triton_provider import TritonAttentionProvider
-        return TritonAttentionProvider()
+        return TritonAttentionProvider(split_plan)
     raise ConfigError(f"Unknown attention_provider={name!r}; valid: auto, torch, triton, flashinfer")

@@ -11,9 +11,21 @@ from sparseengine.attention.provider import AttentionProvider, check_prefill_sco
 from sparseengine.engine.step_context import LayerView, ScoreRows, Selection, StepContext
 from sparseengine.kernels import fused_ops
 
+# decode_split_plan -> split_k_decode's `balanced` (None: its auto choice)
+SPLIT_PLANS = {"auto": None, "per_row": False}
+
 
 class TritonAttentionProvider(AttentionProvider):
     name = "triton"
+
+    def __init__(self, split_plan: str = "auto") -> None:
+        """``split_plan`` (``Config.decode_split_plan``): ``auto``, the split-K decode's own
+        plan (balanced across the batch where it cuts rows by their own lengths), or
+        ``per_row`` (never balanced), for every decode op this provider runs."""
+        if split_plan not in SPLIT_PLANS:
+            raise ValueError(f"split_plan must be one of {', '.join(SPLIT_PLANS)}, got {split_plan!r}")
+        self.split_plan = split_plan
+        self._split_kw = {"balanced": SPLIT_PLANS[split_plan]}  # split_k_decode's keyword
 
     def write_kv(self, k_cache, v_cache, k, v, slot_mapping):
         kernels.paged_kv_write_triton(k, v, k_cache, v_cache, slot_mapping)
@@ -34,11 +46,11 @@ class TritonAttentionProvider(AttentionProvider):
         if ctx.is_decode:
             if score_rows is not None and score_rows.kind == "max_logits":
                 out, colsums = kernels.decode_max_logits_triton(q, k_cache, v_cache, table, lens,
-                                                                padded_colsum_width(score_rows, view))
+                                                                padded_colsum_width(score_rows, view), **self._split_kw)
             elif score_rows is not None:
                 bound = padded_colsum_width(score_rows, view)
                 out, colsum = kernels.decode_colsum_triton(q, k_cache, v_cache, table, lens,
-                                                           max_kv_len=bound or max_len)
+                                                           max_kv_len=bound or max_len, **self._split_kw)
                 colsums = colsum if bound else [colsum[b, :, :n] for b, n in enumerate(view.kv_lens_list)]
             else:
                 out, colsums = None, None
@@ -48,11 +60,11 @@ class TritonAttentionProvider(AttentionProvider):
                     out = sparse
                 else:
                     if out is None:
-                        out = kernels.paged_decode_triton(q, k_cache, v_cache, table, lens)
+                        out = kernels.paged_decode_triton(q, k_cache, v_cache, table, lens, **self._split_kw)
                     dense_rows = torch.tensor(selection.dense, device=q.device)[:, None, None]
                     out = torch.where(dense_rows, out, sparse)
             elif out is None:
-                out = kernels.paged_decode_triton(q, k_cache, v_cache, table, lens)
+                out = kernels.paged_decode_triton(q, k_cache, v_cache, table, lens, **self._split_kw)
             return out, colsums
         check_prefill_scores(score_rows)
         out = kernels.paged_prefill_triton(q, k_cache, v_cache, table, lens, ctx.cu_q_lens,
@@ -76,17 +88,16 @@ class TritonAttentionProvider(AttentionProvider):
                        for b, (w, n) in enumerate(zip(score_rows.rows, view.kv_lens_list))]
         return out, colsums
 
-    @staticmethod
-    def _sparse_decode(q, k_cache, v_cache, table, lens, selection: Selection) -> torch.Tensor:
+    def _sparse_decode(self, q, k_cache, v_cache, table, lens, selection: Selection) -> torch.Tensor:
         """Decode rows ``q [B, Hq, d]`` over their selected tokens or pages."""
         if not selection.page_size:
             return kernels.sparse_decode_triton(q, k_cache, v_cache, table, lens, selection.token_indices,
-                                                selection.num_selected)
+                                                selection.num_selected, **self._split_kw)
         if selection.page_size != k_cache.shape[1]:
             raise ValueError(f"a page selection of page_size={selection.page_size} needs a KV cache of that "
                              f"page size, got {k_cache.shape[1]}")
         return kernels.sparse_page_decode_triton(q, k_cache, v_cache, table, lens, selection.token_indices,
-                                                 selection.num_selected)
+                                                 selection.num_selected, **self._split_kw)
 
     @staticmethod
     def _pick(by_window, window, b, length, hkv):

@@ -55,7 +55,7 @@ class LLM:
             long_prefill_threshold=cfg.long_prefill_threshold), self.allocator)
         self.kv_cache = KVCache(mc, num_pages, cfg.page_size, self.dtype, self.device)
         self.cache = CacheManager(self.kv_cache, self.scheduler)
-        self.provider = make_provider(cfg.attention_provider, self.device)
+        self.provider = make_provider(cfg.attention_provider, self.device, cfg.decode_split_plan)
         self.method = get_spec(cfg.sparse_method).runtime(cfg, mc, self.cache)
         if cfg.prefill_sparse_method != "none":
             prefill = get_spec(cfg.prefill_sparse_method, "prefill").runtime(cfg, mc, self.cache)
@@ -127,7 +127,7 @@ class LLM:
         view = LayerView(pos.clone(), lens, (tokens,), table)
         ctx = StepContext(seqs=[None], q_lens=(tokens,), cu_q_lens=torch.tensor([0, tokens], dtype=torch.int32,
                           device=self.device), is_decode=False, views=[view] * mc.num_layers, kv_cache=kv,
-                          provider=make_provider(cfg.attention_provider, self.device),
+                          provider=make_provider(cfg.attention_provider, self.device, cfg.decode_split_plan),
                           method=SparseMethodRuntime(cfg, mc, None), positions=pos)
         set_step_context(ctx)
         try:

@@ -338,6 +338,8 @@ def main(argv=None):
                         help="run only the split plans of rows that fill the GPU (short rows in split grids)")
     parser.add_argument("--splits-ragged", action="store_true",
                         help="run only the balanced plan against the per-row one, ragged and uniform batches")
+    parser.add_argument("--splits-ragged-flashinfer", action="store_true",
+                        help="run only our dense decode beside FlashInfer's on the ragged and uniform batches")
     parser.add_argument("--deltakv-rebuild", action="store_true",
                         help="run only DeltaKV's fused rebuild (tiles, warps) beside its torch path")
     parser.add_argument("--quest-select", action="store_true",
@@ -380,6 +382,11 @@ def main(argv=None):
         from sparseengine.kernels import bench_splits
 
         bench_splits.bench_ragged(args.out)
+        return
+    if args.splits_ragged_flashinfer:
+        from sparseengine.kernels import bench_splits
+
+        bench_splits.bench_ragged_flashinfer(args.out)
         return
     if args.flashinfer:
         bench_flashinfer_decode(args.out, 32, 32768)

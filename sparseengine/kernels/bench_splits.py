@@ -116,7 +116,9 @@ def _emit_registers(out_path):
                             "key": str(key)[-400:]})
 
 
-def _bench_rows(out_path, name, lens, capacity, plans):
+def ragged_inputs(lens, capacity):
+    """(q, k_cache, v_cache, page table, kv_lens) of rows `lens` tokens long, in a page table
+    `capacity` tokens wide, their pages scattered over a cache just large enough."""
     torch.manual_seed(0)
     B, pages = len(lens), [-(-n // PS) for n in lens]
     k_cache = torch.randn(sum(pages), PS, HKV, D, device="cuda", dtype=BF16)
@@ -129,6 +131,59 @@ def _bench_rows(out_path, name, lens, capacity, plans):
         at += n
     kv_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
     q = torch.randn(B, HQ, D, device="cuda", dtype=BF16)
-    kv_bytes = 2 * sum(lens) * HKV * D * k_cache.element_size()
-    shape = {"shape": name, "batch": B, "tokens": sum(lens), "max_len": max(lens), "capacity": capacity}
-    _time_plans(out_path, "splits_ragged", plans, shape, kv_bytes, (q, k_cache, v_cache, table, kv_lens), capacity)
+    return q, k_cache, v_cache, table, kv_lens
+
+
+def _bench_rows(out_path, name, lens, capacity, plans):
+    inputs = ragged_inputs(lens, capacity)
+    kv_bytes = 2 * sum(lens) * HKV * D * inputs[1].element_size()
+    shape = {"shape": name, "batch": len(lens), "tokens": sum(lens), "max_len": max(lens), "capacity": capacity}
+    _time_plans(out_path, "splits_ragged", plans, shape, kv_bytes, inputs, capacity)
+
+
+def bench_ragged_flashinfer(out_path):
+    """`bench_gpu --splits-ragged-flashinfer`: the ragged and uniform rows of `bench_ragged`
+    through our dense decode (the auto plan, and the same unbalanced) beside FlashInfer's
+    batch decode (its own host-side plan, `fa2`, tensor cores as the provider picks them at
+    GQA 4), each per launch in a CUDA graph of 30 (FlashInfer's wrapper built with
+    `use_cuda_graph=True`, planned once for the shape)."""
+    from sparseengine.attention.flashinfer_provider import decode_uses_tensor_cores, paged_metadata
+    from sparseengine.engine.step_context import LayerView
+    from sparseengine.kernels.paged_decode import paged_decode_ref, paged_decode_triton
+
+    try:
+        import flashinfer
+    except Exception as e:  # noqa: BLE001 - any import failure means "not available"
+        emit(out_path, {"kind": "ragged_flashinfer", "skipped": repr(e)[:300]})
+        return
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    shapes = list(RAGGED_SHAPES) + [(f"b{B}_uniform_{L}", [L] * B, 133120) for B, L in UNIFORM_CHECKS]
+    for name, lens, capacity in shapes:
+        q, k_cache, v_cache, table, kv_lens = ragged_inputs(lens, capacity)
+        kv_bytes = 2 * sum(lens) * HKV * D * k_cache.element_size()
+        shape = {"shape": name, "batch": len(lens), "tokens": sum(lens), "max_len": max(lens), "capacity": capacity}
+        ref = paged_decode_ref(q[:1], k_cache, v_cache, table[:1], kv_lens[:1]).float()  # the longest row (row 0)
+        runs = {"ours_auto": lambda: paged_decode_triton(q, k_cache, v_cache, table, kv_lens),
+                "ours_unbalanced": lambda: paged_decode_triton(q, k_cache, v_cache, table, kv_lens, balanced=False)}
+        try:
+            indptr, indices, last = paged_metadata(LayerView(torch.zeros_like(kv_lens).long(), kv_lens, tuple(lens),
+                                                             table), PS)
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                workspace, "NHD", use_cuda_graph=True, use_tensor_cores=decode_uses_tensor_cores(HQ, HKV),
+                paged_kv_indptr_buffer=indptr.cuda(), paged_kv_indices_buffer=indices.clone(),
+                paged_kv_last_page_len_buffer=last.cuda(), backend="fa2")
+            wrapper.plan(indptr, indices, last, HQ, HKV, D, PS, pos_encoding_mode="NONE", q_data_type=BF16,
+                         kv_data_type=BF16)
+            runs["flashinfer"] = lambda: wrapper.run(q, (k_cache, v_cache))
+        except Exception as e:  # noqa: BLE001 - record it and time ours anyway
+            emit(out_path, {"kind": "ragged_flashinfer", "impl": "flashinfer", **shape, "error": repr(e)[:1000]})
+        for impl, fn in runs.items():
+            try:
+                err = (fn()[:1].float() - ref).abs().max().item()
+                us = per_launch_us(fn)
+                emit(out_path, {"kind": "ragged_flashinfer", "impl": impl, **shape, "us": us,
+                                "GBps": kv_bytes / us / 1e3, "max_abs_err_row0_vs_ref": err})
+            except Exception as e:  # noqa: BLE001 - one failing variant must not hide the others
+                emit(out_path, {"kind": "ragged_flashinfer", "impl": impl, **shape, "error": repr(e)[:1000]})
+        del q, k_cache, v_cache, table, kv_lens
+        torch.cuda.empty_cache()

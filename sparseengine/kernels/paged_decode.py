@@ -80,11 +80,12 @@ def paged_decode_ref(q, k_cache, v_cache, page_table, kv_lens, scale=None, retur
 
 
 def paged_decode_triton(q, k_cache, v_cache, page_table, kv_lens, scale=None, return_lse=False,
-                        *, kv_chunk=None):
-    """Same contract as `paged_decode_ref`; `kv_chunk` (power of two) overrides the split size."""
+                        *, kv_chunk=None, balanced=None):
+    """Same contract as `paged_decode_ref`; `kv_chunk` (power of two) overrides the split
+    size; `balanced`: `split_k_decode`'s."""
     capacity = page_table.shape[1] * k_cache.shape[1]
     return split_k_decode(q, k_cache, v_cache, page_table, kv_lens, mode=MODE_DENSE, capacity=capacity,
-                          scale=scale, return_lse=return_lse, kv_chunk=kv_chunk)
+                          scale=scale, return_lse=return_lse, kv_chunk=kv_chunk, balanced=balanced)
 
 
 def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, sel=None, num_sel=None,

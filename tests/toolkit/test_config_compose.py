@@ -78,3 +78,25 @@ def test_qwen3_headline_is_the_llama_protocol_on_its_own_shape_and_files() -> No
     summary = qwen.hydra.callbacks.summary
     assert summary.csv_name == "decode_throughput_128k_qwen3.csv"
     assert list(summary.figures) == ["decode_throughput:decode_throughput_128k_qwen3"]
+
+
+def test_ragged_experiment_is_the_headline_protocol_over_mixes_and_split_plans() -> None:
+    import ast
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from experiments.throughput.length_mix import LengthMix
+
+    llama = compose(["experiment=decode_throughput_128k"])
+    ragged = compose(["experiment=decode_throughput_ragged"], return_hydra_config=True)
+    assert ragged.engine.model == llama.engine.model and ragged.engine.max_model_len == llama.engine.max_model_len
+    for key in ("output_len", "warmup_steps", "timed_steps", "prefill", "context_length"):
+        assert ragged.task[key] == llama.task[key], key
+    assert list(ragged.task.hf_batches) == [] and ragged.records_path != llama.records_path
+    params = ragged.hydra.sweeper.params
+    parse = OverridesParser.create().parse_override
+    assert list(parse(f"engine.decode_split_plan={params['engine.decode_split_plan']}").sweep_string_iterator()) \
+        == ["auto", "per_row"]
+    mixes = list(parse(f"task.length_mix={params['task.length_mix']}").sweep_string_iterator())
+    assert [LengthMix.parse(ast.literal_eval(m), 0).label() for m in mixes] == ["131072x1+4096x15", "131072x1+1024x63"]
+    assert ragged.hydra.callbacks.summary.csv_name == "decode_throughput_ragged.csv"
