@@ -50,10 +50,7 @@ def deltakv_rebuild_ref(enc, up, inv_freq, tokens, slots, k_cache, v_cache, sink
 
 
 def deltakv_rebuild_triton(enc, up, inv_freq, tokens, slots, k_cache, v_cache, sink: int, *,
-                           block_m: int | None = None, block_r: int | None = None, num_warps: int = 4,
-                           persistent: int = 0) -> None:
-    """`persistent`: 0, a program per (tile of `block_m` entries, KV head, K|V); n > 0, about n
-    programs per SM, each taking the tiles of one (KV head, K|V) in turn."""
+                           block_m: int | None = None, block_r: int | None = None, num_warps: int = 4) -> None:
     centers, neighbors, latents = enc.centers, enc.neighbors, enc.latents
     num_pages, ps, hkv, d = k_cache.shape
     width = 2 * hkv * d
@@ -83,16 +80,13 @@ def deltakv_rebuild_triton(enc, up, inv_freq, tokens, slots, k_cache, v_cache, s
         raise ValueError(f"up must be float16 (tensor-core product) or float32 (exact product), got {up.dtype}")
     block_m = block_m or 16  # 45 us per layer of the 128K benchmark on the H200 (bench_deltakv), 32: 56, 64: 49
     block_r = block_r or max(32, min(64, next_pow2(r)))
-    grid = (cdiv(n, block_m), hkv, 2)
-    if persistent:  # a few programs per SM, each over every programs-th tile of one (KV head, K|V)
-        grid = (2 * hkv, max(1, min(cdiv(n, block_m), cdiv(persistent * _common.num_sms(device), 2 * hkv))))
-    _rebuild_kernel[grid](
+    _rebuild_kernel[(cdiv(n, block_m), hkv, 2)](
         tokens, slots, centers, neighbors, latents, scales, zeros, up.contiguous(), inv_freq.contiguous(),
         k_cache, v_cache, n, r, sink, enc.stride,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         HKV=hkv, HALF=d // 2, BLOCK_HALF=max(16, next_pow2(d // 2)), NB=neighbors.shape[1], BITS=bits,
         GROUP=group, PAGE_SIZE=ps, BLOCK_M=block_m, BLOCK_R=block_r,
-        DOT_PREC="ieee" if up.dtype == torch.float32 else "tf32", PERSISTENT=bool(persistent), num_warps=num_warps,
+        DOT_PREC="ieee" if up.dtype == torch.float32 else "tf32", num_warps=num_warps,
     )
 
 
@@ -102,33 +96,11 @@ def _rebuild_kernel(
     k_cache_ptr, v_cache_ptr, N, R, sink, stride_codec, stride_cp, stride_co, stride_ch,
     HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-    DOT_PREC: tl.constexpr, PERSISTENT: tl.constexpr,
-):
-    """Grid (tiles, KV heads, K|V), or PERSISTENT: (K|V x KV heads, programs), each program
-    taking every programs-th tile of its columns (the same `up` columns tile after tile)."""
-    if PERSISTENT:
-        kvh = tl.program_id(0) % HKV
-        is_v = tl.program_id(0) // HKV
-        for t in range(tl.program_id(1), tl.cdiv(N, BLOCK_M), tl.num_programs(1)):
-            _rebuild_tile(t * BLOCK_M + tl.arange(0, BLOCK_M), kvh, is_v, tok_ptr, slot_ptr, centers_ptr, nb_ptr,
-                          lat_ptr, scale_ptr, zero_ptr, up_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, N, R, sink,
-                          stride_codec, stride_cp, stride_co, stride_ch, HKV, HALF, BLOCK_HALF, NB, BITS, GROUP,
-                          PAGE_SIZE, BLOCK_M, BLOCK_R, DOT_PREC)
-    else:
-        _rebuild_tile(tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M), tl.program_id(1), tl.program_id(2),
-                      tok_ptr, slot_ptr, centers_ptr, nb_ptr, lat_ptr, scale_ptr, zero_ptr, up_ptr, inv_freq_ptr,
-                      k_cache_ptr, v_cache_ptr, N, R, sink, stride_codec, stride_cp, stride_co, stride_ch, HKV, HALF,
-                      BLOCK_HALF, NB, BITS, GROUP, PAGE_SIZE, BLOCK_M, BLOCK_R, DOT_PREC)
-
-
-def _rebuild_tile(
-    offs_m, kvh, is_v, tok_ptr, slot_ptr, centers_ptr, nb_ptr, lat_ptr, scale_ptr, zero_ptr, up_ptr, inv_freq_ptr,
-    k_cache_ptr, v_cache_ptr, N, R, sink, stride_codec, stride_cp, stride_co, stride_ch,
-    HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr,
-    GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    """Entries `offs_m`, KV head `kvh`, K (`is_v` 0) or V (1): rebuild and write."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    kvh = tl.program_id(1)
+    is_v = tl.program_id(2)
     width = HKV * 4 * HALF
     slot = tl.load(slot_ptr + offs_m, mask=offs_m < N, other=-1).to(tl.int64)
     active = slot >= 0

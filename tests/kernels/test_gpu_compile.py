@@ -63,14 +63,13 @@ REBUILD_TYPES = dict(tok_ptr="*i64", slot_ptr="*i64", nb_ptr="*i16", scale_ptr="
                      inv_freq_ptr="*fp32")
 REBUILD_TYPES.update({name: "i32" for name in ("N", "R", "sink", "stride_codec", "stride_cp", "stride_co",
                                                 "stride_ch")})
-for bits, dtype, prec, persistent in ((4, "bf16", "tf32", False), (16, "bf16", "tf32", False),
-                                      (4, "fp32", "ieee", False), (4, "bf16", "tf32", True)):
+for bits, dtype, prec in ((4, "bf16", "tf32"), (16, "bf16", "tf32"), (4, "fp32", "ieee")):
     types = dict(REBUILD_TYPES, lat_ptr="*u8" if bits == 4 else "*fp16", up_ptr="*fp16" if prec == "tf32" else "*fp32",
                  **{name: f"*{dtype}" for name in ("centers_ptr", "k_cache_ptr", "v_cache_ptr")})
-    BUILDS[f"deltakv_rebuild-int{bits}-{dtype}" + ("-persistent" if persistent else "")] = (
-        "deltakv_rebuild", "_rebuild_kernel", None, types,
+    BUILDS[f"deltakv_rebuild-int{bits}-{dtype}"] = (
+        "deltakv_rebuild", "_rebuild_kernel", [], types,
         dict(HKV=8, HALF=64, BLOCK_HALF=64, NB=4, BITS=bits, GROUP=32, PAGE_SIZE=16, BLOCK_M=64, BLOCK_R=64,
-             DOT_PREC=prec, PERSISTENT=persistent), 4)
+             DOT_PREC=prec), 4)
 
 CHILD = """
 import importlib, json, sys
