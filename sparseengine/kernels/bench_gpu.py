@@ -338,6 +338,8 @@ def main(argv=None):
                         help="run only the split plans of rows that fill the GPU (short rows in split grids)")
     parser.add_argument("--splits-ragged", action="store_true",
                         help="run only the balanced plan against the per-row one, ragged and uniform batches")
+    parser.add_argument("--splits-tune", action="store_true",
+                        help="run only the split kernel's launch parameters on short, long and ragged rows")
     parser.add_argument("--splits-ragged-flashinfer", action="store_true",
                         help="run only our dense decode beside FlashInfer's on the ragged and uniform batches")
     parser.add_argument("--deltakv-rebuild", action="store_true",
@@ -382,6 +384,11 @@ def main(argv=None):
         from sparseengine.kernels import bench_splits
 
         bench_splits.bench_ragged(args.out)
+        return
+    if args.splits_tune:
+        from sparseengine.kernels import bench_splits
+
+        bench_splits.bench_tune_balanced(args.out)
         return
     if args.splits_ragged_flashinfer:
         from sparseengine.kernels import bench_splits

@@ -105,6 +105,25 @@ def bench_ragged(out_path):
     _emit_registers(out_path)
 
 
+TUNE_SHAPES = (("b16_uniform_2304", [2304] * 16), ("b64_uniform_2304", [2304] * 64),
+               ("b183_uniform_2304", [2304] * 183), ("b73_uniform_8448", [8448] * 73),
+               ("b64_staggered_2304", [2304 + 5 * i for i in range(64)]), ("b16_uniform_32768", [32768] * 16),
+               ("b16_one_128k", [131072] + [2304] * 15), ("b100_one_128k", [131072] + [1024] * 99))
+
+
+def bench_tune_balanced(out_path):
+    """`bench_gpu --splits-tune`: the split kernel's launch parameters (tile of tokens,
+    warps, pipeline stages) under the auto plan, on short uniform rows (where FlashInfer's
+    decode ran 6-16% faster, `decode_ragged_flashinfer_h200.jsonl`), long rows and ragged
+    batches, per launch in a CUDA graph."""
+    plans = {"auto": {}}
+    for block_n, warps, stages in ((32, 4, 2), (128, 4, 2), (64, 2, 2), (64, 8, 2), (64, 4, 3), (64, 4, 4),
+                                   (32, 2, 3), (128, 8, 3)):
+        plans[f"n{block_n}_w{warps}_s{stages}"] = dict(block_n=block_n, num_warps=warps, num_stages=stages)
+    for name, lens in TUNE_SHAPES:
+        _bench_rows(out_path, name, lens, 133120, plans)
+
+
 def _emit_registers(out_path):
     """Registers and spills of each split-kernel build the runs compiled."""
     from sparseengine.kernels.paged_decode import _decode_split_kernel
