@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import _common
 from ._common import cdiv, shared_helper
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
@@ -45,6 +46,21 @@ def use_balanced(balanced: bool | None, chunk: int, auto: bool, rows: int) -> bo
     if balanced and rows > MAX_BALANCED_ROWS:
         raise ValueError(f"the balanced plan takes at most {MAX_BALANCED_ROWS} rows (B * Hkv), got {rows}")
     return bool(balanced)
+
+
+# Warps of a balanced launch's programs below this many rows an SM: 2, else 4 (as every other
+# split launch). H200, per launch in a CUDA graph (bench_gpu --splits-tune, commit 3fe5cb1,
+# results/decode_splits_tune_h200.jsonl), 4 warps against 2: 73 x 8448 tokens (584 rows)
+# 672.7 against 608.5 us; 16 x 2304 55.3 / 54.6; 64 x 2304 170.6 / 169.7; 16 x 32K 515.9 /
+# 511.6; 1 x 128K + 15 x 2304 197.8 / 190.5; 1 x 128K + 99 x 1024 (800 rows) 278.3 / 273.4;
+# but 183 x 2304 (1464 rows, 11 an SM) 404.0 / 414.5.
+FEW_WARPS_ROWS_PER_SM = 8
+
+
+def split_warps(balanced: bool, rows: int, device) -> int:
+    """The split kernel's warps a program: 2 for a balanced launch of fewer than
+    `FEW_WARPS_ROWS_PER_SM` rows an SM (more programs in flight per SM), else 4."""
+    return 2 if balanced and rows < FEW_WARPS_ROWS_PER_SM * _common.num_sms(device) else 4
 
 
 def plan_buffer(plan_out, rows: int, device) -> torch.Tensor:

@@ -90,7 +90,7 @@ def paged_decode_triton(q, k_cache, v_cache, page_table, kv_lens, scale=None, re
 
 def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, sel=None, num_sel=None,
                    scale=None, return_lse=False, kv_chunk=None, logits=None, logits_group_max=False, block_n=64,
-                   num_warps=4, num_stages=2, fused_combine=None, row_splits=None, fine_splits=None,
+                   num_warps=None, num_stages=2, fused_combine=None, row_splits=None, fine_splits=None,
                    min_chunk=None, balanced=None, plan_out=None):
     """Launch the split kernel (+ merge). `capacity` = static upper bound of items per row.
 
@@ -99,7 +99,8 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
     `logits [B, Hq, L]` fp32 (optional, DENSE only) receives the log2-domain scaled scores;
     with `logits_group_max`, `logits [B, Hkv, L]` receives per KV head the max over its
     query heads of the scaled logit `q . k * scale` (natural units; OmniKV's scores).
-    `block_n`, `num_warps`, `num_stages`: launch tuning (bench_gpu sweeps them).
+    `block_n`, `num_warps`, `num_stages`: launch tuning (bench_gpu sweeps them); `num_warps`
+    None: `balanced_plan.split_warps`.
     `fused_combine`: True merges in the split kernel, False launches the combine kernel,
     None (auto): ``MERGE_IN_SPLIT_KERNEL`` (if rows <= counters); one split always writes the
     output directly.
@@ -132,6 +133,7 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
     if chunk and not balanced:  # fixed chunks: the grid covers `capacity`
         block_n = min(chunk, block_n)
     combine = _combine_mode(fused_combine, num_splits, rows, balanced)
+    num_warps = num_warps or balanced_plan.split_warps(balanced, rows, device)
     # Partials: a (row, split) grid's at [B, Hq, num_splits]; the balanced plan's at [chunk, group
     # head], at most rows * num_splits + rows chunks (each row rounds its count up once).
     slots = (rows * num_splits + rows) * g if balanced else B * Hq * num_splits
