@@ -48,19 +48,22 @@ def use_balanced(balanced: bool | None, chunk: int, auto: bool, rows: int) -> bo
     return bool(balanced)
 
 
-# Warps of a balanced launch's programs below this many rows an SM: 2, else 4 (as every other
-# split launch). H200, per launch in a CUDA graph (bench_gpu --splits-tune, commit 3fe5cb1,
-# results/decode_splits_tune_h200.jsonl), 4 warps against 2: 73 x 8448 tokens (584 rows)
-# 672.7 against 608.5 us; 16 x 2304 55.3 / 54.6; 64 x 2304 170.6 / 169.7; 16 x 32K 515.9 /
-# 511.6; 1 x 128K + 15 x 2304 197.8 / 190.5; 1 x 128K + 99 x 1024 (800 rows) 278.3 / 273.4;
-# but 183 x 2304 (1464 rows, 11 an SM) 404.0 / 414.5.
-FEW_WARPS_ROWS_PER_SM = 8
+# Warps of a balanced launch's programs: 2 from 4 to 6 rows an SM (rows that fill the GPU on
+# their own in one or two chunks each, few programs an SM), else 4 as every other split launch.
+# H200 (bench_gpu --splits-tune, commit 3fe5cb1, results/decode_splits_tune_h200.jsonl), per
+# launch, 4 warps against 2: 73 x 8448 tokens (584 rows) 672.7 against 608.5 us; elsewhere
+# within 4% either way (16 x 2304 55.3 / 54.6, 183 x 2304 404.0 / 414.5). End to end (commit
+# 7843297, 2 warps below 8 rows an SM): SnapKV total 8192 at batch 73 (584 rows) 2847.5 tok/s
+# against 2635.5 at 69c63ec, but PyramidKV at batch 128 (1024 rows) 7134.7 against 8033.8 and
+# SnapKV total 2048 at 128 7442.2 against 7735.0: hence the band.
+FEW_WARPS_ROWS_PER_SM = (4, 6)
 
 
 def split_warps(balanced: bool, rows: int, device) -> int:
-    """The split kernel's warps a program: 2 for a balanced launch of fewer than
-    `FEW_WARPS_ROWS_PER_SM` rows an SM (more programs in flight per SM), else 4."""
-    return 2 if balanced and rows < FEW_WARPS_ROWS_PER_SM * _common.num_sms(device) else 4
+    """The split kernel's warps a program: 2 for a balanced launch of `FEW_WARPS_ROWS_PER_SM`
+    rows an SM (more programs in flight where each SM has few), else 4."""
+    lo, hi = (n * _common.num_sms(device) for n in FEW_WARPS_ROWS_PER_SM)
+    return 2 if balanced and lo <= rows < hi else 4
 
 
 def plan_buffer(plan_out, rows: int, device) -> torch.Tensor:
