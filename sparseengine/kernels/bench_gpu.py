@@ -325,76 +325,48 @@ def bench_prefill(out_path, ctx=32768, chunk=4096, n=16384):
                          "block_fraction": kept / (HQ * nb * (nb + 1) / 2)})
 
 
+# --flag: (help, module of sparseengine.kernels, its functions run in turn with the output path)
+PARTS = {
+    "splits": ("the decode split strategies side by side (per-row vs fixed chunks)", "bench_splits",
+               ("bench_split_plans",)),
+    "splits-large": ("the split plans of rows that fill the GPU (short rows in split grids)", "bench_splits",
+                     ("bench_large_rows",)),
+    "splits-ragged": ("the balanced plan against the per-row one, ragged and uniform batches", "bench_splits",
+                      ("bench_ragged",)),
+    "splits-tune": ("the split kernel's launch parameters on short, long and ragged rows", "bench_splits",
+                    ("bench_tune_balanced",)),
+    "splits-ragged-flashinfer": ("our dense decode beside FlashInfer's on the ragged and uniform batches",
+                                 "bench_splits", ("bench_ragged_flashinfer",)),
+    "deltakv-rebuild": ("DeltaKV's fused rebuild (tiles, warps) beside its torch path", "bench_deltakv",
+                        ("bench_deltakv_rebuild",)),
+    "quest-select": ("Quest's page selection, page score and sparse-page attention variants side by side",
+                     "bench_quest", ("bench_quest_select", "bench_quest_scores", "bench_quest_attention")),
+    "omnikv-select": ("OmniKV's token pick, Triton variants beside the torch path", "bench_omnikv",
+                      ("bench_omnikv_select", "bench_pick_at_quest_shape")),
+}
+
+
 def main(argv=None):
+    import importlib
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON-lines file to append results to")
     parser.add_argument("--skip-check", action="store_true")
     parser.add_argument("--tune", action="store_true", help="also sweep the decode kernel's launch parameters")
     parser.add_argument("--flashinfer", action="store_true",
                         help="run only the Triton vs FlashInfer decode side by side")
-    parser.add_argument("--splits", action="store_true",
-                        help="run only the decode split strategies side by side (per-row vs fixed chunks)")
-    parser.add_argument("--splits-large", action="store_true",
-                        help="run only the split plans of rows that fill the GPU (short rows in split grids)")
-    parser.add_argument("--splits-ragged", action="store_true",
-                        help="run only the balanced plan against the per-row one, ragged and uniform batches")
-    parser.add_argument("--splits-tune", action="store_true",
-                        help="run only the split kernel's launch parameters on short, long and ragged rows")
-    parser.add_argument("--splits-ragged-flashinfer", action="store_true",
-                        help="run only our dense decode beside FlashInfer's on the ragged and uniform batches")
-    parser.add_argument("--deltakv-rebuild", action="store_true",
-                        help="run only DeltaKV's fused rebuild (tiles, warps) beside its torch path")
-    parser.add_argument("--quest-select", action="store_true",
-                        help="run only Quest's page selection, page score and sparse-page attention variants side by side")
-    parser.add_argument("--omnikv-select", action="store_true",
-                        help="run only OmniKV's token pick, Triton variants beside the torch path")
+    for flag, (text, _, _) in PARTS.items():
+        parser.add_argument(f"--{flag}", action="store_true", help=f"run only {text}")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu needs a CUDA GPU")
     emit(args.out, {"kind": "meta", **_meta()})
-    if args.deltakv_rebuild:
-        from sparseengine.kernels import bench_deltakv
-
-        bench_deltakv.bench_deltakv_rebuild(args.out)
-        return
-    if args.omnikv_select:
-        from sparseengine.kernels import bench_omnikv
-
-        bench_omnikv.bench_omnikv_select(args.out)
-        bench_omnikv.bench_pick_at_quest_shape(args.out)
-        return
-    if args.quest_select:
-        from sparseengine.kernels import bench_quest
-
-        bench_quest.bench_quest_select(args.out)
-        bench_quest.bench_quest_scores(args.out)
-        bench_quest.bench_quest_attention(args.out)
-        return
-    if args.splits:
-        from sparseengine.kernels import bench_splits
-
-        bench_splits.bench_split_plans(args.out)
-        return
-    if args.splits_large:
-        from sparseengine.kernels import bench_splits
-
-        bench_splits.bench_large_rows(args.out)
-        return
-    if args.splits_ragged:
-        from sparseengine.kernels import bench_splits
-
-        bench_splits.bench_ragged(args.out)
-        return
-    if args.splits_tune:
-        from sparseengine.kernels import bench_splits
-
-        bench_splits.bench_tune_balanced(args.out)
-        return
-    if args.splits_ragged_flashinfer:
-        from sparseengine.kernels import bench_splits
-
-        bench_splits.bench_ragged_flashinfer(args.out)
-        return
+    for flag, (_, module, functions) in PARTS.items():
+        if getattr(args, flag.replace("-", "_")):
+            bench = importlib.import_module(f"sparseengine.kernels.{module}")
+            for name in functions:
+                getattr(bench, name)(args.out)
+            return
     if args.flashinfer:
         bench_flashinfer_decode(args.out, 32, 32768)
         bench_flashinfer_decode(args.out, 1, 131072)
