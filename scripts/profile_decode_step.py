@@ -27,11 +27,16 @@ import torch
 from sparseengine import LLM, SamplingParams
 
 
-def step_time(llm, prompts, steps: int, warmup: int = 8) -> float:
-    """Median seconds per pure-decode step over ``steps`` steps after ``warmup``."""
+def step_time(llm, prompts, steps: int, warmup: int = 8, reads: list | None = None) -> float:
+    """Median seconds per pure-decode step over ``steps`` steps after ``warmup``. ``reads``:
+    receives what the method runtime says a step reads per request (`batch_reads`)."""
+    from experiments.throughput.decode_window import batch_reads
+
     ends, orig = [], llm.step
 
     def timed():
+        if reads is not None and not reads:
+            reads.extend(filter(None, [batch_reads(llm, len(prompts))]))
         r = orig()
         torch.cuda.synchronize()
         ends.append(time.perf_counter())
@@ -146,10 +151,14 @@ def main() -> None:
            "torch": torch.__version__, "bandwidth_gbps": bw, "merge_in_split_kernel": args.merge_in_split_kernel,
            "combine_d_tile": paged_decode.COMBINE_D_TILE}
     with LLM(**kw) as llm:
-        out["graph_step_ms"] = 1e3 * step_time(llm, prompts, 64)
+        reads: list = []
+        out["graph_step_ms"] = 1e3 * step_time(llm, prompts, 64, reads=reads)
         out["graph_steps_used"] = llm.runner.graph_steps > 0
         graph_table = kernel_table(llm, prompts, args.steps)  # the kernels the graph replays
-        cost = roofline.decode_step_cost(llm.model_config, llm.config, 2, args.batch, args.prompt_len)
+        # the KV and metadata the method's step reads (as the throughput records count them)
+        cost = roofline.decode_step_cost(llm.model_config, llm.config, 2, args.batch, args.prompt_len,
+                                         measured=reads[0] if reads else None)
+        out["read_tokens_per_layer"], out["metadata_bytes_read"] = reads[0] if reads else (None, None)
         out["roofline_bytes"] = cost.bytes
         out["limit_step_ms"] = 1e3 * cost.bytes / (bw * 1e9)
     with LLM(**kw, enforce_eager=True) as llm:

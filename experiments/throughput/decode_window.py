@@ -47,6 +47,21 @@ class WindowResult:
     metadata_bytes_read: float | None = None  # per request and step (page bounds, scores...)
 
 
+def batch_reads(llm, batch: int) -> tuple[float, float] | None:
+    """What one decode step reads per request, as the method runtime reports it: (KV tokens
+    per layer, metadata bytes), averaged over the running requests; None unless all
+    ``batch`` of them are decoding (the roofline's ``measured`` KV term)."""
+    running = list(getattr(llm.scheduler, "running", ()))
+    method = getattr(llm, "method", None)
+    if len(running) != batch or not all(s.is_decoding for s in running) or method is None:
+        return None
+    mc = llm.model_config
+    token_layer = 2 * mc.num_kv_heads * mc.head_dim * torch.empty((), dtype=llm.dtype).element_size()
+    tokens = sum(sum(method.tokens_read(s)) for s in running) / (len(running) * mc.num_layers)
+    meta = sum(method.metadata_bytes_read(s, token_layer) for s in running) / len(running)
+    return tokens, meta
+
+
 class _StepClock:
     """Times every step from outside. Before the first step in which the whole batch
     decodes, it asks the method runtime what one decode step reads per request
@@ -58,15 +73,7 @@ class _StepClock:
         self.read: tuple[float, float] | None = None
 
     def _sample_reads(self) -> None:
-        running = list(getattr(self.llm.scheduler, "running", ()))
-        method = getattr(self.llm, "method", None)
-        if len(running) != self.batch or not all(s.is_decoding for s in running) or method is None:
-            return
-        mc = self.llm.model_config
-        token_layer = 2 * mc.num_kv_heads * mc.head_dim * torch.empty((), dtype=self.llm.dtype).element_size()
-        tokens = sum(sum(method.tokens_read(s)) for s in running) / (len(running) * mc.num_layers)
-        meta = sum(method.metadata_bytes_read(s, token_layer) for s in running) / len(running)
-        self.read = (tokens, meta)
+        self.read = batch_reads(self.llm, self.batch)
 
     def __enter__(self) -> "_StepClock":
         def timed_step() -> int:

@@ -22,6 +22,7 @@ from .quest import (quest_page_scores_ref, quest_page_scores_triton, update_page
                     update_page_minmax_triton)
 from .omnikv_select import omnikv_select_triton
 from .quest_select import quest_select_pages_triton
+from .skinny_linear import skinny_linear_ref, skinny_linear_triton
 from .sparse_decode import (sparse_decode_ref, sparse_decode_triton, sparse_page_decode_ref,
                             sparse_page_decode_triton)
 
@@ -64,6 +65,8 @@ __all__ = [
     "rotary_qk_triton",
     "silu_mul_ref",
     "silu_mul_triton",
+    "skinny_linear_ref",
+    "skinny_linear_triton",
     "sparse_decode_ref",
     "sparse_decode_triton",
     "sparse_page_decode_ref",

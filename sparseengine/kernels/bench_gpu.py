@@ -341,6 +341,10 @@ PARTS = {
                         ("bench_deltakv_rebuild",)),
     "quest-select": ("Quest's page selection, page score and sparse-page attention variants side by side",
                      "bench_quest", ("bench_quest_select", "bench_quest_scores", "bench_quest_attention")),
+    "skinny-linear": ("the decode step's weight GEMMs, cuBLAS beside the skinny Triton linear's configurations",
+                      "bench_linear", ("bench_skinny_linear",)),
+    "pdl-chain": ("the decode step's GEMM chain: cuBLAS, the skinny Triton linear, and both with PDL", "bench_linear",
+                  ("bench_pdl_chain",)),
     "omnikv-select": ("OmniKV's token pick, Triton variants beside the torch path", "bench_omnikv",
                       ("bench_omnikv_select", "bench_pick_at_quest_shape")),
 }

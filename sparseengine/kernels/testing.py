@@ -208,4 +208,4 @@ class record_launches:
         _common.LazyKernel.__getitem__ = self._orig
 
 
-_OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "enable_reflect_ftz")
+_OPTIONS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "enable_reflect_ftz", "launch_pdl")

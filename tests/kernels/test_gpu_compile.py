@@ -250,6 +250,9 @@ def launch_every_kernel(device):
     K.rotary_kv_write_triton(qr, kr, kr.clone(), cos, sin, kv.k_cache, kv.v_cache,
                              torch.tensor([0, 5, -1, 40, 7], device=device))
     K.silu_mul_triton(randn(5, 512, generator=gen, dtype=bf, device=device))
+    wl = randn(64, 256, generator=gen, dtype=bf, device=device)
+    for pdl in (False, True):  # the benchmark's launches: 3 stages, and the PDL path's prologue
+        K.skinny_linear_triton(x, wl, block_n=32, block_k=64, num_stages=3, pdl=pdl)
     from sparseengine.methods.deltakv_store import CodecStore
     for bits in (4, 16):  # the engine's store: bf16 centers, int16 neighbours; float32 Up
         store = CodecStore(60, 10, bits, 4, 2 * hkv * d, 32, bf, device)

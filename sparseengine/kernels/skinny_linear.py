@@ -1,0 +1,116 @@
+"""A linear layer for a few rows: `y = x @ weight.T (+ bias)` when x has few rows (a decode
+step's tokens), streaming the weight once.
+
+At a decode step's batch the weight GEMMs are bound by reading the weight: a handful of
+rows multiply every weight element once. `skinny_linear_triton` gives each program
+`block_n` output features (weight rows) over the whole reduction, so the weight is read
+once, in order, as wide loads, by `cdiv(N, block_n)` programs (`cdiv(M, 16)` row blocks
+each, in one launch; one for a decode batch of up to 16 tokens). The rows of x sit in L2
+and are read by every program. float32 accumulation (`tl.dot`), one rounding to the output
+dtype at the end, as cuBLAS does; the summation order differs from cuBLAS's, so the result
+agrees with `skinny_linear_ref` (`F.linear`) to float32 rounding, not bit for bit.
+
+`skinny_linear_ref` is `torch.nn.functional.linear`, the oracle.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from . import _common
+from ._common import cdiv, check_launch, dot_precision, int_arg, interpreting, lazy_jit
+
+if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
+    import triton.language as tl
+
+BLOCK_M = 16  # rows of x a program multiplies: tl.dot's smallest tile
+
+
+def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                         block_n: int = 16, block_k: int = 512, num_warps: int = 4,
+                         num_stages: int = 4, pdl: bool = False) -> torch.Tensor:
+    """`x [..., K]`, `weight [N, K]` (rows contiguous), `bias [N]` or None -> `[..., N]` in
+    x's dtype. `block_n`, `block_k`: powers of two, at least 16; `num_warps`, `num_stages`:
+    Triton's launch knobs. `pdl`: launch as a programmatic dependent launch (Hopper): the
+    programs start while the previous kernel runs, load their first weight tile, and wait
+    for it (`griddepcontrol.wait`) before reading x; they let the next kernel launch early."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"weight must be a [N, K] tensor, got {getattr(weight, 'shape', type(weight).__name__)}")
+    N, K = weight.shape
+    if x.dim() < 1 or x.shape[-1] != K:
+        raise ValueError(f"x must end in K={K} features (weight {tuple(weight.shape)}), got {tuple(x.shape)}")
+    if x.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
+        raise ValueError(f"x, weight and bias must share a dtype, got {x.dtype}, {weight.dtype}, "
+                         f"{None if bias is None else bias.dtype}")
+    if bias is not None and tuple(bias.shape) != (N,):
+        raise ValueError(f"bias must be [N={N}], got {tuple(bias.shape)}")
+    for name, v in (("block_n", block_n), ("block_k", block_k)):
+        if int_arg(name, v, 16) & (v - 1):
+            raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+    device = check_launch(x, weight, *(() if bias is None else (bias,)))
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    y = _common.empty((M, N), x.dtype, device)
+    if M and N:
+        _skinny_linear_kernel[(cdiv(N, block_n), cdiv(M, BLOCK_M))](
+            x2, weight, weight if bias is None else bias, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+            EVEN_N=N % block_n == 0, EVEN_K=K % block_k == 0, INTERPRET=interpreting(),
+            DOT_PREC=dot_precision(x.dtype), PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+            **({"launch_pdl": True} if pdl else {}))
+    return y.reshape(*lead, N)
+
+
+def _tile_dot(w, x, acc, INTERPRET: tl.constexpr, DOT_PREC: tl.constexpr):
+    """acc + w @ x.T in float32."""
+    if INTERPRET:  # the interpreter's bf16 tl.dot is wrong; float32 products of bf16 are exact
+        w, x = w.to(tl.float32), x.to(tl.float32)
+    return tl.dot(w, tl.trans(x), acc, input_precision=DOT_PREC)
+
+
+@lazy_jit
+def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                          INTERPRET: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
+    # acc[n, m] = sum_k w[n, k] * x[m, k]: the weight tile is the dot's left operand, so
+    # BLOCK_N (not the few rows of x) is the MMA's row dimension.
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    kk = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    k_start = 0
+    if PDL:  # the weight does not depend on the previous kernel: its first tile before the wait
+        w = tl.load(w_rows + kk[None, :], mask=(n[:, None] < N) & (kk[None, :] < K), other=0.0)
+        if not INTERPRET:  # the interpreter runs one program at a time, and knows no griddepcontrol
+            tl.extra.cuda.gdc_wait()
+        x = tl.load(x_rows + kk[None, :], mask=(m[:, None] < M) & (kk[None, :] < K), other=0.0)
+        acc = _tile_dot(w, x, acc, INTERPRET, DOT_PREC)
+        k_start = BLOCK_K
+    for k0 in range(k_start, K, BLOCK_K):
+        k = k0 + kk
+        x = tl.load(x_rows + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
+        if EVEN_N and EVEN_K:
+            w = tl.load(w_rows + k[None, :])
+        else:
+            w = tl.load(w_rows + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+        acc = _tile_dot(w, x, acc, INTERPRET, DOT_PREC)
+    if PDL and not INTERPRET:  # the next kernel may start on the SMs this one leaves
+        tl.extra.cuda.gdc_launch_dependents()
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
+    out = y_ptr + m.to(tl.int64)[None, :] * stride_ym + n[:, None]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(n[:, None] < N) & (m[None, :] < M))

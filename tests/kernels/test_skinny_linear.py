@@ -1,0 +1,85 @@
+"""`skinny_linear_triton` against `F.linear` on fresh random inputs: few rows (a decode
+batch) and more than one row block, ragged N and K (the masked loads), a bias, bf16 and
+float32, the programmatic-dependent-launch path (first weight tile before the wait), and
+the errors for bad input. On the GPU also the Llama-3.1-8B layer shapes."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sparseengine.kernels import skinny_linear_ref, skinny_linear_triton
+
+
+def _inputs(gen, device, M, N, K, dtype, bias):
+    x = torch.randn(M, K, generator=gen).to(dtype).to(device)
+    w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(dtype).to(device)
+    b = torch.randn(N, generator=gen).to(dtype).to(device) if bias else None
+    return x, w, b
+
+
+def _check(y, x, w, b):
+    """Within float32 rounding of the exact product of the same inputs, plus the output's
+    own rounding (one ulp: the interpreter truncates float32 to bf16, the GPU rounds)."""
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    bound = F.linear(x.double().abs(), w.double().abs(), None if b is None else b.double().abs())
+    ulp = 2.0 ** -7 if y.dtype == torch.bfloat16 else 2.0 ** -23
+    tol = 1e-5 * bound + ulp * want.abs() + 1e-30
+    assert y.shape == want.shape and y.dtype == x.dtype
+    err = (y.double() - want).abs()
+    assert bool((err <= tol).all()), f"max err {err.max().item():.3g}, tol there {tol.flatten()[err.argmax()]:.3g}"
+
+
+@pytest.mark.parametrize("M,N,K,bias,dtype,block_n,block_k", [
+    (1, 64, 256, False, torch.bfloat16, 16, 64),
+    (6, 96, 384, True, torch.bfloat16, 32, 128),   # N, K multiples of the blocks: unmasked weight loads
+    (6, 50, 200, False, torch.bfloat16, 16, 64),   # neither: masked
+    (16, 48, 100, True, torch.float32, 16, 32),
+    (21, 40, 70, False, torch.float32, 32, 32),    # two row blocks, the second partial
+])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_matches_linear(gen, device, M, N, K, bias, dtype, block_n, block_k, pdl):
+    x, w, b = _inputs(gen, device, M, N, K, dtype, bias)
+    y = skinny_linear_triton(x, w, b, block_n=block_n, block_k=block_k, pdl=pdl)
+    _check(y, x, w, b)
+    if pdl:  # the same sums in the same order as the plain launch
+        assert torch.equal(y, skinny_linear_triton(x, w, b, block_n=block_n, block_k=block_k))
+
+
+def test_leading_dims_and_strided_input(gen, device):
+    x, w, _ = _inputs(gen, device, 12, 32, 64, torch.float32, False)
+    x3 = x.view(3, 4, 64)
+    y = skinny_linear_triton(x3, w, block_k=32)
+    assert y.shape == (3, 4, 32)
+    _check(y.view(12, 32), x, w, None)
+    wide = torch.randn(5, 128, generator=gen).to(device)[:, ::2]  # rows of 64, stride 2
+    _check(skinny_linear_triton(wide, w, block_k=32), wide.contiguous(), w, None)
+
+
+def test_reference_is_linear(gen, device):
+    x, w, b = _inputs(gen, device, 3, 8, 16, torch.float32, True)
+    assert torch.equal(skinny_linear_ref(x, w, b), F.linear(x, w, b))
+
+
+def test_bad_input(device):
+    x = torch.zeros(2, 64, device=device)
+    w = torch.zeros(16, 64, device=device)
+    with pytest.raises(ValueError, match="x must end in K=64"):
+        skinny_linear_triton(torch.zeros(2, 32, device=device), w)
+    with pytest.raises(ValueError, match=r"weight must be a \[N, K\] tensor"):
+        skinny_linear_triton(x, w[0])
+    with pytest.raises(ValueError, match="share a dtype"):
+        skinny_linear_triton(x.bfloat16(), w)
+    with pytest.raises(ValueError, match=r"bias must be \[N=16\]"):
+        skinny_linear_triton(x, w, torch.zeros(8, device=device))
+    with pytest.raises(ValueError, match="block_k must be a power of two >= 16, got 48"):
+        skinny_linear_triton(x, w, block_k=48)
+    with pytest.raises(ValueError, match="block_n must be an integer >= 16, got 8"):
+        skinny_linear_triton(x, w, block_n=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_llama_shapes_on_gpu(gen, N, K, pdl):
+    x, w, _ = _inputs(gen, "cuda", 6, N, K, torch.bfloat16, False)
+    y = skinny_linear_triton(x, w, block_n=32, block_k=256, num_stages=3, pdl=pdl)
+    _check(y, x, w, None)
