@@ -9,7 +9,10 @@ rule, below; boolean indexing, so it syncs on CUDA): no loop over slots.
 request's page bounds, no loop, no host sync).
 `quest_page_scores_*(q, kmax, kmin, page_table, kv_lens, page_size)` -> `[B, Hkv,
 max_pages]` fp32: `max over the group's query heads of sum_c max(q_c M_c, q_c m_c)`
-(unscaled), -inf for logical pages at or past `ceil(kv_lens / page_size)`; on a decode
+(unscaled), -inf for logical pages at or past `ceil(kv_lens / page_size)` (the Triton
+kernel leaves the tiles wholly past them unwritten: its programs there exit at once, so a
+short request in a batch with a 128K page table costs no more than its pages; the
+consumers never read past a request's pages); on a decode
 step the Triton scoring can fold the step's new keys into their pages' bounds first (one
 launch instead of the update's and the scores'). Top-k is left to `torch.topk`. The Triton kernel casts q to the metadata dtype and computes the bound as
 `max(q, 0) . M + min(q, 0) . m` (equal since M >= m): two tensor-core dots per page tile.
@@ -220,6 +223,8 @@ def _page_scores_kernel(
     h_ok = offs_h < GROUP
     d_ok = offs_d < HEAD_DIM
     n_pages = (tl.load(kv_lens_ptr + b) + PAGE_SIZE - 1) // PAGE_SIZE
+    if tl.program_id(1) * (ITERS * BLOCK_P) >= n_pages:
+        return  # past the request's pages: nothing to score (a short request in a wide table)
     if FOLD_NEW:  # the step's key into its page's bounds, by the program that reads that page
         slot = tl.load(slot_ptr + b).to(tl.int64)
         if (slot >= 0) & ((n_pages - 1) // (BLOCK_P * ITERS) == tl.program_id(1)):

@@ -45,6 +45,14 @@ def test_update_page_minmax(case, gen, device):
         assert torch.equal(hi_ref[pages], dense_hi) and torch.equal(lo_ref[pages], dense_lo)
 
 
+def _read(scores, kv_lens, ps):
+    """The scores as their consumers read them: a request's pages only. The Triton kernel
+    leaves the tiles wholly past a request's pages unwritten; -inf there, as the reference."""
+    n_pages = (kv_lens.long() + ps - 1) // ps
+    past = torch.arange(scores.shape[-1], device=scores.device)[None, :] >= n_pages[:, None]
+    return scores.masked_fill(past[:, None, :], float("-inf"))
+
+
 def _scored_cache(case, gen, device):
     """A random paged cache with exact page bounds (NaN elsewhere) and a query: `(kv,
     (q, kmax, kmin, page_table, kv_lens, page_size))`."""
@@ -65,7 +73,7 @@ def test_page_scores(case, gen, device):
     kv, args = _scored_cache(case, gen, device)
     q = args[0]
     ref = quest_page_scores_ref(*args)
-    assert_close(quest_page_scores_triton(*args), ref, 1e-4)
+    assert_close(_read(quest_page_scores_triton(*args), args[4], ps), ref, 1e-4)
     # plainest check: a channel loop; and U bounds every q.k in the page
     for b, n in enumerate(lens):
         k = kv.dense(b)[0]
@@ -84,7 +92,18 @@ def test_page_scores_loop_over_tiles(iters, gen, device):
     """Several 16-page tiles per program: 75 and 38 pages of 4 tokens, so the programs'
     last tiles are partial or empty."""
     _, args = _scored_cache((8, 2, 32, 4, [300, 150]), gen, device)
-    assert_close(quest_page_scores_triton(*args, block_p=16, iters=iters), quest_page_scores_ref(*args), 1e-4)
+    got = quest_page_scores_triton(*args, block_p=16, iters=iters)
+    assert_close(_read(got, args[4], 4), quest_page_scores_ref(*args), 1e-4)
+
+
+def test_page_scores_skip_the_tiles_past_a_request(gen, device):
+    """A short request in a wide page table: the programs wholly past its pages exit
+    without writing (the buffer's NaN poison stays), the rest score as the reference."""
+    _, args = _scored_cache((8, 2, 32, 4, [300, 20]), gen, device)  # 75 and 5 pages, 16-page tiles
+    got = quest_page_scores_triton(*args, block_p=16, iters=1)
+    assert torch.isnan(got[1, :, 16:]).all()  # tiles 1.. of the 5-page request: not written
+    assert not torch.isnan(got[0]).any() and not torch.isnan(got[1, :, :16]).any()
+    assert_close(_read(got, args[4], 4), quest_page_scores_ref(*args), 1e-4)
 
 
 def _decode_step(kv, gen, device):
@@ -127,7 +146,7 @@ def test_page_scores_fold_the_step_keys(case, gen, device):
                                    block_p=16, iters=2)
     torch.testing.assert_close(hi, want_hi, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(lo, want_lo, rtol=0, atol=0, equal_nan=True)
-    assert_close(got[:-1], want[:-1], 1e-4)
+    assert_close(_read(got, kv_lens, ps)[:-1], want[:-1], 1e-4)
 
 
 def test_page_scores_fold_needs_cache_and_slots(gen, device):
@@ -152,7 +171,7 @@ def test_gpu_32k(gen):
     assert torch.equal(metas[0], metas[2]) and torch.equal(metas[1], metas[3])
     q = randn(2, 32, d, generator=gen, dtype=torch.bfloat16, device="cuda")
     args = (q, metas[0], metas[1], kv.page_table, kv.kv_lens, ps)
-    assert_close(quest_page_scores_triton(*args), quest_page_scores_ref(*args), 1e-3)
+    assert_close(_read(quest_page_scores_triton(*args), kv.kv_lens, ps), quest_page_scores_ref(*args), 1e-3)
     # a decode step folded into the scoring, at the engine's tiling (8192 tiles of 128 pages)
     (hi, lo), (want_hi, want_lo), last = _decode_step(kv, gen, "cuda")
     table, kv_lens, slots = _with_padding_row(kv, last)
@@ -161,7 +180,7 @@ def test_gpu_32k(gen):
     got = quest_page_scores_triton(q, hi, lo, table, kv_lens, ps, k_cache=kv.k_cache, new_slots=slots)
     torch.testing.assert_close(hi, want_hi, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(lo, want_lo, rtol=0, atol=0, equal_nan=True)
-    assert_close(got[:-1], want[:-1], 1e-3)
+    assert_close(_read(got, kv_lens, ps)[:-1], want[:-1], 1e-3)
 
 
 def test_page_scores_fp16(gen, device):
@@ -172,4 +191,4 @@ def test_page_scores_fp16(gen, device):
     update_page_minmax_triton(kv.k_cache, torch.cat([kv.slots(b) for b in range(len(lens))]), hi, lo)
     q = randn(len(lens), hq, d, generator=gen, dtype=torch.float16, device=device)
     args = (q, hi, lo, kv.page_table, kv.kv_lens, ps)
-    assert_close(quest_page_scores_triton(*args), quest_page_scores_ref(*args), 1e-3)
+    assert_close(_read(quest_page_scores_triton(*args), kv.kv_lens, ps), quest_page_scores_ref(*args), 1e-3)
