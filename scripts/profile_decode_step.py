@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from experiments.throughput.length_mix import LengthMix
 from sparseengine import LLM, SamplingParams
 
 
@@ -119,6 +120,9 @@ def main() -> None:
     ap.add_argument("--method", default="vanilla")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt-len", type=int, default=131072)
+    ap.add_argument("--length-mix", default=None, metavar="JSON",
+                    help="a ragged batch instead of --prompt-len: [[prompt tokens, count], ...] repeated over "
+                         "the batch, as task.length_mix, e.g. '[[131072,1],[1024,63]]'")
     ap.add_argument("--total", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--provider", default="triton")
@@ -141,12 +145,15 @@ def main() -> None:
     if args.combine_d_tile is not None:
         paged_decode.COMBINE_D_TILE = args.combine_d_tile or None
 
+    mix = LengthMix.parse(None if args.length_mix is None else json.loads(args.length_mix), args.prompt_len)
+    lengths = mix.lengths(args.batch)
     kw = dict(model=args.model, load_format="dummy", dtype="bfloat16", sparse_method=args.method,
               attention_provider=args.provider, max_num_seqs=max(8, args.batch), sink_tokens=64, recent_tokens=512,
-              budget=args.total - 576, max_model_len=args.prompt_len + 512, **dict(args.engine_arg))
-    prompts = [[(7 * i + j) % 30000 + 3 for j in range(args.prompt_len)] for i in range(args.batch)]
+              budget=args.total - 576, max_model_len=max(lengths) + 512, **dict(args.engine_arg))
+    prompts = [[(7 * i + j) % 30000 + 3 for j in range(n)] for i, n in enumerate(lengths)]
     bw = args.bandwidth_gbps or roofline.measure_copy_bandwidth(torch.device("cuda"))
     out = {"model": args.model, "method": args.method, "batch": args.batch, "prompt_len": args.prompt_len,
+           "length_mix": mix.label(),
            "provider": args.provider, "device": torch.cuda.get_device_name(), "commit": args.commit,
            "torch": torch.__version__, "bandwidth_gbps": bw, "merge_in_split_kernel": args.merge_in_split_kernel,
            "combine_d_tile": paged_decode.COMBINE_D_TILE}
@@ -156,7 +163,7 @@ def main() -> None:
         out["graph_steps_used"] = llm.runner.graph_steps > 0
         graph_table = kernel_table(llm, prompts, args.steps)  # the kernels the graph replays
         # the KV and metadata the method's step reads (as the throughput records count them)
-        cost = roofline.decode_step_cost(llm.model_config, llm.config, 2, args.batch, args.prompt_len,
+        cost = roofline.decode_step_cost(llm.model_config, llm.config, 2, args.batch, sum(lengths) // len(lengths),
                                          measured=reads[0] if reads else None)
         out["read_tokens_per_layer"], out["metadata_bytes_read"] = reads[0] if reads else (None, None)
         out["roofline_bytes"] = cost.bytes
