@@ -36,11 +36,6 @@ MAX_BALANCED_ROWS = 8192
 # chunks. At 1 (bf62058) a batch of rows a few decode steps apart took the prefix-sum path
 # and SnapKV's lane at batch 183 fell from 8649 to 7731 tok/s.
 BALANCED_SLACK = 2
-# Where a row far longer than the others numbers the chunks row after row, a row of at most
-# this many of the batch's chunks runs as one chunk: it needs no merge. A 1K row beside a 128K
-# one (batch 64, chunks of 448 tokens) was three chunks, and the merge kernel took 10% of
-# vanilla's step (results/profile_vanilla_mix1k_b64_23cf564_h200.json).
-WHOLE_ROW_CHUNKS = 4
 
 
 def use_balanced(balanced: bool | None, chunk: int, auto: bool, rows: int) -> bool:
@@ -89,7 +84,7 @@ def no_plan(plan_out, placeholder: torch.Tensor) -> torch.Tensor:
 
 
 def balanced_chunks(n_items: torch.Tensor, num_splits: int, block_n: int, min_chunk: int = 0,
-                    slack: int = BALANCED_SLACK, whole: int = WHOLE_ROW_CHUNKS):
+                    slack: int = BALANCED_SLACK):
     """The balanced plan (the torch twin of `balanced_chunk`): R rows of `n_items [R]` items
     in num_splits chunk slots a row (the kernel launches R more programs: rounding can add
     one chunk a row). One chunk
@@ -97,19 +92,16 @@ def balanced_chunks(n_items: torch.Tensor, num_splits: int, block_n: int, min_ch
     blocks. Rows of like lengths (ceil(max n / C) <= slack * num_splits) keep the per-row
     plan's slots: row r's chunks start at r * num_splits, at most num_splits of them. Else
     (a row far longer than the others) the chunks are numbered row after row, as many as
-    a row needs: the long row takes more chunks, not longer ones; there a row of at most
-    `whole` x C items is one chunk (no merge). Either way a row of n items takes k = ceil(n
-    / C) chunks (within those limits; at most n // min_chunk where min_chunk > 0; at least
-    1) of ceil(n / k) items each, whole blocks. Returns per row (first chunk, chunks, chunk
-    length) as int64 [R] tensors."""
+    a row needs: the long row takes more chunks, not longer ones. Either way a row of n
+    items takes k = ceil(n / C) chunks (within those limits; at most n // min_chunk where
+    min_chunk > 0; at least 1) of ceil(n / k) items each, whole blocks. Returns per row
+    (first chunk, chunks, chunk length) as int64 [R] tensors."""
     n = n_items.to(torch.int64)
     c = max(1, cdiv(cdiv(int(n.sum()), n.numel() * num_splits), block_n)) * block_n
     like = cdiv(int(n.max()), c) <= slack * num_splits
     k = ((n + c - 1) // c).clamp(min=1)
     if like:
         k = k.clamp(max=num_splits)
-    else:
-        k = torch.where(n <= whole * c, 1, k)
     if min_chunk > 0:
         k = torch.minimum(k, (n // min_chunk).clamp(min=1))
     chunk = (((n + k - 1) // k + block_n - 1) // block_n).clamp(min=1) * block_n
@@ -134,11 +126,10 @@ def balanced_row_items(kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, r, ok
 
 
 @shared_helper
-def balanced_row_chunks(n, c, min_chunk, cap, whole, BLOCK_N: tl.constexpr):
+def balanced_row_chunks(n, c, min_chunk, cap, BLOCK_N: tl.constexpr):
     """(chunks, chunk length) of rows of n items under the batch's chunk c, at most `cap`
-    chunks a row, one where n <= `whole` (`balanced_chunks`)."""
+    chunks a row (`balanced_chunks`)."""
     k = tl.minimum(tl.maximum(tl.cdiv(n, c), 1), cap)
-    k = tl.where(n <= whole, 1, k)
     if min_chunk > 0:
         k = tl.minimum(k, tl.maximum(n // min_chunk, 1))
     chunk = tl.maximum(tl.cdiv(tl.cdiv(n, k), BLOCK_N), 1) * BLOCK_N
@@ -148,7 +139,7 @@ def balanced_row_chunks(n, c, min_chunk, cap, whole, BLOCK_N: tl.constexpr):
 @shared_helper
 def balanced_chunk(kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, rows, num_splits, min_chunk, HKV, item,
                    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, BLOCK_R: tl.constexpr,
-                   SLACK: tl.constexpr, WHOLE: tl.constexpr):
+                   SLACK: tl.constexpr):
     """Chunk `item` of the balanced plan (`balanced_chunks`, its definition),
     computed alike by every program from the rows' lengths, read in blocks of BLOCK_R.
     Returns (row, index in the row (-1: no such chunk: the program idles), the row's first
@@ -166,10 +157,8 @@ def balanced_chunk(kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, rows, num
     row = item // num_splits  # like lengths: row r's chunks from r * num_splits, at most num_splits
     first = row * num_splits
     cap = num_splits
-    whole = tl.zeros([], tl.int32)  # like lengths: no row is kept whole
     if tl.cdiv(n_max, c) > SLACK * num_splits:  # a row far longer: the chunks numbered row after row
         cap = tl.full([], 1 << 30, tl.int32)
-        whole = WHOLE * c
         row = tl.zeros([], tl.int32)
         first = tl.zeros([], tl.int32)
         carry = tl.zeros([], tl.int32)  # chunks of the blocks before
@@ -178,13 +167,13 @@ def balanced_chunk(kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, rows, num
             ok = r < rows
             n = balanced_row_items(kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, r, ok, HKV, PAGE_SIZE,
                                    MODE)
-            k = tl.where(ok, balanced_row_chunks(n, c, min_chunk, cap, whole, BLOCK_N)[0], 0)
+            k = tl.where(ok, balanced_row_chunks(n, c, min_chunk, cap, BLOCK_N)[0], 0)
             before = carry + tl.cumsum(k, 0) <= item  # rows wholly before the item's
             row += tl.sum(before.to(tl.int32), 0)
             first += tl.sum(tl.where(before, k, 0), 0)
             carry += tl.sum(k, 0)
     n_row = balanced_row_items(kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, row, row < rows, HKV,
                                PAGE_SIZE, MODE)
-    k_row, chunk = balanced_row_chunks(n_row, c, min_chunk, cap, whole, BLOCK_N)
+    k_row, chunk = balanced_row_chunks(n_row, c, min_chunk, cap, BLOCK_N)
     split = item - first
     return row, tl.where((row < rows) & (split < k_row), split, -1), first, k_row, chunk, n_row

@@ -167,7 +167,7 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
         MODE=mode, STORE_LOGITS=store_logits, DOT_PREC=_common.dot_precision(q.dtype),
         COMBINE=combine, FINE=fine > 0, BALANCED=balanced,
         BLOCK_R=min(next_pow2(rows), balanced_plan.BALANCED_ROW_BLOCK) if balanced else 1, SLACK=balanced_plan.BALANCED_SLACK,
-        WHOLE=balanced_plan.WHOLE_ROW_CHUNKS, **merge_args, num_warps=num_warps, num_stages=num_stages,
+        **merge_args, num_warps=num_warps, num_stages=num_stages,
     )
     if combine == _PARTIALS:  # a program per (query row, COMBINE_D_TILE channels): more programs than rows
         tile = min(merge_args["BLOCK_D"], COMBINE_D_TILE or merge_args["BLOCK_D"])
@@ -215,12 +215,12 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
     STORE_LOGITS: tl.constexpr, DOT_PREC: tl.constexpr, COMBINE: tl.constexpr, BLOCK_S: tl.constexpr,
     STORE_LSE: tl.constexpr, FINE: tl.constexpr, BALANCED: tl.constexpr, BLOCK_R: tl.constexpr,
-    SLACK: tl.constexpr, WHOLE: tl.constexpr,
+    SLACK: tl.constexpr,
 ):
     if BALANCED:  # a flat grid over the batch's chunks (`balanced_plan.py`): one a program, the rest idle
         r, split, first, n_active, chunk, n_items = balanced_chunk(
             kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, rows, num_splits, min_chunk, HKV, tl.program_id(0),
-            PAGE_SIZE, BLOCK_N, MODE, BLOCK_R, SLACK, WHOLE)
+            PAGE_SIZE, BLOCK_N, MODE, BLOCK_R, SLACK)
         if split >= 0:
             if split == 0:  # the row's chunks, for the merge kernel
                 tl.store(meta_ptr + 2 * r, first)
