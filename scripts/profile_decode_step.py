@@ -36,8 +36,8 @@ def step_time(llm, prompts, steps: int, warmup: int = 8, reads: list | None = No
     ends, orig = [], llm.step
 
     def timed():
-        if reads is not None and not reads:
-            reads.extend(filter(None, [batch_reads(llm, len(prompts))]))
+        if reads is not None and not reads and (read := batch_reads(llm, len(prompts))) is not None:
+            reads.append(read)
         r = orig()
         torch.cuda.synchronize()
         ends.append(time.perf_counter())

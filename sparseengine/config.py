@@ -48,9 +48,10 @@ class Config:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     attention_provider: str = "auto"
-    # How the Triton split-K decode cuts rows into programs: "auto" (kernels/split_plan.py,
-    # balanced across the batch where rows are cut by their own lengths) or "per_row" (each
-    # row by its own length only: the plan before the balanced one, kept for A/B runs).
+    # How the Triton split-K decode cuts rows into programs: "auto" (kernels/split_plan.py;
+    # where it cuts rows by their own lengths, balanced across the batch by
+    # kernels/balanced_plan.py) or "per_row" (each row by its own length only: the plan
+    # before the balanced one, kept for A/B runs).
     decode_split_plan: str = "auto"
     tensor_parallel_size: int = 1
     sparse_method: str = "vanilla"
