@@ -28,9 +28,13 @@ from experiments.throughput.length_mix import LengthMix
 from sparseengine import LLM, SamplingParams
 
 
-def step_time(llm, prompts, steps: int, warmup: int = 8, reads: list | None = None) -> float:
+def step_time(llm, prompts, steps: int, warmup: int = 8, reads: list | None = None,
+              stats: dict | None = None) -> float:
     """Median seconds per pure-decode step over ``steps`` steps after ``warmup``. ``reads``:
-    receives what the method runtime says a step reads per request (`batch_reads`)."""
+    receives what the method runtime says a step reads per request (`batch_reads`);
+    ``stats``: the steps' mean, 90th percentile and maximum (ms), and the steps over 1.2x
+    the median as (index after warm-up, ms): periodic host work shows there, not in the
+    median."""
     from experiments.throughput.decode_window import batch_reads
 
     ends, orig = [], llm.step
@@ -49,8 +53,14 @@ def step_time(llm, prompts, steps: int, warmup: int = 8, reads: list | None = No
                      prefill="synthesized")
     finally:
         del llm.step
-    gaps = sorted(b - a for a, b in zip(ends[warmup:warmup + steps], ends[warmup + 1:warmup + steps + 1]))
-    return gaps[len(gaps) // 2]
+    timed = [b - a for a, b in zip(ends[warmup:warmup + steps], ends[warmup + 1:warmup + steps + 1])]
+    gaps = sorted(timed)
+    median = gaps[len(gaps) // 2]
+    if stats is not None:
+        stats.update(mean_ms=1e3 * sum(gaps) / len(gaps), p90_ms=1e3 * gaps[int(0.9 * (len(gaps) - 1))],
+                     max_ms=1e3 * gaps[-1],
+                     slow_steps=[(i, round(1e3 * t, 3)) for i, t in enumerate(timed) if t > 1.2 * median])
+    return median
 
 
 def _around_steps(llm, prompts, steps: int, start, stop) -> None:
@@ -114,6 +124,19 @@ def _engine_arg(text: str) -> tuple[str, object]:
     return key, value
 
 
+def _set_kernel_const(text: str) -> tuple[str, object]:
+    import ast
+    import importlib
+
+    target, _, value = text.partition("=")
+    module, _, name = target.rpartition(".")
+    mod = importlib.import_module(f"sparseengine.kernels.{module}")
+    if not module or not hasattr(mod, name):
+        raise SystemExit(f"--kernel-const {text!r}: sparseengine.kernels.{module} has no constant {name!r}")
+    setattr(mod, name, ast.literal_eval(value))
+    return target, getattr(mod, name)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-3.1-8b")
@@ -124,7 +147,9 @@ def main() -> None:
                     help="a ragged batch instead of --prompt-len: [[prompt tokens, count], ...] repeated over "
                          "the batch, as task.length_mix, e.g. '[[131072,1],[1024,63]]'")
     ap.add_argument("--total", type=int, default=2048)
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=20, help="profiled steps")
+    ap.add_argument("--window-steps", type=int, default=64,
+                    help="timed graph steps (median, mean, slow steps); the benchmark's window is 256")
     ap.add_argument("--provider", default="triton")
     ap.add_argument("--bandwidth-gbps", type=float, default=None, help="default: measured here")
     ap.add_argument("--merge-in-split-kernel", action="store_true",
@@ -133,6 +158,9 @@ def main() -> None:
                     help="split-K decode's merge kernel: channels per program (0: a whole row per program)")
     ap.add_argument("--engine-arg", action="append", type=_engine_arg, default=[], metavar="KEY=VALUE",
                     help="another LLM(...) argument, e.g. deltakv_checkpoint_path=FILE (repeatable)")
+    ap.add_argument("--kernel-const", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                    help="set a module constant of sparseengine.kernels for an A/B in one call, e.g. "
+                         "paged_decode.WIDE_BALANCED_MERGE=False (a Python literal; repeatable)")
     ap.add_argument("--host-profile", action="store_true",
                     help="also cProfile the eager steps: where their host time goes")
     ap.add_argument("--commit", default="")
@@ -145,6 +173,7 @@ def main() -> None:
     if args.combine_d_tile is not None:
         paged_decode.COMBINE_D_TILE = args.combine_d_tile or None
 
+    consts = dict(_set_kernel_const(text) for text in args.kernel_const)
     mix = LengthMix.parse(None if args.length_mix is None else json.loads(args.length_mix), args.prompt_len)
     lengths = mix.lengths(args.batch)
     kw = dict(model=args.model, load_format="dummy", dtype="bfloat16", sparse_method=args.method,
@@ -156,10 +185,12 @@ def main() -> None:
            "length_mix": mix.label(),
            "provider": args.provider, "device": torch.cuda.get_device_name(), "commit": args.commit,
            "torch": torch.__version__, "bandwidth_gbps": bw, "merge_in_split_kernel": args.merge_in_split_kernel,
-           "combine_d_tile": paged_decode.COMBINE_D_TILE}
+           "combine_d_tile": paged_decode.COMBINE_D_TILE, "kernel_consts": consts}
     with LLM(**kw) as llm:
         reads: list = []
-        out["graph_step_ms"] = 1e3 * step_time(llm, prompts, 64, reads=reads)
+        stats: dict = {}
+        out["graph_step_ms"] = 1e3 * step_time(llm, prompts, args.window_steps, reads=reads, stats=stats)
+        out.update({f"graph_step_{k}": v for k, v in stats.items()})
         out["graph_steps_used"] = llm.runner.graph_steps > 0
         graph_table = kernel_table(llm, prompts, args.steps)  # the kernels the graph replays
         # the KV and metadata the method's step reads (as the throughput records count them)

@@ -58,6 +58,9 @@ MERGE_IN_SPLIT_KERNEL = False
 # Vanilla b=1 at 128K on the H200 (commit 3b57167, results/merge_tile_pdl_ab_h200.jsonl):
 # the merges took 0.09 ms per step against 0.18 a row per program; graph step 8.68 vs 8.86 ms.
 COMBINE_D_TILE: int | None = 32
+# Under the balanced plan the merge reads 4096 / tile partials at once (a ragged batch's long
+# row has many more chunks than num_splits); False: num_splits at a time, as other plans.
+WIDE_BALANCED_MERGE = True
 _split_counters: dict[torch.device, torch.Tensor] = {}
 
 
@@ -173,10 +176,20 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
         tile = min(merge_args["BLOCK_D"], COMBINE_D_TILE or merge_args["BLOCK_D"])
         _combine_splits_kernel[(B * Hq, merge_args["BLOCK_D"] // tile)](
             part_out, part_lse, out, lse, meta, num_splits, out.stride(0), out.stride(1), Hq,
-            **dict(merge_args, BLOCK_D=tile, BLOCK_S=min(4096 // tile, next_pow2(num_splits))), GROUP=g,
+            **dict(merge_args, BLOCK_D=tile, BLOCK_S=_merge_block_s(tile, num_splits, balanced)), GROUP=g,
             BALANCED=balanced, num_warps=4,
         )
     return (out, lse) if return_lse else out
+
+
+def _merge_block_s(tile: int, num_splits: int, balanced: bool) -> int:
+    """Partials the merge kernel reads at once. A row holds at most num_splits of them,
+    except under the balanced plan, where a row far longer than the rest takes as many
+    chunks as it needs (a 128K row beside 1K ones at batch 64: 293 chunks where num_splits
+    is 8), read in as few passes as the merge's 4096-float tile allows."""
+    if balanced and WIDE_BALANCED_MERGE:
+        return 4096 // tile
+    return min(4096 // tile, next_pow2(num_splits))
 
 
 def _combine_mode(fused_combine: bool | None, num_splits: int, rows: int, balanced: bool) -> int:
