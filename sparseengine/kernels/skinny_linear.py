@@ -33,6 +33,17 @@ if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing need
     import triton.language as tl
 
 BLOCK_M = 16  # rows of x a program multiplies: tl.dot's smallest tile
+# The model's linear layers (layers/linear.py) use this kernel for at most this many rows on
+# a GPU (0: never, cuBLAS always).
+ENGINE_MAX_ROWS = 0
+
+
+def engine_tiles(n: int) -> dict:
+    """Launch knobs for an N-feature layer: the fastest of bench_gpu --skinny-linear's grid
+    at 6 rows on the H200 (results/skinny_linear_h200.jsonl, d44d4d6): 64 features a program
+    for the wide layers (qkv, gate_up, lm_head), 32 for the 4096-wide ones (o, down); 256
+    channels a step, 4 warps, 5 stages."""
+    return dict(block_n=64 if n >= 6144 else 32, block_k=256, num_warps=4, num_stages=5)
 
 
 def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

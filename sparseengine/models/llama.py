@@ -9,6 +9,7 @@ from torch import nn
 from sparseengine.kernels.fused_ops import silu_mul
 from sparseengine.layers.attention import Attention
 from sparseengine.layers.layernorm import RMSNorm
+from sparseengine.layers.linear import Linear
 from sparseengine.layers.rotary import RotaryEmbedding
 from sparseengine.models.model_config import ModelConfig
 
@@ -17,8 +18,8 @@ class SelfAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.hq, self.hkv, self.d = config.num_heads, config.num_kv_heads, config.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.hq * self.d, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=config.qkv_bias)
+        self.o_proj = Linear(self.hq * self.d, config.hidden_size, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.d, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.d, config.rms_norm_eps)
@@ -37,8 +38,8 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
@@ -72,7 +73,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
