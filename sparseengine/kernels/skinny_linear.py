@@ -14,14 +14,14 @@ agrees with `skinny_linear_ref` (`F.linear`) to float32 rounding, not bit for bi
 
 The model's linear layers (`layers/linear.py`) use it for up to `ENGINE_MAX_ROWS` rows on
 a GPU, cuBLAS above. With each layer's tiles (`engine_tiles`) it ran 1-15% faster than
-cuBLAS at the Llama-3.1-8B shape's layers at 1 and 6 rows on the H200, and needs no
-separate split-K reduce (`skinny_linear_h200.jsonl`); in the engine's decode step
-(session 17, A/B in one call, `profile_decode_step.py --kernel-const
-skinny_linear.ENGINE_MAX_ROWS=0/16`) the GEMMs of Quest at batch 6 took 3.89 ms against
-cuBLAS's 4.02. The down projection takes the MLP's SiLU-and-multiply into its loads
-(`silu_mul_input`). As programmatic dependent launches in a chain of the step's GEMMs it
-made the chain slower (results/README.md, `pdl_chain_h200.jsonl`; `bench_gpu
---skinny-linear`, `--pdl-chain`).
+cuBLAS at the Llama-3.1-8B shape's layers at 1 and 6 rows on the H200, with no separate
+split-K reduce (`skinny_linear_h200.jsonl`); in the engine's decode step (session 17, one
+call, `profile_decode_step.py --kernel-const skinny_linear.ENGINE_MAX_ROWS=0/16`, twice
+each) the GEMMs of Quest at batch 6 took 3.89 ms a step against cuBLAS's 4.02. A variant
+that computed the MLP's SiLU-and-multiply in the down projection's loads (every program
+recomputing it for its rows) took the step's linear kernels from 3.9 to 22.6 ms: not kept. As programmatic dependent launches
+in a chain of the step's GEMMs it made the chain slower (results/README.md,
+`pdl_chain_h200.jsonl`; `bench_gpu --skinny-linear`, `--pdl-chain`).
 """
 from __future__ import annotations
 
@@ -32,15 +32,13 @@ import torch.nn.functional as F
 
 from . import _common
 from ._common import cdiv, check_launch, dot_precision, int_arg, interpreting, lazy_jit
-from .fused_ops import _EXACT
-from .fused_ops_kernels import silu_mul_values  # noqa: F401  (a shared helper, jitted at launch)
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
 
 BLOCK_M = 16  # rows of x a program multiplies: tl.dot's smallest tile
 # The model's linear layers (layers/linear.py) use this kernel for at most this many rows on
-# a GPU (0: never, cuBLAS always).
+# a GPU (0: never, cuBLAS always; profile_decode_step.py --kernel-const sets it for A/Bs).
 ENGINE_MAX_ROWS = 16
 
 
@@ -58,11 +56,9 @@ def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                          block_n: int = 16, block_k: int = 512, num_warps: int = 4,
-                         num_stages: int = 4, pdl: bool = False, silu_mul_input: bool = False) -> torch.Tensor:
+                         num_stages: int = 4, pdl: bool = False) -> torch.Tensor:
     """`x [..., K]`, `weight [N, K]` (rows contiguous), `bias [N]` or None -> `[..., N]` in
-    x's dtype. `silu_mul_input`: x is `[..., 2K]`, an MLP's gate then up, and the product
-    is `silu_mul(x) @ weight.T`, the SiLU-and-multiply computed as the rows of x are loaded
-    (bit for bit as `fused_ops.silu_mul`), with no kernel or buffer of its own. `block_n`, `block_k`: powers of two, at least 16; `num_warps`, `num_stages`:
+    x's dtype. `block_n`, `block_k`: powers of two, at least 16; `num_warps`, `num_stages`:
     Triton's launch knobs. `pdl`: launch as a programmatic dependent launch (Hopper): the
     programs start while the previous kernel runs, load their first weight tile, and wait
     for it (`griddepcontrol.wait`) before reading x; once past their reduction loop they
@@ -70,10 +66,8 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ValueError(f"weight must be a [N, K] tensor, got {getattr(weight, 'shape', type(weight).__name__)}")
     N, K = weight.shape
-    width = 2 * K if silu_mul_input else K
-    if x.dim() < 1 or x.shape[-1] != width:
-        what = f"2K={width} features (gate, up)" if silu_mul_input else f"K={K} features"
-        raise ValueError(f"x must end in {what} (weight {tuple(weight.shape)}), got {tuple(x.shape)}")
+    if x.dim() < 1 or x.shape[-1] != K:
+        raise ValueError(f"x must end in K={K} features (weight {tuple(weight.shape)}), got {tuple(x.shape)}")
     if x.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
         raise ValueError(f"x, weight and bias must share a dtype, got {x.dtype}, {weight.dtype}, "
                          f"{None if bias is None else bias.dtype}")
@@ -86,7 +80,7 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if weight.stride(1) != 1:
         weight = weight.contiguous()
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, width)
+    x2 = x.reshape(-1, K)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
@@ -96,19 +90,9 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
             x2, weight, weight if bias is None else bias, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0),
             HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
             EVEN_N=N % block_n == 0, EVEN_K=K % block_k == 0, INTERPRET=interpreting(),
-            DOT_PREC=dot_precision(x.dtype), PDL=pdl, SILU_MUL=silu_mul_input, num_warps=num_warps,
-            num_stages=num_stages, **({"launch_pdl": True} if pdl else {}), **(_EXACT if silu_mul_input else {}))
+            DOT_PREC=dot_precision(x.dtype), PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+            **({"launch_pdl": True} if pdl else {}))
     return y.reshape(*lead, N)
-
-
-def _load_x(x_rows, k, m, M, K, SILU_MUL: tl.constexpr, INTERPRET: tl.constexpr):
-    """A [BLOCK_M, BLOCK_K] tile of the product's left input at channels k."""
-    mask = (m[:, None] < M) & (k[None, :] < K)
-    x = tl.load(x_rows + k[None, :], mask=mask, other=0.0)
-    if SILU_MUL:  # x holds gate then up: the input is silu(gate) * up
-        up = tl.load(x_rows + K + k[None, :], mask=mask, other=0.0)
-        x = silu_mul_values(x, up, INTERPRET).to(x.dtype)
-    return x
 
 
 def _tile_dot(w, x, acc, INTERPRET: tl.constexpr, DOT_PREC: tl.constexpr):
@@ -122,8 +106,7 @@ def _tile_dot(w, x, acc, INTERPRET: tl.constexpr, DOT_PREC: tl.constexpr):
 def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                           HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                          INTERPRET: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
-                          SILU_MUL: tl.constexpr):
+                          INTERPRET: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
     # acc[n, m] = sum_k w[n, k] * x[m, k]: the weight tile is the dot's left operand, so
     # BLOCK_N (not the few rows of x) is the MMA's row dimension.
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -137,12 +120,12 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride
         w = tl.load(w_rows + kk[None, :], mask=(n[:, None] < N) & (kk[None, :] < K), other=0.0)
         if not INTERPRET:  # the interpreter runs one program at a time, and knows no griddepcontrol
             tl.extra.cuda.gdc_wait()
-        x = _load_x(x_rows, kk, m, M, K, SILU_MUL, INTERPRET)
+        x = tl.load(x_rows + kk[None, :], mask=(m[:, None] < M) & (kk[None, :] < K), other=0.0)
         acc = _tile_dot(w, x, acc, INTERPRET, DOT_PREC)
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
         k = k0 + kk
-        x = _load_x(x_rows, k, m, M, K, SILU_MUL, INTERPRET)
+        x = tl.load(x_rows + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
         if EVEN_N and EVEN_K:
             w = tl.load(w_rows + k[None, :])
         else:

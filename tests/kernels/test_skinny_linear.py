@@ -85,55 +85,21 @@ def test_llama_shapes_on_gpu(gen, N, K, pdl):
     _check(y, x, w, None)
 
 
-@pytest.mark.parametrize("M,I,N,block_k", [(1, 64, 32, 32), (6, 200, 48, 64), (17, 96, 40, 32)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_silu_mul_input(gen, device, M, I, N, block_k, dtype):
-    """The SiLU-and-multiply prologue gives, bit for bit, the product of the SiLU-and-multiply
-    kernel's output (tests/kernels/test_fused_ops.py: bit for bit torch's, with the
-    interpreter's exp on the CPU): the same sums over the same input, within rounding of the
-    exact product."""
-    from sparseengine.kernels.fused_ops import silu_mul_triton
-
-    gate_up = (3 * torch.randn(M, 2 * I, generator=gen)).to(dtype).to(device)
-    w = (torch.randn(N, I, generator=gen) / I ** 0.5).to(dtype).to(device)
-    act = silu_mul_triton(gate_up)
-    y = skinny_linear_triton(gate_up, w, block_k=block_k, silu_mul_input=True)
-    assert torch.equal(y, skinny_linear_triton(act, w, block_k=block_k))
-    _check(y, act, w, None)
-    with pytest.raises(ValueError, match=rf"x must end in 2K={2 * I} features \(gate, up\)"):
-        skinny_linear_triton(act, w, silu_mul_input=True)
-
-
-@pytest.mark.gpu
-def test_down_projection_prologue_on_gpu(gen):
-    """Llama-3.1-8B's down projection at a decode batch, with the SiLU-and-multiply in its
-    loads: bit for bit the kernel on `silu_mul`'s output (torch's, on the GPU)."""
-    from sparseengine.kernels.fused_ops import silu_mul_ref
-
-    gate_up = (3 * torch.randn(6, 2 * 14336, generator=gen)).bfloat16().cuda()
-    w = (torch.randn(4096, 14336, generator=gen) / 14336 ** 0.5).bfloat16().cuda()
-    tiles = dict(block_n=32, block_k=256, num_stages=5)
-    y = skinny_linear_triton(gate_up, w, silu_mul_input=True, **tiles)
-    assert torch.equal(y, skinny_linear_triton(silu_mul_ref(gate_up), w, **tiles))
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 16, 17])
 def test_model_linear_on_gpu(gen, rows):
-    """The model's `Linear`: the Triton kernel up to ENGINE_MAX_ROWS rows, cuBLAS above;
-    both within rounding of the exact product, with or without the SiLU-and-multiply."""
+    """The model's `Linear`: the Triton kernel with its layer's tiles up to ENGINE_MAX_ROWS
+    rows, cuBLAS above."""
     from sparseengine.kernels import skinny_linear
-    from sparseengine.kernels.fused_ops import silu_mul_ref
     from sparseengine.layers.linear import Linear
 
     layer = Linear(256, 96, bias=True).cuda().bfloat16()
     x = torch.randn(rows, 256, generator=gen).bfloat16().cuda()
-    gate_up = (3 * torch.randn(rows, 512, generator=gen)).bfloat16().cuda()
     with torch.no_grad():
-        _check(layer(x), x, layer.weight, layer.bias)
-        _check(layer(gate_up, silu_mul_input=True), silu_mul_ref(gate_up), layer.weight, layer.bias)
+        y = layer(x)
+        _check(y, x, layer.weight, layer.bias)
         if rows <= skinny_linear.ENGINE_MAX_ROWS:
             want = skinny_linear_triton(x, layer.weight, layer.bias, **skinny_linear.engine_tiles(96))
         else:
             want = F.linear(x, layer.weight, layer.bias)
-        assert torch.equal(layer(x), want)
+        assert torch.equal(y, want)
