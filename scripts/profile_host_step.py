@@ -7,6 +7,9 @@ prompts gives the benchmark's per-step Python work (32 layers, 128K prompts: 819
 request).
 
     python scripts/profile_host_step.py --layers 32 --prompt-len 131072 --batch 6 --method quest
+    python scripts/profile_host_step.py --method snapkv --batch 183 --kv-gib 4 --profile --sort tottime
+
+The stub's page table is as wide as the engine's graph table for the method (`table_pages`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sparseengine import LLM, SamplingParams  # noqa: E402
-from sparseengine.engine.cuda_graphs import DecodeGraphs  # noqa: E402
+from sparseengine.engine.cuda_graphs import DecodeGraphs, table_pages  # noqa: E402
 from sparseengine.models.loader import SHAPES_DIR  # noqa: E402
 
 
@@ -61,14 +64,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=800)
     ap.add_argument("--method", default="vanilla")
     ap.add_argument("--profile", action="store_true", help="print the cProfile of the timed steps")
+    ap.add_argument("--sort", default="cumulative", help="the profile's order: cumulative or tottime")
+    ap.add_argument("--kv-gib", type=float, default=None,
+                    help="the KV pool (default: every prompt's full KV; an eviction method at a large batch needs less)")
     args = ap.parse_args()
     max_len = args.prompt_len + args.steps + 64
     budget = {} if args.method == "vanilla" else dict(sink_tokens=64, recent_tokens=512, budget=1472)
-    kv_gib = 0.7 * args.batch * args.prompt_len / 131072 * args.layers / 32 + 0.5  # tiny widths, bf16
+    kv_gib = args.kv_gib or 0.7 * args.batch * args.prompt_len / 131072 * args.layers / 32 + 0.5  # tiny widths, bf16
     with LLM(str(_model_folder(args.layers, max_len)), device="cpu", dtype="bfloat16", max_model_len=max_len,
              sparse_method=args.method, kv_cache_memory=kv_gib, max_num_seqs=args.batch, **budget) as llm:
         llm.runner.graphs = _StubGraphs(llm.model, llm.kv_cache, llm.provider, llm.method, llm.device,
-                                        args.batch, -(-max_len // llm.config.page_size))
+                                        args.batch, table_pages(llm.method, max_len, llm.config.page_size))
         ends, orig, prof = [], llm.step, cProfile.Profile()
 
         def timed():
@@ -87,7 +93,7 @@ def main() -> None:
               f"per decode step median {np.median(gaps):.3f} ms, mean {gaps.mean():.3f} ms "
               f"({llm.runner.graph_steps} stubbed graph steps)")
         if args.profile:
-            pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+            pstats.Stats(prof).sort_stats(args.sort).print_stats(30)
 
 
 if __name__ == "__main__":

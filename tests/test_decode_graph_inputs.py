@@ -56,6 +56,11 @@ def test_page_table_marks_the_first_page_changed():
     assert t.take_changed_from() == 2
     t.pop()
     assert t.take_changed_from() == 3
+    t += []  # a decode step that needs no new page appends nothing: nothing to re-send
+    t.extend(iter(()))
+    assert t.take_changed_from() is None
+    t.extend(p for p in (11, 12))  # a generator is consumed once, and marks
+    assert t.take_changed_from() == 3 and t == [5, 6, 1, 11, 12]
     seq = Sequence([1, 2], SamplingParams(), num_layers=1)
     seq.page_table = [4, 4]  # any list assigned to a request becomes a tracked table
     assert isinstance(seq.page_table, PageTable) and seq.page_table.take_changed_from() == 0

@@ -33,7 +33,9 @@ class PageTable(list):
         return at
 
     def __iadd__(self, pages):
-        self._mark(len(self))
+        pages = list(pages)
+        if pages:  # appending nothing changes nothing (a decode step that needs no new page)
+            self._mark(len(self))
         return super().__iadd__(pages)
 
     def append(self, page) -> None:
@@ -41,7 +43,9 @@ class PageTable(list):
         super().append(page)
 
     def extend(self, pages) -> None:
-        self._mark(len(self))
+        pages = list(pages)
+        if pages:
+            self._mark(len(self))
         super().extend(pages)
 
     def __setitem__(self, index, value) -> None:

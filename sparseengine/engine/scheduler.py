@@ -86,7 +86,10 @@ class Scheduler:
         if self.waiting and self.waiting[0].prefill_alone and self._schedule_alone(batch):
             return batch
         budget = self.config.max_num_batched_tokens
-        for seq in [s for s in self.running if s.is_decoding]:
+        decoding, others = [], []
+        for s in self.running:
+            (decoding if s.is_decoding else others).append(s)
+        for seq in decoding:
             if len(batch.seqs) >= self.config.max_num_seqs or budget < 1:
                 break
             if seq.status != SequenceStatus.RUNNING:  # preempted while making room
@@ -95,7 +98,7 @@ class Scheduler:
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(1)
                 budget -= 1
-        for seq in [s for s in self.running if not s.is_decoding]:
+        for seq in others:
             if len(batch.seqs) >= self.config.max_num_seqs or budget < 1:
                 break
             if seq.status != SequenceStatus.RUNNING or seq in batch.seqs or seq.num_uncomputed == 0:
@@ -143,6 +146,8 @@ class Scheduler:
 
     def _make_room(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         need = self._pages_needed(seq, n)
+        if need == 0:  # most decode steps: the token fits the last page
+            return True
         while not self.allocator.can_allocate(need):
             victims = [s for s in reversed(self.running) if s is not seq and s not in batch.seqs]
             if not victims:
