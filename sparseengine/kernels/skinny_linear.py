@@ -13,15 +13,16 @@ agrees with `skinny_linear_ref` (`F.linear`) to float32 rounding, not bit for bi
 `skinny_linear_ref` is `torch.nn.functional.linear`, the oracle.
 
 The model's linear layers (`layers/linear.py`) use it for up to `ENGINE_MAX_ROWS` rows on
-a GPU, cuBLAS above. With each layer's tiles (`engine_tiles`) it ran 1-15% faster than
-cuBLAS at the Llama-3.1-8B shape's layers at 1 and 6 rows on the H200, with no separate
-split-K reduce (`skinny_linear_h200.jsonl`); in the engine's decode step (session 17, one
-call, `profile_decode_step.py --kernel-const skinny_linear.ENGINE_MAX_ROWS=0/16`, twice
-each) the GEMMs of Quest at batch 6 took 3.89 ms a step against cuBLAS's 4.02. A variant
-that computed the MLP's SiLU-and-multiply in the down projection's loads (every program
-recomputing it for its rows) took the step's linear kernels from 3.9 to 22.6 ms: not kept. As programmatic dependent launches
-in a chain of the step's GEMMs it made the chain slower (results/README.md,
-`pdl_chain_h200.jsonl`; `bench_gpu --skinny-linear`, `--pdl-chain`).
+a GPU, cuBLAS above. With each layer's tiles (`engine_tiles`) it took 0.7-15% less time
+than cuBLAS at the Llama-3.1-8B shape's layers at 1 and 6 rows on the H200 (at 16 rows the
+same but gate_up, 4% more), with no separate split-K reduce (`skinny_linear_h200.jsonl`).
+In the engine's decode step (session 17, one call, `profile_decode_step.py --kernel-const
+skinny_linear.ENGINE_MAX_ROWS=0/16`, twice each) the linears of Quest at batch 6 took
+3.89 ms a step against cuBLAS's 4.02. A variant that computed the MLP's SiLU-and-multiply
+in the down projection's loads (every program recomputing it for its rows) took them to
+22.6 ms: not kept. As programmatic dependent launches in a chain of the step's GEMMs it
+made the chain slower (results/README.md, `pdl_chain_h200.jsonl`; `bench_gpu
+--skinny-linear`, `--pdl-chain`).
 """
 from __future__ import annotations
 
@@ -42,12 +43,15 @@ BLOCK_M = 16  # rows of x a program multiplies: tl.dot's smallest tile
 ENGINE_MAX_ROWS = 16
 
 
-def engine_tiles(n: int) -> dict:
+def engine_tiles(n: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Launch knobs for an N-feature layer: the fastest of bench_gpu --skinny-linear's grid
-    at 6 rows on the H200 (results/skinny_linear_h200.jsonl, d44d4d6): 64 features a program
-    for the wide layers (qkv, gate_up, lm_head), 32 for the 4096-wide ones (o, down); 256
-    channels a step, 4 warps, 5 stages."""
-    return dict(block_n=64 if n >= 6144 else 32, block_k=256, num_warps=4, num_stages=5)
+    at 6 rows on the H200 (results/skinny_linear_h200.jsonl, d44d4d6, bf16): 64 features a
+    program for the wide layers (qkv, gate_up, lm_head), 32 for the 4096-wide ones (o,
+    down); 256 channels a step, 4 warps, 5 stages. A 4-byte dtype takes 128 channels a
+    step: the same bytes a stage, inside the shared memory (bf16's tiles in float32 would
+    need 320 KB at 64 features)."""
+    block_k = 512 // torch.empty((), dtype=dtype).element_size()
+    return dict(block_n=64 if n >= 6144 else 32, block_k=block_k, num_warps=4, num_stages=5)
 
 
 def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -15,5 +15,5 @@ class Linear(nn.Linear):
         rows = x.numel() // max(x.shape[-1], 1)
         if x.is_cuda and 0 < rows <= skinny_linear.ENGINE_MAX_ROWS:
             return skinny_linear.skinny_linear_triton(x, self.weight, self.bias,
-                                                      **skinny_linear.engine_tiles(self.out_features))
+                                                      **skinny_linear.engine_tiles(self.out_features, x.dtype))
         return F.linear(x, self.weight, self.bias)

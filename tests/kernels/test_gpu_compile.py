@@ -268,3 +268,39 @@ def launch_every_kernel(device):
     K.h2o_scores_accumulate_triton(pool_s[0], pool_p[0], colsum, table, n_tok, n_tok - 1, n_tok - 1)
     K.h2o_victim_triton(pool_s, pool_p, table, torch.tensor([2, 0], device=device), torch.tensor([40, 30],
                         device=device), 20, 2, 4)
+
+
+SHARED_CHILD = """
+import importlib, json, sys
+from sparseengine.kernels.testing import compile_for_gpu
+out = {}
+for name, b in json.loads(sys.stdin.read()).items():
+    kernel = getattr(importlib.import_module(b["module"]), b["kernel"])
+    options = dict(b.get("options", {}))
+    compiled = compile_for_gpu(kernel, None, b["types"], b["constexprs"], num_warps=options.pop("num_warps", 4),
+                               options=options)
+    out[name] = compiled.metadata.shared
+print(json.dumps(out))
+"""
+H200_SHARED_BYTES = 232448  # the most dynamic shared memory a block may take on sm_90
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_engine_linear_tiles_fit_shared_memory(device, dtype):
+    """The model's linears at a decode step (skinny_linear with `engine_tiles`) at the
+    Llama-3.1-8B shape's widths build for sm_90 within its shared memory in every dtype a
+    model loads in (bf16's tiles in float32 would need 320 KB at the wide layers)."""
+    from sparseengine.kernels import skinny_linear
+
+    gen = torch.Generator().manual_seed(0)
+    with record_launches() as rec:
+        for n in (6144, 4096):  # qkv / gate_up / lm_head; o / down
+            x = torch.randn(6, 64, generator=gen).to(dtype).to(device)
+            w = torch.randn(n, 64, generator=gen).to(dtype).to(device)
+            skinny_linear.skinny_linear_triton(x, w, **skinny_linear.engine_tiles(n, dtype))
+    assert len(rec.launches) == 2, rec.launches
+    run = subprocess.run([sys.executable, "-c", SHARED_CHILD], capture_output=True, text=True, env=child_env(),
+                         input=json.dumps({str(i): b for i, b in enumerate(rec.launches)}), timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    shared = json.loads(run.stdout.strip().splitlines()[-1])
+    assert all(0 < s <= H200_SHARED_BYTES for s in shared.values()), shared

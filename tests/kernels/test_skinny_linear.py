@@ -99,7 +99,20 @@ def test_model_linear_on_gpu(gen, rows):
         y = layer(x)
         _check(y, x, layer.weight, layer.bias)
         if rows <= skinny_linear.ENGINE_MAX_ROWS:
-            want = skinny_linear_triton(x, layer.weight, layer.bias, **skinny_linear.engine_tiles(96))
+            want = skinny_linear_triton(x, layer.weight, layer.bias, **skinny_linear.engine_tiles(96, x.dtype))
         else:
             want = F.linear(x, layer.weight, layer.bias)
         assert torch.equal(y, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_model_linear_wide_layer_every_dtype_on_gpu(gen, dtype):
+    """The engine's tiles fit the shared memory at a wide layer (Llama-3.1-8B's qkv) in every
+    dtype a model may load in."""
+    from sparseengine.layers.linear import Linear
+
+    layer = Linear(4096, 6144, bias=False).cuda().to(dtype)
+    x = torch.randn(6, 4096, generator=gen).to(dtype).cuda()
+    with torch.no_grad():
+        _check(layer(x), x, layer.weight, None)
