@@ -61,7 +61,7 @@ class StreamingLLM(SparseMethodRuntime):
     def finish_step(self, batch) -> None:
         sink, recent = self.config.sink_tokens, self.config.recent_tokens
         src, dst = [], []  # one token per request moves (every layer) on the ring path
-        evicted = []
+        compacted = []  # rows that dropped tokens wholesale: their pages past the room return
         for seq in batch.seqs:
             n = seq.layer_lens[0]
             if n <= self.total:
@@ -81,10 +81,12 @@ class StreamingLLM(SparseMethodRuntime):
                 st[RING_KEY] = 0
                 if self.rerotate:  # never on the ring: token index = cache index here
                     self._rerotate(seq, kept)
-            evicted.append(seq)
+                compacted.append(seq)
         if src:
             self.cache.move_tokens(self.cache.upload(src), self.cache.upload(dst))
-        for seq in evicted:  # after the moves (a moved token's page may be past the kept ones);
+        # A ring row holds total + 1 tokens at most, so its pages never pass the room kept
+        # for the next token (nothing to trim, every step). Compacted rows, after the moves:
+        for seq in compacted:
             self.cache.trim_pages(seq, room=self.total + 1)  # room for the next token: no page churn
 
     def _rerotate(self, seq, kept: torch.Tensor) -> None:
