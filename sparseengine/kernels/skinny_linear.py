@@ -50,7 +50,7 @@ def engine_tiles(n: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     down); 256 channels a step, 4 warps, 5 stages. A 4-byte dtype takes 128 channels a
     step: the same bytes a stage, inside the shared memory (bf16's tiles in float32 would
     need 320 KB at 64 features)."""
-    block_k = 512 // torch.empty((), dtype=dtype).element_size()
+    block_k = 512 // dtype.itemsize
     return dict(block_n=64 if n >= 6144 else 32, block_k=block_k, num_warps=4, num_stages=5)
 
 
