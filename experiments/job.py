@@ -28,8 +28,8 @@ def resolve_engine(cfg: DictConfig) -> dict[str, Any]:
     """``cfg.engine`` as LLM keywords, with ``budget_fraction`` (of the context) or
     ``total_budget`` (tokens) turned into the total budget through the method's
     ``budget_knob``: ``budget`` = total - sink - recent, or, for a method that leaves
-    ``budget`` unused (StreamingLLM), ``recent_tokens`` = total - sink."""
-    from sparseengine.method_registry import get_spec
+    ``budget`` unused (StreamingLLM), ``recent_tokens`` = total - sink (``split_total``)."""
+    from sparseengine.method_registry import split_total
 
     engine: dict[str, Any] = OmegaConf.to_container(cfg.engine, resolve=True)  # type: ignore[assignment]
     frac, total = cfg.get("budget_fraction"), cfg.get("total_budget")
@@ -47,14 +47,7 @@ def resolve_engine(cfg: DictConfig) -> dict[str, Any]:
     else:
         return engine
     sink, recent = int(engine.get("sink_tokens", 64)), int(engine.get("recent_tokens", 512))
-    if get_spec(engine.get("sparse_method", "vanilla")).budget_knob == "recent_tokens":
-        if total < sink:
-            raise ValueError(f"{what} fewer than sink_tokens ({sink}); lower it")
-        engine["recent_tokens"], engine["budget"] = total - sink, 0
-        return engine
-    if total - sink - recent < 0:
-        raise ValueError(f"{what} fewer than sink_tokens + recent_tokens ({sink} + {recent}); lower them")
-    engine["budget"] = total - sink - recent
+    engine.update(split_total(engine.get("sparse_method", "vanilla"), total, sink, recent, what))
     return engine
 
 

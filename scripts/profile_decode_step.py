@@ -17,6 +17,7 @@ minus their kernel sum is the host work and launch gaps between kernels.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import time
 from collections import defaultdict
@@ -42,9 +43,8 @@ def step_time(llm, prompts, steps: int, warmup: int = 8, reads: list | None = No
     def timed():
         if reads is not None and not reads and (read := batch_reads(llm, len(prompts))) is not None:
             reads.append(read)
-        r = orig()
-        torch.cuda.synchronize()
-        ends.append(time.perf_counter())
+        r = orig()  # no device sync: a step ends once it has read its tokens (asynchronous
+        ends.append(time.perf_counter())  # scheduling: the previous step's), as the benchmark's window times it
         return r
 
     llm.step = timed
@@ -116,16 +116,13 @@ def host_profile(llm, prompts, steps: int, top: int = 30) -> list[dict]:
 
 def _engine_arg(text: str) -> tuple[str, object]:
     key, _, value = text.partition("=")
-    for cast in (int, float):
-        try:
-            return key, cast(value)
-        except ValueError:
-            pass
-    return key, value
+    try:  # a number, True/False/None, ...; else the text
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
 
 
 def _set_kernel_const(text: str) -> tuple[str, object]:
-    import ast
     import importlib
 
     target, _, value = text.partition("=")
@@ -166,6 +163,7 @@ def main() -> None:
     ap.add_argument("--commit", default="")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    from sparseengine.method_registry import split_total
     from experiments.throughput import roofline
     from sparseengine.kernels import paged_decode
 
@@ -178,7 +176,9 @@ def main() -> None:
     lengths = mix.lengths(args.batch)
     kw = dict(model=args.model, load_format="dummy", dtype="bfloat16", sparse_method=args.method,
               attention_provider=args.provider, max_num_seqs=max(8, args.batch), sink_tokens=64, recent_tokens=512,
-              budget=args.total - 576, max_model_len=max(lengths) + 512, **dict(args.engine_arg))
+              max_model_len=max(lengths) + 512)
+    kw.update(split_total(args.method, args.total, 64, 512))  # as the benchmark's total_budget (StreamingLLM: recent)
+    kw.update(dict(args.engine_arg))
     prompts = [[(7 * i + j) % 30000 + 3 for j in range(n)] for i, n in enumerate(lengths)]
     bw = args.bandwidth_gbps or roofline.measure_copy_bandwidth(torch.device("cuda"))
     out = {"model": args.model, "method": args.method, "batch": args.batch, "prompt_len": args.prompt_len,
@@ -187,6 +187,8 @@ def main() -> None:
            "torch": torch.__version__, "bandwidth_gbps": bw, "merge_in_split_kernel": args.merge_in_split_kernel,
            "combine_d_tile": paged_decode.COMBINE_D_TILE, "kernel_consts": consts}
     with LLM(**kw) as llm:
+        out["engine_args"] = {k: v for k, v in args.engine_arg}
+        out["async_scheduling"] = llm.async_scheduling
         reads: list = []
         stats: dict = {}
         out["graph_step_ms"] = 1e3 * step_time(llm, prompts, args.window_steps, reads=reads, stats=stats)

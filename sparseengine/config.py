@@ -47,6 +47,10 @@ class Config:
     num_kv_pages: int | None = None  # explicit pool size; overrides the memory sizing
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    # Launch each step before reading the previous step's sampled tokens (the host's
+    # scheduling overlaps the device's work): None is on for CUDA, off on the CPU (where
+    # every op runs synchronously anyway); False reads every step's tokens in that step.
+    async_scheduling: bool | None = None
     attention_provider: str = "auto"
     # How the Triton split-K decode cuts rows into programs: "auto" (kernels/split_plan.py;
     # where it cuts rows by their own lengths, balanced across the batch by
@@ -124,6 +128,8 @@ class Config:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"Invalid {name}={value!r}: must be a non-negative integer")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ConfigError(f"Invalid async_scheduling={self.async_scheduling!r}: must be true, false or null (auto)")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len <= 0):
             raise ConfigError(f"Invalid max_model_len={self.max_model_len!r}: must be a positive integer or None")
         if self.num_kv_pages is not None and (not isinstance(self.num_kv_pages, int) or self.num_kv_pages <= 0):

@@ -72,6 +72,21 @@ def get_spec(name: str, kind: str = "decode") -> MethodSpec:
     return _specs()[name]
 
 
+def split_total(method: str, total: int, sink: int, recent: int, what: str | None = None) -> dict[str, int]:
+    """The engine knobs that give ``method`` ``total`` attended tokens with ``sink`` sink
+    tokens: ``budget`` = total - sink - recent, or, for a method that leaves ``budget``
+    unused (its registry ``budget_knob`` is ``recent_tokens``: StreamingLLM),
+    ``recent_tokens`` = total - sink and ``budget`` 0."""
+    what = what or f"total={total} is"
+    if get_spec(method).budget_knob == "recent_tokens":
+        if total < sink:
+            raise ValueError(f"{what} fewer than sink_tokens ({sink}); lower it")
+        return {"recent_tokens": total - sink, "budget": 0}
+    if total - sink - recent < 0:
+        raise ValueError(f"{what} fewer than sink_tokens + recent_tokens ({sink} + {recent}); lower them")
+    return {"budget": total - sink - recent}
+
+
 def all_knob_defaults() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for spec in _specs().values():

@@ -81,6 +81,15 @@ class DecodeGraphs:
         self.host_table = self._host.numpy()  # the same memory, written row by row
         self._row_of: list[tuple[int, PageTable, int] | None] = [None] * top
         self._dirty: tuple[int, int] | None = None
+        # The pinned host buffers above go to the device with copies that run when the
+        # stream reaches them, which may be after the host moved on (asynchronous
+        # scheduling reads a step's tokens only during the next step): a step writes them
+        # only once the previous step's copies have run.
+        self._staged = torch.cuda.Event() if pinned else None
+
+    def _host_writable(self) -> None:
+        if self._staged is not None:
+            self._staged.synchronize()
 
     def fits(self, seqs) -> bool:
         """Every request's page table fits the graph's table width."""
@@ -128,6 +137,7 @@ class DecodeGraphs:
         each row's pages). A row is rewritten from the first page its table marks changed
         (all of it for a new request or table), and only rewritten rows travel to the GPU
         in ``run``."""
+        self._host_writable()
         lo = hi = None
         for b, (sid, pages) in enumerate(zip(seq_ids, tables)):
             held = self._row_of[b]
@@ -155,6 +165,7 @@ class DecodeGraphs:
                      size: int) -> None:
         """Rows ``[0, B)`` from the step, rows ``[B, size)`` padding (slot -1, length 1), all
         sent to the graph's input buffers in one copy."""
+        self._host_writable()
         batch = len(ids)
         h_ids, h_pos, h_slots, h_lens = self._in
         h_ids[:batch], h_pos[:batch] = ids, positions
@@ -163,16 +174,22 @@ class DecodeGraphs:
         self._in_dev.copy_(self._in_host, non_blocking=True)
 
     def run(self, ids: list[int], positions: list[int], slots: np.ndarray, lens: np.ndarray, seqs=None,
-            key=None) -> torch.Tensor:
+            key=None, feed=None) -> torch.Tensor:
         """slots/lens [L, B] (page tables from ``page_tables`` this step) -> logits [B, V].
         ``key`` (the method's ``graph_key`` of ``seqs``): replay the bucket's graph of that
-        key, captured for these requests now if the key changed (the old one is dropped)."""
+        key, captured for these requests now if the key changed (the old one is dropped).
+        ``feed`` (``inflight.Feed``): rows whose token id is on the device, written after
+        the staged ids."""
         batch = len(ids)
         size = self.bucket(batch)
         self.stage_inputs(ids, positions, slots, lens, size)
         if self._dirty is not None:
             lo, hi = self._dirty
             self.table[lo:hi].copy_(self._host[lo:hi], non_blocking=True)
+        if self._staged is not None:
+            self._staged.record()  # the host buffers are free again once these copies ran
+        if feed is not None:
+            feed.apply(self.ids)
         if key is None:
             if size not in self.graphs:
                 self.graphs[size] = self._capture(size)

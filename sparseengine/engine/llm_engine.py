@@ -12,6 +12,7 @@ from sparseengine.attention.provider import make_provider
 from sparseengine.config import Config, ConfigError
 from sparseengine.engine.cache_manager import CacheManager
 from sparseengine.engine.cuda_graphs import DecodeGraphs, table_pages
+from sparseengine.engine.inflight import NEEDS_TOKENS, PLACEHOLDER, Inflight
 from sparseengine.engine.kv_cache import KVCache, page_bytes
 from sparseengine.engine.model_runner import ModelRunner
 from sparseengine.engine.outputs import RequestOutput
@@ -68,6 +69,8 @@ class LLM:
         self.runner = ModelRunner(self.model, self.kv_cache, self.provider, self.method, self.device,
                                   cfg.page_size, graphs)
         self.sampler = Sampler()
+        self.async_scheduling = self.device.type == "cuda" if cfg.async_scheduling is None else cfg.async_scheduling
+        self._inflight: Inflight | None = None  # the last step's tokens, not yet read
         self._closed = False
 
     # ---- construction ---------------------------------------------------------------
@@ -188,7 +191,7 @@ class LLM:
         if use_tqdm:
             from tqdm.auto import tqdm
             progress = tqdm(total=len(seqs), desc="generate")
-        while self.scheduler.has_unfinished:
+        while self.scheduler.has_unfinished or self._inflight is not None:
             done = self.step()
             if progress is not None:
                 progress.update(done)
@@ -236,41 +239,84 @@ class LLM:
                 raise ConfigError(error)
             self.scheduler.add(seq)
             seqs.append(seq)
-        while self.scheduler.has_unfinished:
+        while self.scheduler.has_unfinished or self._inflight is not None:
             self.step()
         return [torch.cat(s.prompt_logits) for s in seqs]
 
     def step(self) -> int:
-        """One engine step; returns how many requests finished in it."""
+        """One engine step; returns how many requests finished in it. With asynchronous
+        scheduling (``async_scheduling``, on for CUDA by default) a step launches its
+        forward pass, then reads and settles the previous step's tokens while the device
+        runs, so the tokens a step samples appear in the requests at the next step (or
+        when ``generate`` returns); a request that stopped on a token has run one more step,
+        whose token is dropped."""
         batch = self.scheduler.schedule()
         for seq in batch.preempted + batch.failed:
             self.method.release(seq)
             self.cache.drop(seq)
         if batch.is_empty:
-            if batch.failed or batch.preempted:
-                return len(batch.failed)
+            if batch.failed or batch.preempted or self._inflight is not None:
+                return len(batch.failed) + self._settle()
             raise RuntimeError("scheduler made no progress: no request fits in the KV pool")
-        sample_seqs, logits = self.runner.run(batch)
+        feed = None
+        if self._inflight is not None:
+            feed = self._inflight.feed(batch)
+            if feed == NEEDS_TOKENS:  # e.g. a preempted request prefilled again: its tokens on the host
+                self._inflight.read()
+                feed = None
+        sample_seqs, logits = self.runner.run(batch, feed)
         self.scheduler.advance(batch)
         self.method.finish_step(batch)
-        finished = len(batch.failed)
+        tokens = None
         if sample_seqs:
-            tokens = self.sampler(logits, [s.sampling_params for s in sample_seqs], [s.seq_id for s in sample_seqs])
-            now = time.perf_counter()
-            for seq, tok in zip(sample_seqs, tokens):
-                seq.output_token_ids.append(tok)
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                reason = self._finish_reason(seq, tok)
-                if reason is not None:
-                    seq.finish_time = now
-                    seq.kv_tokens_at_end = self.method.kv_tokens(seq)
-                    self.scheduler.finish(seq, reason)
-                    self.method.release(seq)
-                    self.cache.drop(seq)
-                    self.sampler.release(seq.seq_id)
-                    finished += 1
+            tokens = self.sampler.sample(logits, [s.sampling_params for s in sample_seqs],
+                                         [s.seq_id for s in sample_seqs])
+        finished = len(batch.failed) + self._settle()  # the previous step's tokens: the device is past them
+        if tokens is not None:
+            self._launch(sample_seqs, tokens)
+            if not self.async_scheduling:
+                finished += self._settle()
         return finished
+
+    def _launch(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
+        """Give each request still running a placeholder for its token of this step; one
+        that reaches its length limit with it finishes now (it is not scheduled again)."""
+        kept = [(i, seq) for i, seq in enumerate(seqs) if not seq.is_finished]
+        index = []
+        for _, seq in kept:
+            seq.output_token_ids.append(PLACEHOLDER)
+            index.append(len(seq.output_token_ids) - 1)
+            if self._at_length_limit(seq):
+                self._finish(seq, "length")
+        self._inflight = Inflight([s for _, s in kept], [i for i, _ in kept], tokens, index)
+
+    def _settle(self) -> int:
+        """Read the in-flight tokens and finish the requests they end; returns how many."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return 0
+        finished = 0
+        now = time.perf_counter()
+        for seq, tok in zip(inflight.seqs, inflight.read()):
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = self._finish_reason(seq, tok)
+            if seq.is_finished:
+                if seq.finish_reason == "length":  # by _launch, at its length limit: a stop token wins
+                    seq.finish_reason, seq.finish_time = reason, now
+                    finished += 1
+            elif reason is not None:
+                self._finish(seq, reason)
+                seq.finish_time = now
+                finished += 1
+        return finished
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.kv_tokens_at_end = self.method.kv_tokens(seq)
+        self.scheduler.finish(seq, reason)
+        self.method.release(seq)
+        self.cache.drop(seq)
+        self.sampler.release(seq.seq_id)
 
     def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.sampling_params
@@ -282,9 +328,12 @@ class LLM:
             text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
             if any(s in text for s in p.stop):
                 return "stop"
-        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        if self._at_length_limit(seq):
             return "length"
         return None
+
+    def _at_length_limit(self, seq: Sequence) -> bool:
+        return len(seq.output_token_ids) >= seq.sampling_params.max_tokens or seq.num_tokens >= self.max_model_len
 
     def _output(self, seq: Sequence, prompt) -> RequestOutput:
         text = ""
@@ -313,6 +362,7 @@ class LLM:
         if self._closed:
             return
         self._closed = True
+        self._inflight = None
         for name in ("runner", "method", "cache", "kv_cache", "model", "provider", "scheduler", "allocator"):
             if hasattr(self, name):
                 delattr(self, name)

@@ -8,6 +8,7 @@ import torch
 from sparseengine.engine.scheduler import ScheduledBatch
 from sparseengine.engine.sequence import Sequence
 from sparseengine.engine.cuda_graphs import DecodeGraphs
+from sparseengine.engine.inflight import Feed
 from sparseengine.engine.step_context import LayerView, StepContext, set_step_context
 
 
@@ -24,14 +25,15 @@ class ModelRunner:
         self.graphs = graphs
         self.graph_steps = 0
 
-    def _graph_decode(self, seqs: list[Sequence], ids: list[int], pos: list[int], key=None) -> torch.Tensor:
+    def _graph_decode(self, seqs: list[Sequence], ids: list[int], pos: list[int], key=None,
+                      feed: Feed | None = None) -> torch.Tensor:
         ps = self.page_size
         starts = np.array([s.layer_lens for s in seqs], dtype=np.int64).T  # [L, B]
         table = self.graphs.page_tables([s.seq_id for s in seqs], [s.page_table for s in seqs])
         pages = table[np.arange(len(seqs))[None, :], starts // ps]  # [L, B]
         slots = pages.astype(np.int64) * ps + starts % ps
         self.graph_steps += 1
-        return self.graphs.run(ids, pos, slots, (starts + 1).astype(np.int32), seqs=seqs, key=key)
+        return self.graphs.run(ids, pos, slots, (starts + 1).astype(np.int32), seqs=seqs, key=key, feed=feed)
 
     def _views(self, seqs: list[Sequence], q_lens: list[int]) -> list[LayerView]:
         ps = self.page_size
@@ -62,7 +64,9 @@ class ModelRunner:
         return views
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor | None]:
+    def run(self, batch: ScheduledBatch, feed: Feed | None = None) -> tuple[list[Sequence], torch.Tensor | None]:
+        """``feed``: the batch's rows whose input token the previous step sampled on the
+        device and the host has not read (their ids here are placeholders)."""
         seqs, q_lens = batch.seqs, batch.num_new_tokens
         ids, pos, sample_rows, sample_seqs = [], [], [], []
         offset = 0
@@ -82,7 +86,7 @@ class ModelRunner:
         if (self.graphs is not None and batch.is_pure_decode and capturable
                 and self.graphs.bucket(len(seqs)) is not None and self.graphs.fits(seqs)):
             self.method.begin_step_graph(seqs)
-            return seqs, self._graph_decode(seqs, ids, pos, key)
+            return seqs, self._graph_decode(seqs, ids, pos, key, feed)
         cu = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)
         ctx = StepContext(
@@ -92,8 +96,11 @@ class ModelRunner:
         )
         self.method.begin_step(ctx)
         set_step_context(ctx)
+        ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
+        if feed is not None:
+            feed.apply(ids_t)
         try:
-            hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), positions)
+            hidden = self.model(ids_t, positions)
         finally:
             set_step_context(None)
         offset = 0

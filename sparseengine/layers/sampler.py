@@ -26,10 +26,14 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], seq_ids: list[int]) -> list[int]:
         """logits [B, V] (float32) -> one token per row."""
-        greedy = logits.argmax(dim=-1)
+        return self.sample(logits, params, seq_ids).tolist()
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], seq_ids: list[int]) -> torch.Tensor:
+        """logits [B, V] (float32) -> one token per row, int64 on logits' device; nothing
+        waits for the device (the engine reads the tokens a step later)."""
+        out = logits.argmax(dim=-1)
         if all(p.greedy for p in params):
-            return greedy.tolist()
-        out = greedy.tolist()
+            return out
         for i, p in enumerate(params):
             if p.greedy:
                 continue
@@ -45,5 +49,5 @@ class Sampler:
                 row = torch.full_like(row, float("-inf")).scatter(0, order, sorted_logits)
             probs = torch.softmax(row, dim=-1)
             gen = self.generator(seq_ids[i], p.seed, logits.device)
-            out[i] = int(torch.multinomial(probs, 1, generator=gen).item())
+            out[i] = torch.multinomial(probs, 1, generator=gen)[0]
         return out

@@ -18,10 +18,11 @@ def _inputs(gen, device, M, N, K, dtype, bias):
 
 def _check(y, x, w, b):
     """Within float32 rounding of the exact product of the same inputs, plus the output's
-    own rounding (one ulp: the interpreter truncates float32 to bf16, the GPU rounds)."""
+    own rounding (one ulp of its dtype: the interpreter truncates float32 to bf16, the GPU
+    rounds)."""
     want = F.linear(x.double(), w.double(), None if b is None else b.double())
     bound = F.linear(x.double().abs(), w.double().abs(), None if b is None else b.double().abs())
-    ulp = 2.0 ** -7 if y.dtype == torch.bfloat16 else 2.0 ** -23
+    ulp = torch.finfo(y.dtype).eps  # bf16 2^-7, fp16 2^-10, fp32 2^-23
     tol = 1e-5 * bound + ulp * want.abs() + 1e-30
     assert y.shape == want.shape and y.dtype == x.dtype
     err = (y.double() - want).abs()
