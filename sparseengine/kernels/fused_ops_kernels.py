@@ -12,14 +12,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._common import lazy_jit, shared_helper
+from ._common import lazy_jit
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
     from triton.language.extra.cuda import libdevice
 
 
-@shared_helper
 def _round_to(v, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
     """float32 v rounded (to nearest even) to DTYPE, as float32."""
     if DTYPE == tl.float32:
@@ -220,21 +219,11 @@ def _silu_mul_kernel(gu_ptr, out_ptr, stride_t, I, BLOCK: tl.constexpr, INTERPRE
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
     DTYPE: tl.constexpr = gu_ptr.dtype.element_ty
-    gate = tl.load(gu_ptr + t * stride_t + offs, mask=mask, other=0.0)
-    up = tl.load(gu_ptr + t * stride_t + I + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + t * I + offs, silu_mul_values(gate, up, INTERPRET).to(DTYPE), mask=mask)
-
-
-@shared_helper
-def silu_mul_values(gate, up, INTERPRET: tl.constexpr):
-    """silu(gate) * up as torch computes it on gate and up of one dtype, as float32 holding
-    values of that dtype: silu in float32 (x / (1 + expf(-x)), IEEE division) rounded to the
-    dtype, the product rounded again. Also the down projection's prologue (skinny_linear);
-    its kernels launch with `_EXACT` (fused_ops)."""
-    DTYPE: tl.constexpr = gate.dtype
-    g = gate.to(tl.float32)
+    gate = tl.load(gu_ptr + t * stride_t + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptr + t * stride_t + I + offs, mask=mask, other=0.0).to(tl.float32)
     if INTERPRET:
-        silu = tl.math.div_rn(g, 1.0 + tl.exp(-g))
-    else:
-        silu = libdevice.div_rn(g, 1.0 + libdevice.exp(-g))
-    return _round_to(_round_to(silu, DTYPE, INTERPRET) * up.to(tl.float32), DTYPE, INTERPRET)
+        silu = tl.math.div_rn(gate, 1.0 + tl.exp(-gate))
+    else:  # torch: x / (1 + expf(-x)), IEEE division
+        silu = libdevice.div_rn(gate, 1.0 + libdevice.exp(-gate))
+    y = _round_to(_round_to(silu, DTYPE, INTERPRET) * up, DTYPE, INTERPRET)
+    tl.store(out_ptr + t * I + offs, y.to(DTYPE), mask=mask)

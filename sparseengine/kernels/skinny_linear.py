@@ -33,8 +33,6 @@ import torch.nn.functional as F
 
 from . import _common
 from ._common import cdiv, check_launch, dot_precision, int_arg, interpreting, lazy_jit
-from .fused_ops import _EXACT
-from .fused_ops_kernels import silu_mul_values  # noqa: F401  (a shared helper, jitted at launch)
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
@@ -45,20 +43,13 @@ BLOCK_M = 16  # rows of x a program multiplies: tl.dot's smallest tile
 ENGINE_MAX_ROWS = 16
 
 
-# The MLP's gate/up projection writes silu(gate) * up from its epilogue (`silu_mul_output`)
-# where the layer runs this kernel. UNMEASURED on the GPU (session 17 had no device time
-# left): profile_decode_step.py --kernel-const skinny_linear.FUSE_SILU_MUL=True/False.
-FUSE_SILU_MUL = True
-
-
 def engine_tiles(n: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Launch knobs for an N-feature layer: the fastest of bench_gpu --skinny-linear's grid
     at 6 rows on the H200 (results/skinny_linear_h200.jsonl, d44d4d6, bf16): 64 features a
     program for the wide layers (qkv, gate_up, lm_head), 32 for the 4096-wide ones (o,
     down); 256 channels a step, 4 warps, 5 stages. A 4-byte dtype takes 128 channels a
     step: the same bytes a stage, inside the shared memory (bf16's tiles in float32 would
-    need 320 KB at 64 features). A fused gate/up projection (N = 2I) keeps the 64-row weight
-    tile: 32 gate and 32 up rows."""
+    need 320 KB at 64 features)."""
     block_k = 512 // dtype.itemsize
     return dict(block_n=64 if n >= 6144 else 32, block_k=block_k, num_warps=4, num_stages=5)
 
@@ -69,13 +60,9 @@ def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                          block_n: int = 16, block_k: int = 512, num_warps: int = 4,
-                         num_stages: int = 4, pdl: bool = False, silu_mul_output: bool = False) -> torch.Tensor:
+                         num_stages: int = 4, pdl: bool = False) -> torch.Tensor:
     """`x [..., K]`, `weight [N, K]` (rows contiguous), `bias [N]` or None -> `[..., N]` in
-    x's dtype. `silu_mul_output`: the weight is an MLP's gate then up projection (N = 2I)
-    and the result is `silu_mul` of the product, `[..., I]`: each program multiplies
-    `block_n / 2` gate rows and the matching up rows, rounds both products to x's dtype as
-    the plain product's store would, and writes silu(gate) * up (bit for bit
-    `fused_ops.silu_mul`'s arithmetic), so the MLP needs no SiLU kernel nor its buffer. `block_n`, `block_k`: powers of two, at least 16; `num_warps`, `num_stages`:
+    x's dtype. `block_n`, `block_k`: powers of two, at least 16; `num_warps`, `num_stages`:
     Triton's launch knobs. `pdl`: launch as a programmatic dependent launch (Hopper): the
     programs start while the previous kernel runs, load their first weight tile, and wait
     for it (`griddepcontrol.wait`) before reading x; once past their reduction loop they
@@ -93,9 +80,6 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     for name, v in (("block_n", block_n), ("block_k", block_k)):
         if int_arg(name, v, 16) & (v - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {v}")
-    if silu_mul_output and (N % 2 or block_n < 32):
-        raise ValueError(f"silu_mul_output needs an even N (gate then up rows) and block_n >= 32, got N={N}, "
-                         f"block_n={block_n}")
     device = check_launch(x, weight, *(() if bias is None else (bias,)))
     if weight.stride(1) != 1:
         weight = weight.contiguous()
@@ -104,17 +88,15 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    out_n = N // 2 if silu_mul_output else N  # output features; a program writes block_n (fused: half)
-    per_program = block_n // 2 if silu_mul_output else block_n
-    y = _common.empty((M, out_n), x.dtype, device)
+    y = _common.empty((M, N), x.dtype, device)
     if M and N:
-        _skinny_linear_kernel[(cdiv(out_n, per_program), cdiv(M, BLOCK_M))](
-            x2, weight, weight if bias is None else bias, y, M, out_n, K, x2.stride(0), weight.stride(0),
-            y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-            EVEN_N=out_n % per_program == 0, EVEN_K=K % block_k == 0, INTERPRET=interpreting(),
-            DOT_PREC=dot_precision(x.dtype), PDL=pdl, SILU_MUL=silu_mul_output, num_warps=num_warps,
-            num_stages=num_stages, **({"launch_pdl": True} if pdl else {}), **(_EXACT if silu_mul_output else {}))
-    return y.reshape(*lead, out_n)
+        _skinny_linear_kernel[(cdiv(N, block_n), cdiv(M, BLOCK_M))](
+            x2, weight, weight if bias is None else bias, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+            EVEN_N=N % block_n == 0, EVEN_K=K % block_k == 0, INTERPRET=interpreting(),
+            DOT_PREC=dot_precision(x.dtype), PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+            **({"launch_pdl": True} if pdl else {}))
+    return y.reshape(*lead, N)
 
 
 def _tile_dot(w, x, acc, INTERPRET: tl.constexpr, DOT_PREC: tl.constexpr):
@@ -128,23 +110,13 @@ def _tile_dot(w, x, acc, INTERPRET: tl.constexpr, DOT_PREC: tl.constexpr):
 def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                           HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                          INTERPRET: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
-                          SILU_MUL: tl.constexpr):
+                          INTERPRET: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
     # acc[n, m] = sum_k w[n, k] * x[m, k]: the weight tile is the dot's left operand, so
-    # BLOCK_N (not the few rows of x) is the MMA's row dimension. N: the output features.
-    # SILU_MUL: the tile's first half are gate rows j..j+BLOCK_N/2, its second half the up
-    # rows N + j..; a feature's validity (n < N) is its gate row's.
-    r = tl.arange(0, BLOCK_N)
-    if SILU_MUL:
-        HALF: tl.constexpr = BLOCK_N // 2
-        n = tl.program_id(0) * HALF + (r % HALF)
-        w_row = n + (r // HALF) * N
-    else:
-        n = tl.program_id(0) * BLOCK_N + r
-        w_row = n
+    # BLOCK_N (not the few rows of x) is the MMA's row dimension.
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     kk = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + w_row.to(tl.int64)[:, None] * stride_wn
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     k_start = 0
@@ -166,13 +138,6 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride
     if PDL and not INTERPRET:  # the next kernel may start on the SMs this one leaves
         tl.extra.cuda.gdc_launch_dependents()
     if HAS_BIAS:
-        acc += tl.load(b_ptr + w_row, mask=n < N, other=0.0).to(tl.float32)[:, None]
-    DTYPE: tl.constexpr = y_ptr.dtype.element_ty
-    if SILU_MUL:  # (gate, up) halves of the tile -> silu(gate) * up, each product rounded first
-        gate, up = tl.split(tl.permute(tl.reshape(acc, [2, HALF, BLOCK_M]), (1, 2, 0)))
-        n = tl.program_id(0) * HALF + tl.arange(0, HALF)
-        y = silu_mul_values(gate.to(DTYPE), up.to(DTYPE), INTERPRET).to(DTYPE)
-    else:
-        y = acc.to(DTYPE)
+        acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
     out = y_ptr + m.to(tl.int64)[None, :] * stride_ym + n[:, None]
-    tl.store(out, y, mask=(n[:, None] < N) & (m[None, :] < M))
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(n[:, None] < N) & (m[None, :] < M))

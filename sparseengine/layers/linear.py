@@ -8,18 +8,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparseengine.kernels import skinny_linear
-from sparseengine.kernels.fused_ops import silu_mul
 
 
 class Linear(nn.Linear):
-    def forward(self, x: torch.Tensor, silu_mul_output: bool = False) -> torch.Tensor:
-        """`silu_mul_output`: the layer is an MLP's gate then up projection and returns
-        `silu_mul` of its output (in the Triton kernel's epilogue where that runs)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(x.shape[-1], 1)
         if x.is_cuda and 0 < rows <= skinny_linear.ENGINE_MAX_ROWS:
-            fused = silu_mul_output and skinny_linear.FUSE_SILU_MUL
-            y = skinny_linear.skinny_linear_triton(x, self.weight, self.bias, silu_mul_output=fused,
-                                                   **skinny_linear.engine_tiles(self.out_features, x.dtype))
-            return silu_mul(y) if silu_mul_output and not fused else y
-        y = F.linear(x, self.weight, self.bias)
-        return silu_mul(y) if silu_mul_output else y
+            return skinny_linear.skinny_linear_triton(x, self.weight, self.bias,
+                                                      **skinny_linear.engine_tiles(self.out_features, x.dtype))
+        return F.linear(x, self.weight, self.bias)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from sparseengine.kernels.fused_ops import silu_mul
 from sparseengine.layers.attention import Attention
 from sparseengine.layers.layernorm import RMSNorm
 from sparseengine.layers.linear import Linear
@@ -41,7 +42,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x, silu_mul_output=True))
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -298,9 +298,7 @@ def test_engine_linear_tiles_fit_shared_memory(device, dtype):
             x = torch.randn(6, 64, generator=gen).to(dtype).to(device)
             w = torch.randn(n, 64, generator=gen).to(dtype).to(device)
             skinny_linear.skinny_linear_triton(x, w, **skinny_linear.engine_tiles(n, dtype))
-        # the gate/up projection with the SiLU-and-multiply in its epilogue
-        skinny_linear.skinny_linear_triton(x, w, silu_mul_output=True, **skinny_linear.engine_tiles(6144, dtype))
-    assert len(rec.launches) == 3, rec.launches
+    assert len(rec.launches) == 2, rec.launches
     run = subprocess.run([sys.executable, "-c", SHARED_CHILD], capture_output=True, text=True, env=child_env(),
                          input=json.dumps({str(i): b for i, b in enumerate(rec.launches)}), timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -104,10 +104,6 @@ def test_model_linear_on_gpu(gen, rows):
         else:
             want = F.linear(x, layer.weight, layer.bias)
         assert torch.equal(y, want)
-        # as an MLP's gate/up projection (96 = 2 x 48 features): silu(gate) * up of the same
-        # product, from the kernel's epilogue or after cuBLAS
-        from sparseengine.kernels.fused_ops import silu_mul_ref
-        assert torch.equal(layer(x, silu_mul_output=True), silu_mul_ref(want))
 
 
 @pytest.mark.gpu
@@ -121,29 +117,3 @@ def test_model_linear_wide_layer_every_dtype_on_gpu(gen, dtype):
     x = torch.randn(6, 4096, generator=gen).to(dtype).cuda()
     with torch.no_grad():
         _check(layer(x), x, layer.weight, None)
-
-
-@pytest.mark.parametrize("M,I,K,block_n,block_k,bias", [
-    (1, 64, 96, 32, 32, False), (6, 50, 200, 32, 64, True), (17, 96, 64, 64, 32, False)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_silu_mul_output(gen, device, M, I, K, block_n, block_k, bias, dtype):
-    """The gate/up projection with silu(gate) * up in its epilogue: the SiLU-and-multiply
-    kernel's arithmetic on the plain product's values (rounded to the dtype as its store
-    would): bit for bit on the GPU; on the CPU within the last bit of the interpreter's
-    exp, which differs from torch's (test_fused_ops.py)."""
-    from sparseengine.kernels.fused_ops import silu_mul_ref, silu_mul_triton
-
-    x = (2 * torch.randn(M, K, generator=gen)).to(dtype).to(device)
-    w = (torch.randn(2 * I, K, generator=gen) / K ** 0.5).to(dtype).to(device)
-    b = torch.randn(2 * I, generator=gen).to(dtype).to(device) if bias else None
-    y = skinny_linear_triton(x, w, b, block_n=block_n, block_k=block_k, silu_mul_output=True)
-    plain = skinny_linear_triton(x, w, b, block_n=block_n, block_k=block_k)
-    assert y.shape == (M, I) and y.dtype == dtype
-    _check(plain, x, w, b)
-    if device == "cuda":
-        assert torch.equal(y, silu_mul_triton(plain))
-    else:
-        rtol = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -20  # one bf16 ulp; a few float32 ones
-        torch.testing.assert_close(y, silu_mul_ref(plain), rtol=rtol, atol=1e-30)
-    with pytest.raises(ValueError, match="silu_mul_output needs an even N"):
-        skinny_linear_triton(x, w[:-1], silu_mul_output=True)
