@@ -110,6 +110,8 @@ def test_feed_rows():
     ids = torch.tensor([PLACEHOLDER, 55, PLACEHOLDER])
     feed.apply(ids)
     assert ids.tolist() == [103, 55, 101]
+    chunk = _seq(9, 1, 2)  # a prefill chunk before a decode row: rows count tokens
+    assert inflight.feed(ScheduledBatch([chunk, a], [3, 1])).rows == [3]
     same = inflight.feed(ScheduledBatch([a, b, c], [1, 1, 1]))  # the same batch again: one copy
     ids = torch.full((3,), PLACEHOLDER)
     same.apply(ids)

@@ -178,8 +178,8 @@ class DecodeGraphs:
         """slots/lens [L, B] (page tables from ``page_tables`` this step) -> logits [B, V].
         ``key`` (the method's ``graph_key`` of ``seqs``): replay the bucket's graph of that
         key, captured for these requests now if the key changed (the old one is dropped).
-        ``feed`` (``inflight.Feed``): rows whose token id is on the device, written after
-        the staged ids."""
+        ``feed`` (``inflight.Feed``): rows whose token id is on the device, written over
+        the staged ids just before the replay."""
         batch = len(ids)
         size = self.bucket(batch)
         self.stage_inputs(ids, positions, slots, lens, size)
@@ -188,8 +188,6 @@ class DecodeGraphs:
             self.table[lo:hi].copy_(self._host[lo:hi], non_blocking=True)
         if self._staged is not None:
             self._staged.record()  # the host buffers are free again once these copies ran
-        if feed is not None:
-            feed.apply(self.ids)
         if key is None:
             if size not in self.graphs:
                 self.graphs[size] = self._capture(size)
@@ -200,5 +198,7 @@ class DecodeGraphs:
                 self.keyed.pop(size, None)  # its memory returns to the pool first
                 self.keyed[size] = (key, *self._capture(size, seqs))
             _, graph, logits = self.keyed[size]
+        if feed is not None:  # after any capture: its warm-up runs restage the host's ids
+            feed.apply(self.ids)
         graph.replay()
         return logits[:batch]

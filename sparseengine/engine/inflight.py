@@ -27,7 +27,8 @@ NEEDS_TOKENS = "needs_tokens"  # ``Inflight.feed``: read the tokens on the host 
 
 @dataclass(frozen=True)
 class Feed:
-    """Decode rows of a step whose input token is in flight: batch row ``rows[i]`` takes
+    """Decode rows of a step whose input token is in flight: the step's token
+    ``rows[i]`` (an offset among all the step's tokens; a graph step's row) is
     ``tokens[src[i]]``."""
     rows: list[int]
     src: list[int]
@@ -61,9 +62,17 @@ class Inflight:
     index: list[int]
     _row_of: dict[int, int] = field(default_factory=dict)
     _read: list[int] | None = None
+    _host: torch.Tensor | None = None
+    _copied: "torch.cuda.Event | None" = None
 
     def __post_init__(self) -> None:
         self._row_of = {s.seq_id: r for s, r in zip(self.seqs, self.rows)}
+        if self.tokens.is_cuda:  # to pinned memory right behind the sampling, with an event: reading
+            # them later waits for this step only (a plain .tolist() would queue behind the next step)
+            self._host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
+            self._host.copy_(self.tokens, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
 
     def feed(self, batch: ScheduledBatch) -> Feed | None | str:
         """How ``batch`` reads the in-flight tokens: a ``Feed`` for its decode rows whose
@@ -72,7 +81,9 @@ class Inflight:
         if self._read is not None:
             return None  # already on the host, in the requests' token lists
         rows, src = [], []
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        offset = 0  # of the row's first token among the step's tokens
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            offset += n
             r = self._row_of.get(seq.seq_id)
             if r is None:
                 continue
@@ -82,7 +93,7 @@ class Inflight:
                 continue
             if n != 1 or start != last:
                 return NEEDS_TOKENS
-            rows.append(i)
+            rows.append(offset - 1)
             src.append(r)
         return Feed(rows, src, self.tokens) if rows else None
 
@@ -90,7 +101,9 @@ class Inflight:
         """The tokens on the host (waits for the step that sampled them), written over the
         placeholders; one entry per ``seqs``."""
         if self._read is None:
-            values = self.tokens.tolist()
+            if self._copied is not None:
+                self._copied.synchronize()
+            values = (self.tokens if self._host is None else self._host).tolist()
             self._read = [values[r] for r in self.rows]
             for seq, i, tok in zip(self.seqs, self.index, self._read):
                 seq.output_token_ids[i] = tok

@@ -78,6 +78,9 @@ class ModelRunner:
             if start + n == seq.num_tokens:
                 sample_rows.append(offset - 1)
                 sample_seqs.append(seq)
+        if feed is not None:  # their placeholders as a valid id until the device writes the token
+            for r in feed.rows:
+                ids[r] = 0
         key = None
         capturable = not self.method.wants_forward_hooks(seqs) or self.method.graph_capturable()
         if not capturable and self.graphs is not None and batch.is_pure_decode:
