@@ -22,12 +22,14 @@ class TaskEnv:
 
     def engine(self, **overrides: Any):
         """An engine from the job's config; which implementation runs each attention op
-        (``provider.ops()``) goes into the record at once."""
+        (``provider.ops()``) and whether it schedules asynchronously (the config's ``None``
+        resolved) go into the record at once."""
         from sparseengine import LLM
 
         llm = LLM(**{**self.engine_kwargs, **overrides})
         self.log({"attention/provider": llm.provider.name,
-                  **{f"attention/ops/{op}": impl for op, impl in llm.provider.ops().items()}})
+                  **{f"attention/ops/{op}": impl for op, impl in llm.provider.ops().items()},
+                  "engine/async_scheduling": llm.async_scheduling})
         return llm
 
     def sample(self, row: dict[str, Any]) -> None:

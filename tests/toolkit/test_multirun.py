@@ -33,6 +33,7 @@ def test_multirun_writes_one_record_per_job(tmp_path) -> None:
         assert all("/" in k for k in r["metrics"])
         assert r["metrics"]["attention/provider"] == "torch"  # which implementation ran each op
         assert r["metrics"]["attention/ops/decode"] == r["metrics"]["attention/ops/prefill"] == "torch"
+        assert r["metrics"]["engine/async_scheduling"] is False  # the config's None, resolved on the CPU
         for key in ("git_commit", "git_dirty", "device", "packages"):
             assert key in r["provenance"]
         assert r["start_time"] <= r["end_time"]
