@@ -5,8 +5,10 @@ this one instance, removed afterwards). From the outputs' TTFTs we find the step
 the last request got its first token: every later step, until the first request ends, is
 a pure decode step over the whole batch. Of those, ``warmup_steps`` are skipped and the
 next ``timed_steps`` are timed from the end of one step to the end of another. Each step
-ends with the sampled tokens copied to the host, so its end is a point where the device
-is done; nothing else synchronises inside the window.
+ends with sampled tokens on the host: its own, or, with asynchronous scheduling (the
+engine's default on CUDA), the previous step's, read while the device runs this one. So
+in a run of steps the time between two step ends is one step of the device (or of the
+host, where that is longer); nothing else synchronises inside the window.
 
 Prefill is ``real`` (the engine prefills the prompts) or ``synthesized`` (the engine fills
 the KV directly; needs ``LLM.generate(..., prefill="synthesized")``, which the engine does
