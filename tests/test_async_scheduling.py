@@ -78,9 +78,10 @@ def test_step_leaves_a_placeholder_until_the_next_step(tiny_llama):
         llm.step()  # the first token is read while the second step runs
         first = seq.output_token_ids[0]
         assert first != PLACEHOLDER and seq.output_token_ids[1:] == [PLACEHOLDER]
-        while llm.scheduler.has_unfinished or llm._inflight is not None:
-            llm.step()
-        assert seq.finish_reason == "length" and len(seq.output_token_ids) == 3
+        llm.step()  # the third token: the request reaches max_tokens and leaves the schedule at once
+        assert seq.finish_reason == "length" and not llm.scheduler.has_unfinished
+        assert seq.output_token_ids[-1] == PLACEHOLDER and llm.sync() == 1 and llm.sync() == 0
+        assert len(seq.output_token_ids) == 3 and PLACEHOLDER not in seq.output_token_ids
         again = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
         assert again.token_ids == seq.output_token_ids and again.token_ids[0] == first
 

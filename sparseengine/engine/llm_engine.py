@@ -278,6 +278,12 @@ class LLM:
                 finished += self._settle()
         return finished
 
+    def sync(self) -> int:
+        """Read the last step's sampled tokens into their requests now (asynchronous
+        scheduling leaves them on the device until the next step); returns how many
+        requests they finished."""
+        return self._settle()
+
     def _launch(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
         """Give each request still running a placeholder for its token of this step; one
         that reaches its length limit with it finishes now (it is not scheduled again)."""
