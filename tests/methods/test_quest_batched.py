@@ -273,7 +273,8 @@ def test_decode_steps_may_replay_a_graph(tiny_llama):
                     self.table[b, : len(pages)] = pages
                 return self.table
 
-            def run(self, ids, positions, slots, lens, seqs=None, key=None):
+            def run(self, ids, positions, slots, lens, seqs=None, key=None, feed=None):
+                assert feed is None  # on the CPU the engine reads each step's tokens in that step
                 calls.append(len(ids))
                 table = self.table
                 views = [LayerView(torch.from_numpy(slots[l]), torch.from_numpy(lens[l]),  # host lens: torch
