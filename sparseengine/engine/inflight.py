@@ -5,9 +5,10 @@ With ``async_scheduling`` the engine launches step k+1 before it reads step k's 
 a request sampled at step k holds a placeholder as its last output token, so the
 scheduler and the step's inputs (positions, slots, lengths, page tables) see the right
 lengths, and a decode row whose input is that token reads it on the device (``Feed``).
-The host then reads step k's tokens (``tokens.tolist()``: the device is done with step k
-and busy with step k+1) and settles them, so the host's work for a step overlaps the
-device's work for the step before. A row that needs an in-flight token any other way (a
+The host then reads step k's tokens (copied to pinned memory right behind their
+sampling, waited on by an event: the device is done with step k and busy with step k+1)
+and settles them, so the host's work for a step overlaps the device's work for the step
+before. A row that needs an in-flight token any other way (a
 preempted request prefilled again in the same step) makes the engine read the tokens
 first (``NEEDS_TOKENS``).
 """
