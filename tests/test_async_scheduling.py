@@ -104,7 +104,7 @@ def test_feed_rows():
     a, b, c = _seq(10, 2, 11), _seq(5, 1, 5), _seq(8, 3, 10)  # each decodes its placeholder
     other = _seq(6, 1, 6)
     tokens = torch.tensor([101, 102, 103])
-    inflight = Inflight([a, b, c], [0, 1, 2], tokens, [1, 0, 2])
+    inflight = Inflight([a, b, c], [0, 1, 2], tokens)
     assert inflight.feed(ScheduledBatch([other], [1])) is None  # not in flight
     feed = inflight.feed(ScheduledBatch([c, other, a], [1, 1, 1]))
     assert (feed.rows, feed.src) == ([0, 2], [2, 0])

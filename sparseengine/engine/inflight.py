@@ -55,12 +55,11 @@ def _upload(values: list[int], device: torch.device) -> torch.Tensor:
 
 @dataclass
 class Inflight:
-    """Step k's sampled requests (``seqs``, each with a placeholder at output index
-    ``index[i]``) and their tokens on the device (``tokens[rows[i]]``)."""
+    """Step k's sampled requests (``seqs``, each with a placeholder as its last output
+    token until ``read``) and their tokens on the device (``tokens[rows[i]]``)."""
     seqs: list[Sequence]
     rows: list[int]
     tokens: torch.Tensor
-    index: list[int]
     _row_of: dict[int, int] = field(default_factory=dict)
     _read: list[int] | None = None
     _host: torch.Tensor | None = None
@@ -106,6 +105,6 @@ class Inflight:
                 self._copied.synchronize()
             values = (self.tokens if self._host is None else self._host).tolist()
             self._read = [values[r] for r in self.rows]
-            for seq, i, tok in zip(self.seqs, self.index, self._read):
-                seq.output_token_ids[i] = tok
+            for seq, tok in zip(self.seqs, self._read):  # nothing is appended while a step is in flight
+                seq.output_token_ids[-1] = tok
         return self._read

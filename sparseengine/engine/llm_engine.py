@@ -288,13 +288,11 @@ class LLM:
         """Give each request still running a placeholder for its token of this step; one
         that reaches its length limit with it finishes now (it is not scheduled again)."""
         kept = [(i, seq) for i, seq in enumerate(seqs) if not seq.is_finished]
-        index = []
         for _, seq in kept:
             seq.output_token_ids.append(PLACEHOLDER)
-            index.append(len(seq.output_token_ids) - 1)
             if self._at_length_limit(seq):
                 self._finish(seq, "length")
-        self._inflight = Inflight([s for _, s in kept], [i for i, _ in kept], tokens, index)
+        self._inflight = Inflight([s for _, s in kept], [i for i, _ in kept], tokens)
 
     def _settle(self) -> int:
         """Read the in-flight tokens and finish the requests they end; returns how many."""

@@ -33,10 +33,8 @@ class PageTable(list):
         return at
 
     def __iadd__(self, pages):
-        pages = list(pages)
-        if pages:  # appending nothing changes nothing (a decode step that needs no new page)
-            self._mark(len(self))
-        return super().__iadd__(pages)
+        self.extend(pages)
+        return self
 
     def append(self, page) -> None:
         self._mark(len(self))
@@ -44,7 +42,7 @@ class PageTable(list):
 
     def extend(self, pages) -> None:
         pages = list(pages)
-        if pages:
+        if pages:  # appending nothing changes nothing (a decode step that needs no new page)
             self._mark(len(self))
         super().extend(pages)
 
