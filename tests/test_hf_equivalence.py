@@ -99,3 +99,24 @@ def test_qwen2_bias_and_mistral_match_hf(arch, tmp_path):
             assert out.token_ids == hf_greedy(hf, prompt_ids, 12)
         for got, prompt_ids in zip(llm.prompt_logits(ids), ids):
             assert rel_err(got, hf_logits(hf, prompt_ids)) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fold", [True, False])
+def test_tiny_random_models_on_gpu_match_hf(fold, tiny_llama, monkeypatch):
+    """On a GPU the decode steps' linears run the Triton kernel, with the RMSNorms and residual
+    adds folded into them (`skinny_linear.FOLD_NORMS`) or not: still HF's greedy tokens
+    (float32), eager and through the decode graphs."""
+    from sparseengine.kernels import skinny_linear
+
+    monkeypatch.setattr(skinny_linear, "FOLD_NORMS", fold)
+    folder, hf = tiny_llama
+    gen = torch.Generator().manual_seed(1)
+    ids = [torch.randint(3, hf.config.vocab_size, (n,), generator=gen).tolist() for n in (5, 17, 40, 64)]
+    want = [hf_greedy(hf, prompt_ids, NEW_TOKENS) for prompt_ids in ids]
+    for eager in (True, False):
+        with LLM(str(folder), device="cuda", dtype="float32", page_size=8, num_kv_pages=256,
+                 enforce_eager=eager) as llm:
+            outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+            assert [o.token_ids for o in outs] == want
+            assert (llm.runner.graph_steps > 0) != eager

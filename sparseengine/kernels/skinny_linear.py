@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from . import _common
 from ._common import cdiv, check_launch, dot_precision, int_arg, interpreting, lazy_jit
+from .fused_ops import rms_norm_ref
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
@@ -41,6 +42,15 @@ BLOCK_M = 16  # rows of x a program multiplies: tl.dot's smallest tile
 # The model's linear layers (layers/linear.py) use this kernel for at most this many rows on
 # a GPU (0: never, cuBLAS always; profile_decode_step.py --kernel-const sets it for A/Bs).
 ENGINE_MAX_ROWS = 16
+# Whether the model folds each RMSNorm into the linear after it and each residual add into
+# the linear before it (`norm_weight`, `residual`) where this kernel runs (models/llama.py;
+# profile_decode_step.py --kernel-const sets it for A/Bs).
+FOLD_NORMS = True
+
+
+def streams(x: torch.Tensor) -> bool:
+    """Whether the model's linear layers run this kernel on `x` (a GPU, at most ENGINE_MAX_ROWS rows)."""
+    return x.is_cuda and 0 < x.numel() // max(x.shape[-1], 1) <= ENGINE_MAX_ROWS
 
 
 def engine_tiles(n: int, dtype: torch.dtype = torch.bfloat16) -> dict:
@@ -54,19 +64,35 @@ def engine_tiles(n: int, dtype: torch.dtype = torch.bfloat16) -> dict:
     return dict(block_n=64 if n >= 6144 else 32, block_k=block_k, num_warps=4, num_stages=5)
 
 
-def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(x, weight, bias)
+def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                      norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                      residual: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`; with `norm_weight`, of RMSNorm(x) (the model's norm,
+    `fused_ops.rms_norm_ref`); with `residual`, plus it (after rounding to x's dtype)."""
+    if norm_weight is not None:
+        x = rms_norm_ref(x, norm_weight, eps)
+    y = F.linear(x, weight, bias)
+    return y if residual is None else y + residual
 
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                         block_n: int = 16, block_k: int = 512, num_warps: int = 4,
-                         num_stages: int = 4, pdl: bool = False) -> torch.Tensor:
+                         norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                         residual: torch.Tensor | None = None, block_n: int = 16, block_k: int = 512,
+                         num_warps: int = 4, num_stages: int = 4, pdl: bool = False) -> torch.Tensor:
     """`x [..., K]`, `weight [N, K]` (rows contiguous), `bias [N]` or None -> `[..., N]` in
     x's dtype. `block_n`, `block_k`: powers of two, at least 16; `num_warps`, `num_stages`:
     Triton's launch knobs. `pdl`: launch as a programmatic dependent launch (Hopper): the
     programs start while the previous kernel runs, load their first weight tile, and wait
     for it (`griddepcontrol.wait`) before reading x; once past their reduction loop they
-    let the next kernel launch."""
+    let the next kernel launch.
+
+    `norm_weight [K]` (x's dtype), `eps`: the linear of RMSNorm(x), the norm folded in:
+    the loop multiplies x by the norm's weight as it reads it (rounded to x's dtype, the
+    dot's operand) and sums x's squares in float32; the epilogue scales each row by
+    rsqrt(mean + eps). Not bit for bit the model's norm then linear, which rounds the
+    scaled x before the weight multiplies it: within that rounding (an ulp of x's dtype).
+    `residual [..., N]` (x's dtype): the result rounded to x's dtype, plus residual (one
+    more rounding), as the model's residual add after the linear."""
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ValueError(f"weight must be a [N, K] tensor, got {getattr(weight, 'shape', type(weight).__name__)}")
     N, K = weight.shape
@@ -80,7 +106,13 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     for name, v in (("block_n", block_n), ("block_k", block_k)):
         if int_arg(name, v, 16) & (v - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {v}")
-    device = check_launch(x, weight, *(() if bias is None else (bias,)))
+    if norm_weight is not None and (tuple(norm_weight.shape) != (K,) or norm_weight.dtype != x.dtype):
+        raise ValueError(f"norm_weight must be [K={K}] in {x.dtype}, got {tuple(norm_weight.shape)} {norm_weight.dtype}")
+    if residual is not None and (tuple(residual.shape) != (*x.shape[:-1], N) or residual.dtype != x.dtype):
+        raise ValueError(f"residual must be {(*x.shape[:-1], N)} in {x.dtype}, got {tuple(residual.shape)} "
+                         f"{residual.dtype}")
+    extra = tuple(t for t in (bias, norm_weight, residual) if t is not None)
+    device = check_launch(x, weight, *extra)
     if weight.stride(1) != 1:
         weight = weight.contiguous()
     lead = x.shape[:-1]
@@ -89,10 +121,15 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         x2 = x2.contiguous()
     M = x2.shape[0]
     y = _common.empty((M, N), x.dtype, device)
+    r2 = y if residual is None else residual.reshape(M, N)  # y: a dummy, never read
+    if r2.stride(-1) != 1:
+        r2 = r2.contiguous()
     if M and N:
         _skinny_linear_kernel[(cdiv(N, block_n), cdiv(M, BLOCK_M))](
-            x2, weight, weight if bias is None else bias, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0),
-            HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+            x2, weight, weight if bias is None else bias, weight if norm_weight is None else norm_weight.contiguous(),
+            r2, y, M, N, K, x2.stride(0), weight.stride(0), r2.stride(0), y.stride(0), float(eps),
+            HAS_BIAS=bias is not None, NORM=norm_weight is not None, RESIDUAL=residual is not None,
+            BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
             EVEN_N=N % block_n == 0, EVEN_K=K % block_k == 0, INTERPRET=interpreting(),
             DOT_PREC=dot_precision(x.dtype), PDL=pdl, num_warps=num_warps, num_stages=num_stages,
             **({"launch_pdl": True} if pdl else {}))
@@ -106,9 +143,22 @@ def _tile_dot(w, x, acc, INTERPRET: tl.constexpr, DOT_PREC: tl.constexpr):
     return tl.dot(w, tl.trans(x), acc, input_precision=DOT_PREC)
 
 
+def _x_tile(x_rows, g_ptr, k, m, M, K, ss, NORM: tl.constexpr):
+    """x's [BLOCK_M, BLOCK_K] tile at channels k; with NORM, times the norm's weight (in
+    x's dtype) and its squares summed into `ss` (float32, a row each)."""
+    x = tl.load(x_rows + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
+    if NORM:
+        xf = x.to(tl.float32)
+        ss += tl.sum(xf * xf, axis=1)
+        g = tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+        x = (xf * g[None, :]).to(x.dtype)
+    return x, ss
+
+
 @lazy_jit
-def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, g_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_rm,
+                          stride_ym, eps, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                           INTERPRET: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
     # acc[n, m] = sum_k w[n, k] * x[m, k]: the weight tile is the dot's left operand, so
@@ -119,17 +169,18 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
     k_start = 0
     if PDL:  # the weight does not depend on the previous kernel: its first tile before the wait
         w = tl.load(w_rows + kk[None, :], mask=(n[:, None] < N) & (kk[None, :] < K), other=0.0)
         if not INTERPRET:  # the interpreter runs one program at a time, and knows no griddepcontrol
             tl.extra.cuda.gdc_wait()
-        x = tl.load(x_rows + kk[None, :], mask=(m[:, None] < M) & (kk[None, :] < K), other=0.0)
+        x, ss = _x_tile(x_rows, g_ptr, kk, m, M, K, ss, NORM)
         acc = _tile_dot(w, x, acc, INTERPRET, DOT_PREC)
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
         k = k0 + kk
-        x = tl.load(x_rows + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
+        x, ss = _x_tile(x_rows, g_ptr, k, m, M, K, ss, NORM)
         if EVEN_N and EVEN_K:
             w = tl.load(w_rows + k[None, :])
         else:
@@ -137,7 +188,13 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride
         acc = _tile_dot(w, x, acc, INTERPRET, DOT_PREC)
     if PDL and not INTERPRET:  # the next kernel may start on the SMs this one leaves
         tl.extra.cuda.gdc_launch_dependents()
+    if NORM:
+        acc *= (1.0 / tl.sqrt_rn(ss / K + eps))[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
-    out = y_ptr + m.to(tl.int64)[None, :] * stride_ym + n[:, None]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(n[:, None] < N) & (m[None, :] < M))
+    mask = (n[:, None] < N) & (m[None, :] < M)
+    y = acc.to(y_ptr.dtype.element_ty)
+    if RESIDUAL:
+        res = tl.load(r_ptr + m.to(tl.int64)[None, :] * stride_rm + n[:, None], mask=mask, other=0.0)
+        y = (y.to(tl.float32) + res.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + m.to(tl.int64)[None, :] * stride_ym + n[:, None], y, mask=mask)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from sparseengine.kernels import skinny_linear
 from sparseengine.kernels.fused_ops import silu_mul
 from sparseengine.layers.attention import Attention
 from sparseengine.layers.layernorm import RMSNorm
@@ -26,13 +27,15 @@ class SelfAttention(nn.Module):
         self.qk_norm = config.qk_norm
         self.attn = Attention(layer_id, self.hq, self.hkv, self.d)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: nn.Module | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`norm`, `residual`: folded into the projections (`Linear`)."""
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q, k, v = self.qkv_proj(x, norm).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         q, k, v = q.view(t, self.hq, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        return self.o_proj(self.attn(q, k, v, cos, sin).reshape(t, self.hq * self.d))  # rotary there
+        return self.o_proj(self.attn(q, k, v, cos, sin).reshape(t, self.hq * self.d), residual=residual)  # rotary there
 
 
 class MLP(nn.Module):
@@ -41,8 +44,9 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, norm: nn.Module | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        return self.down_proj(silu_mul(self.gate_up_proj(x, norm)), residual=residual)
 
 
 class DecoderLayer(nn.Module):
@@ -56,7 +60,14 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's MLP output, not yet added to `residual` (None before the
-        first layer): each residual add is fused into the norm that follows it."""
+        first layer): each residual add is fused into the norm that follows it. Where the
+        linears run the Triton kernel and `skinny_linear.FOLD_NORMS` is on (a decode step on
+        a GPU), each norm folds into the linear after it and each add into the linear before
+        it instead: x is then the whole hidden state, and `residual` comes back None."""
+        if skinny_linear.FOLD_NORMS and skinny_linear.streams(x):
+            h = x if residual is None else x + residual
+            h = self.self_attn(h, cos, sin, norm=self.input_layernorm, residual=h)
+            return self.mlp(h, norm=self.post_attention_layernorm, residual=h), None
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:

@@ -1,7 +1,9 @@
 """`skinny_linear_triton` against `F.linear` on fresh random inputs: few rows (a decode
 batch) and more than one row block, ragged N and K (the masked loads), a bias, bf16 and
-float32, the programmatic-dependent-launch path (first weight tile before the wait), and
-the errors for bad input. On the GPU also the Llama-3.1-8B layer shapes."""
+float32, the programmatic-dependent-launch path (first weight tile before the wait), the
+RMSNorm folded in (`norm_weight`) and the residual added (`residual`), and the errors for
+bad input. On the GPU also the Llama-3.1-8B layer shapes. (The model with its norms folded
+is checked against Hugging Face on the GPU in tests/test_hf_equivalence.py.)"""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -43,6 +45,66 @@ def test_matches_linear(gen, device, M, N, K, bias, dtype, block_n, block_k, pdl
     _check(y, x, w, b)
     if pdl:  # the same sums in the same order as the plain launch
         assert torch.equal(y, skinny_linear_triton(x, w, b, block_n=block_n, block_k=block_k))
+
+
+def _check_folded(y, x, w, b, g, eps, res):
+    """Within the rounding of the normalized operand (two ulps of x's dtype a term: ours
+    rounds x * g, the model's norm rounds x * rsqrt and then times g) and float32
+    rounding of the exact product of RMSNorm(x) (computed in float64), plus the
+    output's rounding and, with a residual, the add's."""
+    xd = x.double()
+    xn = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * g.double()
+    want = F.linear(xn, w.double(), None if b is None else b.double())
+    bound = F.linear(xn.abs(), w.double().abs(), None if b is None else b.double().abs())
+    ulp = torch.finfo(y.dtype).eps
+    tol = (1e-5 + 2 * ulp) * bound + ulp * want.abs() + 1e-30
+    if res is not None:
+        want = want + res.double()
+        tol = tol + ulp * want.abs()
+    assert y.shape == want.shape and y.dtype == x.dtype
+    err = (y.double() - want).abs()
+    assert bool((err <= tol).all()), f"max err {err.max().item():.3g}, tol there {tol.flatten()[err.argmax()]:.3g}"
+
+
+@pytest.mark.parametrize("M,N,K,bias,dtype,block_n,block_k", [
+    (6, 96, 384, True, torch.bfloat16, 32, 128),
+    (6, 50, 200, False, torch.bfloat16, 16, 64),   # masked: padded channels must not count in the mean
+    (16, 48, 100, True, torch.float32, 16, 32),
+    (21, 40, 70, False, torch.float32, 32, 32),    # two row blocks
+])
+@pytest.mark.parametrize("norm,residual", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_folded_norm_and_residual(gen, device, M, N, K, bias, dtype, block_n, block_k, norm, residual, pdl):
+    x, w, b = _inputs(gen, device, M, N, K, dtype, bias)
+    x = x * 3 + 0.5  # rows whose rms is not 1
+    g = (1 + torch.rand(K, generator=gen)).to(dtype).to(device) if norm else None
+    res = torch.randn(M, N, generator=gen).to(dtype).to(device) if residual else None
+    eps = 1e-5
+    y = skinny_linear_triton(x, w, b, norm_weight=g, eps=eps, residual=res, block_n=block_n, block_k=block_k,
+                             pdl=pdl)
+    if norm:
+        _check_folded(y, x, w, b, g, eps, res)
+        ref = skinny_linear_ref(x, w, b, norm_weight=g, eps=eps, residual=res)  # the model's unfolded ops
+        _check_folded(ref, x, w, b, g, eps, res)
+    else:  # the unfused kernel's output then torch's add: bit for bit where Triton rounds (the
+        # GPU); the interpreter truncates float32 to bf16, so within an ulp there
+        want = skinny_linear_triton(x, w, b, block_n=block_n, block_k=block_k) + res
+        if y.is_cuda:
+            assert torch.equal(y, want)
+        else:
+            ulp = torch.finfo(dtype).eps
+            assert bool(((y.double() - want.double()).abs() <= ulp * want.double().abs()).all())
+
+
+def test_folded_bad_input(device):
+    x = torch.zeros(2, 64, device=device)
+    w = torch.zeros(16, 64, device=device)
+    with pytest.raises(ValueError, match=r"norm_weight must be \[K=64\]"):
+        skinny_linear_triton(x, w, norm_weight=torch.ones(32, device=device))
+    with pytest.raises(ValueError, match=r"norm_weight must be \[K=64\] in torch.float32"):
+        skinny_linear_triton(x, w, norm_weight=torch.ones(64, device=device, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"residual must be \(2, 16\)"):
+        skinny_linear_triton(x, w, residual=torch.zeros(2, 8, device=device))
 
 
 def test_leading_dims_and_strided_input(gen, device):
@@ -117,3 +179,4 @@ def test_model_linear_wide_layer_every_dtype_on_gpu(gen, dtype):
     x = torch.randn(6, 4096, generator=gen).to(dtype).cuda()
     with torch.no_grad():
         _check(layer(x), x, layer.weight, None)
+
