@@ -101,12 +101,35 @@ def test_qwen2_bias_and_mistral_match_hf(arch, tmp_path):
             assert rel_err(got, hf_logits(hf, prompt_ids)) < 1e-4
 
 
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3"])
+def test_folded_norms_are_the_same_model(fixture, request):
+    """`fold_norms` (each norm's weight into the linear after it, the residual adds into the
+    linears before them; on a GPU the decode steps' kernels apply them) leaves the model's
+    function: its prompt logits within float32 rounding and HF's greedy tokens, here through
+    the torch path of the folded layers."""
+    folder, hf = request.getfixturevalue(fixture)
+    gen = torch.Generator().manual_seed(2)
+    ids = [torch.randint(3, hf.config.vocab_size, (n,), generator=gen).tolist() for n in (9, 33)]
+    with LLM(str(folder), dtype="float32", page_size=8, kv_cache_memory=0.01) as llm:
+        before = llm.prompt_logits(ids)
+        norm = llm.model.layers[0].input_layernorm.weight
+        assert not torch.all(norm == 1)  # the fixture's norms are not unit: the fold has work to do
+        llm.model.fold_norms()
+        assert all(layer.norms_folded for layer in llm.model.layers) and torch.all(norm == 1)
+        for got, want in zip(llm.prompt_logits(ids), before):
+            assert rel_err(got, want) < 1e-5
+        outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        assert [o.token_ids for o in outs] == [hf_greedy(hf, i, 12) for i in ids]
+        with pytest.raises(RuntimeError, match="folded already"):
+            llm.model.fold_norms()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fold", [True, False])
 def test_tiny_random_models_on_gpu_match_hf(fold, tiny_llama, monkeypatch):
     """On a GPU the decode steps' linears run the Triton kernel, with the RMSNorms and residual
-    adds folded into them (`skinny_linear.FOLD_NORMS`) or not: still HF's greedy tokens
-    (float32), eager and through the decode graphs."""
+    adds folded into them (`skinny_linear.FOLD_NORMS`, read when the model loads) or not:
+    still HF's greedy tokens (float32), eager and through the decode graphs."""
     from sparseengine.kernels import skinny_linear
 
     monkeypatch.setattr(skinny_linear, "FOLD_NORMS", fold)
@@ -117,6 +140,7 @@ def test_tiny_random_models_on_gpu_match_hf(fold, tiny_llama, monkeypatch):
     for eager in (True, False):
         with LLM(str(folder), device="cuda", dtype="float32", page_size=8, num_kv_pages=256,
                  enforce_eager=eager) as llm:
+            assert all(layer.norms_folded == fold for layer in llm.model.layers)
             outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
             assert [o.token_ids for o in outs] == want
             assert (llm.runner.graph_steps > 0) != eager

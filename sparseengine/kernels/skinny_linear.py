@@ -42,9 +42,9 @@ BLOCK_M = 16  # rows of x a program multiplies: tl.dot's smallest tile
 # The model's linear layers (layers/linear.py) use this kernel for at most this many rows on
 # a GPU (0: never, cuBLAS always; profile_decode_step.py --kernel-const sets it for A/Bs).
 ENGINE_MAX_ROWS = 16
-# Whether the model folds each RMSNorm into the linear after it and each residual add into
-# the linear before it (`norm_weight`, `residual`) where this kernel runs (models/llama.py;
-# profile_decode_step.py --kernel-const sets it for A/Bs).
+# Whether a model on a GPU folds each RMSNorm into the linear after it and each residual
+# add into the linear before it (`rms_eps`, `residual`; LlamaForCausalLM.fold_norms), read
+# when an engine loads its model (profile_decode_step.py --kernel-const sets it for A/Bs).
 FOLD_NORMS = True
 
 
@@ -65,19 +65,19 @@ def engine_tiles(n: int, dtype: torch.dtype = torch.bfloat16) -> dict:
 
 
 def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                      norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                      residual: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`; with `norm_weight`, of RMSNorm(x) (the model's norm,
-    `fused_ops.rms_norm_ref`); with `residual`, plus it (after rounding to x's dtype)."""
-    if norm_weight is not None:
-        x = rms_norm_ref(x, norm_weight, eps)
+                      rms_eps: float | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`; with `rms_eps`, of RMSNorm(x) with a unit weight (the
+    model's norm, `fused_ops.rms_norm_ref`); with `residual`, plus it (after rounding to
+    x's dtype)."""
+    if rms_eps is not None:
+        x = rms_norm_ref(x, torch.ones(x.shape[-1], dtype=x.dtype, device=x.device), rms_eps)
     y = F.linear(x, weight, bias)
     return y if residual is None else y + residual
 
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                         norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                         residual: torch.Tensor | None = None, block_n: int = 16, block_k: int = 512,
+                         rms_eps: float | None = None, residual: torch.Tensor | None = None,
+                         block_n: int = 16, block_k: int = 512,
                          num_warps: int = 4, num_stages: int = 4, pdl: bool = False) -> torch.Tensor:
     """`x [..., K]`, `weight [N, K]` (rows contiguous), `bias [N]` or None -> `[..., N]` in
     x's dtype. `block_n`, `block_k`: powers of two, at least 16; `num_warps`, `num_stages`:
@@ -86,13 +86,12 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     for it (`griddepcontrol.wait`) before reading x; once past their reduction loop they
     let the next kernel launch.
 
-    `norm_weight [K]` (x's dtype), `eps`: the linear of RMSNorm(x), the norm folded in:
-    the loop multiplies x by the norm's weight as it reads it (rounded to x's dtype, the
-    dot's operand) and sums x's squares in float32; the epilogue scales each row by
-    rsqrt(mean + eps). Not bit for bit the model's norm then linear, which rounds the
-    scaled x before the weight multiplies it: within that rounding (an ulp of x's dtype).
-    `residual [..., N]` (x's dtype): the result rounded to x's dtype, plus residual (one
-    more rounding), as the model's residual add after the linear."""
+    `rms_eps`: the linear of RMSNorm(x) with a unit weight (a model folds its norm's weight
+    into this layer's weight): the loop also sums x's squares in float32, and the epilogue
+    scales each row by rsqrt(mean + rms_eps). Within float32 rounding of the exact result,
+    as the plain linear is; the model's norm then linear also rounds the scaled x to its
+    dtype. `residual [..., N]` (x's dtype): the result rounded to x's dtype, plus residual
+    (one more rounding), as the model's residual add after the linear."""
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ValueError(f"weight must be a [N, K] tensor, got {getattr(weight, 'shape', type(weight).__name__)}")
     N, K = weight.shape
@@ -106,12 +105,12 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     for name, v in (("block_n", block_n), ("block_k", block_k)):
         if int_arg(name, v, 16) & (v - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {v}")
-    if norm_weight is not None and (tuple(norm_weight.shape) != (K,) or norm_weight.dtype != x.dtype):
-        raise ValueError(f"norm_weight must be [K={K}] in {x.dtype}, got {tuple(norm_weight.shape)} {norm_weight.dtype}")
+    if rms_eps is not None and not (isinstance(rms_eps, (int, float)) and rms_eps >= 0):
+        raise ValueError(f"rms_eps must be a number >= 0 or None, got {rms_eps!r}")
     if residual is not None and (tuple(residual.shape) != (*x.shape[:-1], N) or residual.dtype != x.dtype):
         raise ValueError(f"residual must be {(*x.shape[:-1], N)} in {x.dtype}, got {tuple(residual.shape)} "
                          f"{residual.dtype}")
-    extra = tuple(t for t in (bias, norm_weight, residual) if t is not None)
+    extra = tuple(t for t in (bias, residual) if t is not None)
     device = check_launch(x, weight, *extra)
     if weight.stride(1) != 1:
         weight = weight.contiguous()
@@ -126,9 +125,9 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         r2 = r2.contiguous()
     if M and N:
         _skinny_linear_kernel[(cdiv(N, block_n), cdiv(M, BLOCK_M))](
-            x2, weight, weight if bias is None else bias, weight if norm_weight is None else norm_weight.contiguous(),
-            r2, y, M, N, K, x2.stride(0), weight.stride(0), r2.stride(0), y.stride(0), float(eps),
-            HAS_BIAS=bias is not None, NORM=norm_weight is not None, RESIDUAL=residual is not None,
+            x2, weight, weight if bias is None else bias, r2, y, M, N, K, x2.stride(0), weight.stride(0),
+            r2.stride(0), y.stride(0), float(rms_eps or 0.0),
+            HAS_BIAS=bias is not None, NORM=rms_eps is not None, RESIDUAL=residual is not None,
             BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
             EVEN_N=N % block_n == 0, EVEN_K=K % block_k == 0, INTERPRET=interpreting(),
             DOT_PREC=dot_precision(x.dtype), PDL=pdl, num_warps=num_warps, num_stages=num_stages,
@@ -143,20 +142,8 @@ def _tile_dot(w, x, acc, INTERPRET: tl.constexpr, DOT_PREC: tl.constexpr):
     return tl.dot(w, tl.trans(x), acc, input_precision=DOT_PREC)
 
 
-def _x_tile(x_rows, g_ptr, k, m, M, K, ss, NORM: tl.constexpr):
-    """x's [BLOCK_M, BLOCK_K] tile at channels k; with NORM, times the norm's weight (in
-    x's dtype) and its squares summed into `ss` (float32, a row each)."""
-    x = tl.load(x_rows + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
-    if NORM:
-        xf = x.to(tl.float32)
-        ss += tl.sum(xf * xf, axis=1)
-        g = tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-        x = (xf * g[None, :]).to(x.dtype)
-    return x, ss
-
-
 @lazy_jit
-def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, g_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_rm,
+def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_rm,
                           stride_ym, eps, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
@@ -169,18 +156,22 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, g_ptr, r_ptr, y_ptr, M, N, K, str
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+    ss = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)  # x's squares, summed across once after the loop
     k_start = 0
     if PDL:  # the weight does not depend on the previous kernel: its first tile before the wait
         w = tl.load(w_rows + kk[None, :], mask=(n[:, None] < N) & (kk[None, :] < K), other=0.0)
         if not INTERPRET:  # the interpreter runs one program at a time, and knows no griddepcontrol
             tl.extra.cuda.gdc_wait()
-        x, ss = _x_tile(x_rows, g_ptr, kk, m, M, K, ss, NORM)
+        x = tl.load(x_rows + kk[None, :], mask=(m[:, None] < M) & (kk[None, :] < K), other=0.0)
+        if NORM:
+            ss += x.to(tl.float32) * x.to(tl.float32)
         acc = _tile_dot(w, x, acc, INTERPRET, DOT_PREC)
         k_start = BLOCK_K
     for k0 in range(k_start, K, BLOCK_K):
         k = k0 + kk
-        x, ss = _x_tile(x_rows, g_ptr, k, m, M, K, ss, NORM)
+        x = tl.load(x_rows + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
+        if NORM:
+            ss += x.to(tl.float32) * x.to(tl.float32)
         if EVEN_N and EVEN_K:
             w = tl.load(w_rows + k[None, :])
         else:
@@ -189,7 +180,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, g_ptr, r_ptr, y_ptr, M, N, K, str
     if PDL and not INTERPRET:  # the next kernel may start on the SMs this one leaves
         tl.extra.cuda.gdc_launch_dependents()
     if NORM:
-        acc *= (1.0 / tl.sqrt_rn(ss / K + eps))[None, :]
+        acc *= (1.0 / tl.sqrt_rn(tl.sum(ss, axis=1) / K + eps))[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
     mask = (n[:, None] < N) & (m[None, :] < M)

@@ -1,9 +1,10 @@
 """The model's linear layers: cuBLAS (`F.linear`), or, for a decode step's few rows on a
 GPU, the weight-streaming Triton kernel where `skinny_linear.ENGINE_MAX_ROWS` allows it.
 
-`norm` and `residual` fold the RMSNorm before a layer and the residual add after it into
-the layer: into the Triton kernel where it runs (`skinny_linear_triton`'s `norm_weight`
-and `residual`), as the norm, the linear and the add otherwise."""
+`norm` and `residual` fold the RMSNorm before a layer (whose weight the model has folded
+into this layer's, leaving the norm a unit weight) and the residual add after it into the
+layer: into the Triton kernel where it runs (`skinny_linear_triton`'s `rms_eps` and
+`residual`), as the norm, the linear and the add otherwise."""
 
 from __future__ import annotations
 
@@ -17,11 +18,10 @@ from sparseengine.kernels import skinny_linear
 class Linear(nn.Linear):
     def forward(self, x: torch.Tensor, norm: nn.Module | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
-        """`norm`: an RMSNorm (`weight`, `eps`) applied to x first; `residual`: added to the result."""
+        """`norm`: an RMSNorm of unit weight (`eps`) applied to x first; `residual`: added to the result."""
         if skinny_linear.streams(x):
             return skinny_linear.skinny_linear_triton(
-                x, self.weight, self.bias, norm_weight=None if norm is None else norm.weight,
-                eps=1e-6 if norm is None else norm.eps, residual=residual,
+                x, self.weight, self.bias, rms_eps=None if norm is None else norm.eps, residual=residual,
                 **skinny_linear.engine_tiles(self.out_features, x.dtype))
         y = F.linear(x if norm is None else norm(x), self.weight, self.bias)
         return y if residual is None else y + residual

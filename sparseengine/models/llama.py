@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sparseengine.kernels import skinny_linear
 from sparseengine.kernels.fused_ops import silu_mul
 from sparseengine.layers.attention import Attention
 from sparseengine.layers.layernorm import RMSNorm
@@ -56,15 +55,27 @@ class DecoderLayer(nn.Module):
         self.self_attn = SelfAttention(config, layer_id)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
+        self.norms_folded = False
+
+    @torch.no_grad()
+    def fold_norms(self) -> None:
+        """Fold each RMSNorm's weight into the columns of the linear after it (qkv, gate_up;
+        rounded once to the weight's dtype) and make the norm's weight one: the same layer,
+        whose norms the linears can then apply themselves (`Linear`'s `norm`)."""
+        for norm, linear in ((self.input_layernorm, self.self_attn.qkv_proj),
+                             (self.post_attention_layernorm, self.mlp.gate_up_proj)):
+            linear.weight.copy_(linear.weight.float() * norm.weight.float()[None, :])
+            norm.weight.fill_(1.0)
+        self.norms_folded = True
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's MLP output, not yet added to `residual` (None before the
-        first layer): each residual add is fused into the norm that follows it. Where the
-        linears run the Triton kernel and `skinny_linear.FOLD_NORMS` is on (a decode step on
-        a GPU), each norm folds into the linear after it and each add into the linear before
-        it instead: x is then the whole hidden state, and `residual` comes back None."""
-        if skinny_linear.FOLD_NORMS and skinny_linear.streams(x):
+        first layer): each residual add is fused into the norm that follows it. With the
+        norms folded (`fold_norms`), each norm goes into the linear after it and each add
+        into the linear before it instead: x is then the whole hidden state, and `residual`
+        comes back None."""
+        if self.norms_folded:
             h = x if residual is None else x + residual
             h = self.self_attn(h, cos, sin, norm=self.input_layernorm, residual=h)
             return self.mlp(h, norm=self.post_attention_layernorm, residual=h), None
@@ -95,6 +106,15 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
+
+    def fold_norms(self) -> None:
+        """Every layer's norms into its linears (`DecoderLayer.fold_norms`): on a GPU, a decode
+        step's linears then apply them (and the residual adds) in their kernel, two launches
+        fewer a layer. Once only: the folded weights are the layer's from then on."""
+        if any(layer.norms_folded for layer in self.layers):
+            raise RuntimeError("the norms are folded already")
+        for layer in self.layers:
+            layer.fold_norms()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -1,7 +1,7 @@
 """`skinny_linear_triton` against `F.linear` on fresh random inputs: few rows (a decode
 batch) and more than one row block, ragged N and K (the masked loads), a bias, bf16 and
 float32, the programmatic-dependent-launch path (first weight tile before the wait), the
-RMSNorm folded in (`norm_weight`) and the residual added (`residual`), and the errors for
+RMSNorm folded in (`rms_eps`) and the residual added (`residual`), and the errors for
 bad input. On the GPU also the Llama-3.1-8B layer shapes. (The model with its norms folded
 is checked against Hugging Face on the GPU in tests/test_hf_equivalence.py.)"""
 import pytest
@@ -47,17 +47,17 @@ def test_matches_linear(gen, device, M, N, K, bias, dtype, block_n, block_k, pdl
         assert torch.equal(y, skinny_linear_triton(x, w, b, block_n=block_n, block_k=block_k))
 
 
-def _check_folded(y, x, w, b, g, eps, res):
-    """Within the rounding of the normalized operand (two ulps of x's dtype a term: ours
-    rounds x * g, the model's norm rounds x * rsqrt and then times g) and float32
-    rounding of the exact product of RMSNorm(x) (computed in float64), plus the
-    output's rounding and, with a residual, the add's."""
+def _check_folded(y, x, w, b, eps, res, operand_ulps):
+    """Within float32 rounding of the exact product of RMSNorm(x) (unit weight, computed in
+    float64), plus `operand_ulps` ulps of x's dtype a term (the model's norm rounds the
+    scaled x; the kernel scales after the dot, so 0 for it), the output's rounding and,
+    with a residual, the add's."""
     xd = x.double()
-    xn = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * g.double()
+    xn = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
     want = F.linear(xn, w.double(), None if b is None else b.double())
     bound = F.linear(xn.abs(), w.double().abs(), None if b is None else b.double().abs())
     ulp = torch.finfo(y.dtype).eps
-    tol = (1e-5 + 2 * ulp) * bound + ulp * want.abs() + 1e-30
+    tol = (1e-5 + operand_ulps * ulp) * bound + ulp * want.abs() + 1e-30
     if res is not None:
         want = want + res.double()
         tol = tol + ulp * want.abs()
@@ -77,15 +77,13 @@ def _check_folded(y, x, w, b, g, eps, res):
 def test_folded_norm_and_residual(gen, device, M, N, K, bias, dtype, block_n, block_k, norm, residual, pdl):
     x, w, b = _inputs(gen, device, M, N, K, dtype, bias)
     x = x * 3 + 0.5  # rows whose rms is not 1
-    g = (1 + torch.rand(K, generator=gen)).to(dtype).to(device) if norm else None
     res = torch.randn(M, N, generator=gen).to(dtype).to(device) if residual else None
-    eps = 1e-5
-    y = skinny_linear_triton(x, w, b, norm_weight=g, eps=eps, residual=res, block_n=block_n, block_k=block_k,
-                             pdl=pdl)
+    eps = 1e-5 if norm else None
+    y = skinny_linear_triton(x, w, b, rms_eps=eps, residual=res, block_n=block_n, block_k=block_k, pdl=pdl)
     if norm:
-        _check_folded(y, x, w, b, g, eps, res)
-        ref = skinny_linear_ref(x, w, b, norm_weight=g, eps=eps, residual=res)  # the model's unfolded ops
-        _check_folded(ref, x, w, b, g, eps, res)
+        _check_folded(y, x, w, b, eps, res, operand_ulps=0)
+        ref = skinny_linear_ref(x, w, b, rms_eps=eps, residual=res)  # the model's unfolded ops
+        _check_folded(ref, x, w, b, eps, res, operand_ulps=1)
     else:  # the unfused kernel's output then torch's add: bit for bit where Triton rounds (the
         # GPU); the interpreter truncates float32 to bf16, so within an ulp there
         want = skinny_linear_triton(x, w, b, block_n=block_n, block_k=block_k) + res
@@ -99,12 +97,12 @@ def test_folded_norm_and_residual(gen, device, M, N, K, bias, dtype, block_n, bl
 def test_folded_bad_input(device):
     x = torch.zeros(2, 64, device=device)
     w = torch.zeros(16, 64, device=device)
-    with pytest.raises(ValueError, match=r"norm_weight must be \[K=64\]"):
-        skinny_linear_triton(x, w, norm_weight=torch.ones(32, device=device))
-    with pytest.raises(ValueError, match=r"norm_weight must be \[K=64\] in torch.float32"):
-        skinny_linear_triton(x, w, norm_weight=torch.ones(64, device=device, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match=r"residual must be \(2, 16\)"):
+    with pytest.raises(ValueError, match="rms_eps must be a number >= 0 or None, got -1"):
+        skinny_linear_triton(x, w, rms_eps=-1)
+    with pytest.raises(ValueError, match=r"residual must be \(2, 16\) in torch.float32"):
         skinny_linear_triton(x, w, residual=torch.zeros(2, 8, device=device))
+    with pytest.raises(ValueError, match=r"residual must be \(2, 16\) in torch.float32"):
+        skinny_linear_triton(x, w, residual=torch.zeros(2, 16, device=device, dtype=torch.bfloat16))
 
 
 def test_leading_dims_and_strided_input(gen, device):
