@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from sparseengine.kernels import skinny_linear
 from sparseengine.kernels.fused_ops import silu_mul
 from sparseengine.layers.attention import Attention
 from sparseengine.layers.layernorm import RMSNorm
@@ -72,10 +73,11 @@ class DecoderLayer(nn.Module):
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's MLP output, not yet added to `residual` (None before the
         first layer): each residual add is fused into the norm that follows it. With the
-        norms folded (`fold_norms`), each norm goes into the linear after it and each add
-        into the linear before it instead: x is then the whole hidden state, and `residual`
-        comes back None."""
-        if self.norms_folded:
+        norms folded (`fold_norms`) and rows the linears' Triton kernel takes (a decode
+        step), each norm goes into the linear after it and each add into the linear before
+        it instead: x is then the whole hidden state, and `residual` comes back None. (More
+        rows take the path below, the norms' weights being one.)"""
+        if self.norms_folded and skinny_linear.streams(x):
             h = x if residual is None else x + residual
             h = self.self_attn(h, cos, sin, norm=self.input_layernorm, residual=h)
             return self.mlp(h, norm=self.post_attention_layernorm, residual=h), None
