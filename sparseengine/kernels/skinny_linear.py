@@ -13,7 +13,11 @@ agrees with `skinny_linear_ref` (`F.linear`) to float32 rounding, not bit for bi
 `skinny_linear_ref` is `torch.nn.functional.linear`, the oracle.
 
 The model's linear layers (`layers/linear.py`) use it for up to `ENGINE_MAX_ROWS` rows on
-a GPU, cuBLAS above. With each layer's tiles (`engine_tiles`) it took 0.7-15% less time
+a GPU, cuBLAS above. There it also applies the RMSNorm before qkv and gate_up (`rms_eps`:
+the model folds each norm's weight into those layers' weights at load, `FOLD_NORMS`) and
+the residual add after o and down (`residual`): two launches fewer a layer, 1.0-1.2% off
+the decode step of Quest b=6, OmniKV b=6 and vanilla b=1 at 128K on the H200
+(`fold_norms_ab_h200.jsonl`). With each layer's tiles (`engine_tiles`) it took 0.7-15% less time
 than cuBLAS at the Llama-3.1-8B shape's layers at 1 and 6 rows on the H200 (at 16 rows the
 same but gate_up, 4% more), with no separate split-K reduce (`skinny_linear_h200.jsonl`).
 In the engine's decode step (session 17, one call, `profile_decode_step.py --kernel-const

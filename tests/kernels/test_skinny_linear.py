@@ -105,6 +105,23 @@ def test_folded_bad_input(device):
         skinny_linear_triton(x, w, residual=torch.zeros(2, 16, device=device, dtype=torch.bfloat16))
 
 
+def test_model_linear_folds_norm_and_residual(gen, device):
+    """The model's `Linear` with `norm` (a unit-weight RMSNorm) and `residual`: the Triton
+    kernel on a GPU's few rows, the norm, cuBLAS/torch's linear and the add otherwise."""
+    from sparseengine.layers.layernorm import RMSNorm
+    from sparseengine.layers.linear import Linear
+
+    layer = Linear(64, 48, bias=True).to(device)
+    norm = RMSNorm(64, 1e-5).to(device)
+    x = torch.randn(5, 64, generator=gen).to(device) * 2 + 1
+    res = torch.randn(5, 48, generator=gen).to(device)
+    with torch.no_grad():
+        y = layer(x, norm, res)
+        _check_folded(y, x, layer.weight, layer.bias, 1e-5, res, operand_ulps=1)
+        if not x.is_cuda:  # the plain ops, exactly
+            assert torch.equal(y, F.linear(norm(x), layer.weight, layer.bias) + res)
+
+
 def test_leading_dims_and_strided_input(gen, device):
     x, w, _ = _inputs(gen, device, 12, 32, 64, torch.float32, False)
     x3 = x.view(3, 4, 64)
