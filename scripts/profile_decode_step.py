@@ -144,6 +144,9 @@ def main() -> None:
                     help="a ragged batch instead of --prompt-len: [[prompt tokens, count], ...] repeated over "
                          "the batch, as task.length_mix, e.g. '[[131072,1],[1024,63]]'")
     ap.add_argument("--total", type=int, default=2048)
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="default: the longest prompt + 2048, as decode_throughput_128k (128K + 2K output), "
+                         "which sets the width of the decode graphs' page tables (before session 19: + 512)")
     ap.add_argument("--steps", type=int, default=20, help="profiled steps")
     ap.add_argument("--window-steps", type=int, default=64,
                     help="timed graph steps (median, mean, slow steps); the benchmark's window is 256")
@@ -176,12 +179,13 @@ def main() -> None:
     lengths = mix.lengths(args.batch)
     kw = dict(model=args.model, load_format="dummy", dtype="bfloat16", sparse_method=args.method,
               attention_provider=args.provider, max_num_seqs=max(8, args.batch), sink_tokens=64, recent_tokens=512,
-              max_model_len=max(lengths) + 512)
+              max_model_len=args.max_model_len or max(lengths) + 2048)
     kw.update(split_total(args.method, args.total, 64, 512))  # as the benchmark's total_budget (StreamingLLM: recent)
     kw.update(dict(args.engine_arg))
     prompts = [[(7 * i + j) % 30000 + 3 for j in range(n)] for i, n in enumerate(lengths)]
     bw = args.bandwidth_gbps or roofline.measure_copy_bandwidth(torch.device("cuda"))
     out = {"model": args.model, "method": args.method, "batch": args.batch, "prompt_len": args.prompt_len,
+           "max_model_len": kw["max_model_len"],
            "length_mix": mix.label(),
            "provider": args.provider, "device": torch.cuda.get_device_name(), "commit": args.commit,
            "torch": torch.__version__, "bandwidth_gbps": bw, "merge_in_split_kernel": args.merge_in_split_kernel,
