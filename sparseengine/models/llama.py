@@ -1,5 +1,6 @@
 """The Llama family (Llama 3.x, SmolLM2, Mistral, Qwen2.5, Qwen3): positions and hidden
-states in, hidden states out. Nothing here knows about batching or sparsity."""
+states in, hidden states out. Nothing here knows about batching or sparsity; only the
+row count of a forward picks where folded norms are applied (`DecoderLayer.forward`)."""
 
 from __future__ import annotations
 
