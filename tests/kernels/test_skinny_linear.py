@@ -18,14 +18,22 @@ def _inputs(gen, device, M, N, K, dtype, bias):
     return x, w, b
 
 
-def _check(y, x, w, b):
-    """Within float32 rounding of the exact product of the same inputs, plus the output's
-    own rounding (one ulp of its dtype: the interpreter truncates float32 to bf16, the GPU
-    rounds)."""
-    want = F.linear(x.double(), w.double(), None if b is None else b.double())
-    bound = F.linear(x.double().abs(), w.double().abs(), None if b is None else b.double().abs())
+def _check(y, x, w, b, eps=None, res=None, operand_ulps=0):
+    """Within float32 rounding of the exact product of the same inputs (with `eps`, of
+    RMSNorm(x) with a unit weight, computed in float64), plus the output's own rounding
+    (one ulp of its dtype: the interpreter truncates float32 to bf16, the GPU rounds),
+    `operand_ulps` ulps a term (the model's norm rounds the scaled x; the kernel scales
+    after the dot, so 0 for it) and, with a residual `res`, the add's rounding."""
+    xd = x.double()
+    if eps is not None:
+        xd = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
+    want = F.linear(xd, w.double(), None if b is None else b.double())
+    bound = F.linear(xd.abs(), w.double().abs(), None if b is None else b.double().abs())
     ulp = torch.finfo(y.dtype).eps  # bf16 2^-7, fp16 2^-10, fp32 2^-23
-    tol = 1e-5 * bound + ulp * want.abs() + 1e-30
+    tol = (1e-5 + operand_ulps * ulp) * bound + ulp * want.abs() + 1e-30
+    if res is not None:
+        want = want + res.double()
+        tol = tol + ulp * want.abs()
     assert y.shape == want.shape and y.dtype == x.dtype
     err = (y.double() - want).abs()
     assert bool((err <= tol).all()), f"max err {err.max().item():.3g}, tol there {tol.flatten()[err.argmax()]:.3g}"
@@ -47,25 +55,6 @@ def test_matches_linear(gen, device, M, N, K, bias, dtype, block_n, block_k, pdl
         assert torch.equal(y, skinny_linear_triton(x, w, b, block_n=block_n, block_k=block_k))
 
 
-def _check_folded(y, x, w, b, eps, res, operand_ulps):
-    """Within float32 rounding of the exact product of RMSNorm(x) (unit weight, computed in
-    float64), plus `operand_ulps` ulps of x's dtype a term (the model's norm rounds the
-    scaled x; the kernel scales after the dot, so 0 for it), the output's rounding and,
-    with a residual, the add's."""
-    xd = x.double()
-    xn = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
-    want = F.linear(xn, w.double(), None if b is None else b.double())
-    bound = F.linear(xn.abs(), w.double().abs(), None if b is None else b.double().abs())
-    ulp = torch.finfo(y.dtype).eps
-    tol = (1e-5 + operand_ulps * ulp) * bound + ulp * want.abs() + 1e-30
-    if res is not None:
-        want = want + res.double()
-        tol = tol + ulp * want.abs()
-    assert y.shape == want.shape and y.dtype == x.dtype
-    err = (y.double() - want).abs()
-    assert bool((err <= tol).all()), f"max err {err.max().item():.3g}, tol there {tol.flatten()[err.argmax()]:.3g}"
-
-
 @pytest.mark.parametrize("M,N,K,bias,dtype,block_n,block_k", [
     (6, 96, 384, True, torch.bfloat16, 32, 128),
     (6, 50, 200, False, torch.bfloat16, 16, 64),   # masked: padded channels must not count in the mean
@@ -81,9 +70,9 @@ def test_folded_norm_and_residual(gen, device, M, N, K, bias, dtype, block_n, bl
     eps = 1e-5 if norm else None
     y = skinny_linear_triton(x, w, b, rms_eps=eps, residual=res, block_n=block_n, block_k=block_k, pdl=pdl)
     if norm:
-        _check_folded(y, x, w, b, eps, res, operand_ulps=0)
+        _check(y, x, w, b, eps, res, operand_ulps=0)
         ref = skinny_linear_ref(x, w, b, rms_eps=eps, residual=res)  # the model's unfolded ops
-        _check_folded(ref, x, w, b, eps, res, operand_ulps=1)
+        _check(ref, x, w, b, eps, res, operand_ulps=1)
     else:  # the unfused kernel's output then torch's add: bit for bit where Triton rounds (the
         # GPU); the interpreter truncates float32 to bf16, so within an ulp there
         want = skinny_linear_triton(x, w, b, block_n=block_n, block_k=block_k) + res
@@ -117,7 +106,7 @@ def test_model_linear_folds_norm_and_residual(gen, device):
     res = torch.randn(5, 48, generator=gen).to(device)
     with torch.no_grad():
         y = layer(x, norm, res)
-        _check_folded(y, x, layer.weight, layer.bias, 1e-5, res, operand_ulps=1)
+        _check(y, x, layer.weight, layer.bias, 1e-5, res, operand_ulps=1)
         if not x.is_cuda:  # the plain ops, exactly
             assert torch.equal(y, F.linear(norm(x), layer.weight, layer.bias) + res)
 
