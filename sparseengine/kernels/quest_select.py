@@ -52,7 +52,6 @@ import torch
 from ._common import cdiv, check_launch, check_lens, check_scores, int_arg, lazy_jit, next_pow2
 
 MAX_GROUPS = 512  # shortlist: the most page groups a row is cut into (group = next_pow2(P / this))
-SHORTLIST_RADIX = 4  # the shortlist's key bits a search pass (8: a histogram a pass); --kernel-const A/Bs it
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
@@ -82,8 +81,8 @@ def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_to
     block_p = int_arg("block_p", block_p, 16)
     if block_p & (block_p - 1):
         raise ValueError(f"block_p must be a power of two, got {block_p}")
-    if radix_bits not in (None, 1, 2, 4, 8):
-        raise ValueError(f"radix_bits must be 1, 2, 4 or 8, got {radix_bits!r}")
+    if radix_bits not in (None, 1, 2, 4):
+        raise ValueError(f"radix_bits must be 1, 2 or 4, got {radix_bits!r}")
     device = check_launch(scores, kv_lens)
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
@@ -105,7 +104,7 @@ def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_to
         scores, kv_lens, pages, counts, scratch, scores.stride(0), scores.stride(1), H, P, K,
         PAGE_SIZE=ps, SINK_PAGES=cdiv(sink, ps), RECENT=recent, TOTAL=sink + budget + recent,
         TOP=top, BLOCK_P=block_p, BLOCK_K=min(1024, max(16, next_pow2(K))),
-        RADIX_BITS=2 if radix_bits in (None, 8) else radix_bits, SHORT_RADIX=radix_bits or SHORTLIST_RADIX, SHORTLIST=shortlist, GROUP=group,
+        RADIX_BITS=radix_bits or 2, SHORT_RADIX=radix_bits or 4, SHORTLIST=shortlist, GROUP=group,
         BLOCK_G=max(16, next_pow2(cdiv(P, group))),
         CAP=cap, num_warps=num_warps or min(16, max(1, block_p // 512)),
     )
@@ -136,32 +135,6 @@ def _kth_largest(keys, ok, m, RADIX_BITS: tl.constexpr):
     return lo.to(tl.int32, bitcast=True) ^ -2147483648
 
 
-def _kth_largest_hist(keys, ok, m):
-    """`_kth_largest` a byte a pass: four passes, each a 256-bin histogram of the next key
-    byte among the keys that match the bytes settled so far."""
-    ukeys = (keys ^ -2147483648).to(tl.uint32, bitcast=True)
-    bins = tl.arange(0, 256)
-    lo = tl.zeros([], tl.uint32)
-    need = m
-    match = ok
-    for p in tl.static_range(4):
-        digit = ((ukeys >> (24 - 8 * p)) & 255).to(tl.int32)
-        h = tl.histogram(digit, 256, mask=match)
-        at_least = tl.sum(h, 0) - tl.cumsum(h, 0) + h  # matching keys with this digit or more
-        d = tl.max(tl.where(at_least >= need, bins, 0), 0)  # 0 when fewer than `need` match
-        need -= tl.sum(tl.where(bins > d, h, 0), 0)
-        lo = lo | (d.to(tl.uint32) << (24 - 8 * p))
-        match = match & (digit == d)
-    return lo.to(tl.int32, bitcast=True) ^ -2147483648
-
-
-def _kth(keys, ok, m, RADIX_BITS: tl.constexpr):
-    if RADIX_BITS == 8:
-        return _kth_largest_hist(keys, ok, m)
-    else:
-        return _kth_largest(keys, ok, m, RADIX_BITS)
-
-
 def _shortlist_select(row, out, keys_out, P, K, mid_end, m, active, SINK_PAGES: tl.constexpr, GROUP: tl.constexpr,
                       BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, CAP: tl.constexpr, RADIX_BITS: tl.constexpr):
     """Where `active`, choose the m middle pages through a shortlist of candidates (kept in
@@ -180,7 +153,7 @@ def _shortlist_select(row, out, keys_out, P, K, mid_end, m, active, SINK_PAGES: 
         in_mid = (grid >= SINK_PAGES) & (grid < mid_end)
         gmax = tl.max(tl.where(in_mid, _page_keys(row, grid, P), -2147483648), 1)
         g_ok = ((g + 1) * GROUP > SINK_PAGES) & (g * GROUP < mid_end)
-        low = _kth(gmax, g_ok, m, RADIX_BITS)
+        low = _kth_largest(gmax, g_ok, m, RADIX_BITS)
         # The candidates, in page order, into this row's scratch (keys, then pages).
         n_cand = tl.zeros([], tl.int32)
         for p0 in range(0, mid_end, BLOCK_P):
@@ -197,7 +170,7 @@ def _shortlist_select(row, out, keys_out, P, K, mid_end, m, active, SINK_PAGES: 
             c = tl.arange(0, CAP)
             c_ok = c < n_cand
             key = tl.load(keys_out + c, mask=c_ok, other=-2147483648)
-            t = _kth(key, c_ok, m, RADIX_BITS)
+            t = _kth_largest(key, c_ok, m, RADIX_BITS)
             ties = m - tl.sum((c_ok & (key > t)).to(tl.int32), 0)
             eq = (c_ok & (key == t)).to(tl.int32)
             pick = (c_ok & ((key > t) | ((eq > 0) & (tl.cumsum(eq, 0) - eq < ties)))).to(tl.int32)

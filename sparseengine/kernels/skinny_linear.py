@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from . import _common
 from ._common import cdiv, check_launch, dot_precision, int_arg, interpreting, lazy_jit
-from .fused_ops import rms_norm_ref, silu_mul_ref
+from .fused_ops import EXACT_OPTIONS, rms_norm_ref, silu_mul_ref
 from .fused_ops_kernels import silu_mul_math
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
@@ -54,9 +54,6 @@ FOLD_NORMS = True
 # Whether the model's gate_up layer computes SiLU(gate) * up in this kernel's epilogue (`glu`)
 # instead of a separate SiLU kernel after it (read at each call: --kernel-const A/Bs it).
 GLU_EPILOGUE = True
-# The GLU launch's compiler options: libdevice's non-FTZ exp and division, as the SiLU kernel
-# (fused_ops.EXACT_OPTIONS also turns float32 contraction off, for the whole kernel).
-GLU_OPTIONS = {"enable_reflect_ftz": False}
 
 
 def streams(x: torch.Tensor) -> bool:
@@ -110,10 +107,9 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     `glu`: weight `[2I, K]` holds a gate's rows, then an up projection's (the model's
     gate_up); the result is `silu(gate) * up` `[..., I]`, computed in the epilogue from the
     linear rounded to x's dtype exactly as `fused_ops.silu_mul` computes it from the
-    plain linear's output (bit for bit: tested without a bias after a norm, the one place
-    float32 contraction could round the two launches apart). Each program takes
-    `block_n / 2` gate rows and the matching up rows: the same bytes a program, one launch
-    fewer."""
+    plain linear's output (bit for bit where the plain kernel rounds the same: no bias after
+    a norm, which float32 contraction may fuse). Each program takes `block_n / 2` gate rows
+    and the matching up rows: the same bytes a program, one launch fewer."""
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ValueError(f"weight must be a [N, K] tensor, got {getattr(weight, 'shape', type(weight).__name__)}")
     N, K = weight.shape
@@ -158,7 +154,7 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
             BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
             EVEN_N=n_out % per_program == 0, EVEN_K=K % block_k == 0, INTERPRET=interpreting(),
             DOT_PREC=dot_precision(x.dtype), PDL=pdl, num_warps=num_warps, num_stages=num_stages,
-            **({"launch_pdl": True} if pdl else {}), **(GLU_OPTIONS if glu else {}))
+            **({"launch_pdl": True} if pdl else {}), **(EXACT_OPTIONS if glu else {}))
     return y.reshape(*lead, n_out)
 
 
