@@ -161,7 +161,7 @@ def _rms_norm(x, residual, weight, eps, sum_order):
         N=n, HAS_RESIDUAL=has_residual, CUDA_ORDER=sum_order == "cuda",
         VEC=vec, LOG_BW=bw.bit_length() - 1, LOG_YS=ys.bit_length() - 1,
         CPU_LANES=8 if n >= 8 else 1, BLOCK_N=block_n, INTERPRET=interpreting(),
-        num_warps=4 if block_n <= 2048 else 8, **EXACT_OPTIONS,
+        num_warps=4 if block_n <= 2048 else 8, **_EXACT,
     )
     return out, new_residual
 
@@ -207,7 +207,7 @@ def rotary_qk_triton(q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         q, k, cos, sin, q_out, k_out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0), hq, hkv,
         HALF=d // 2, BLOCK_HQ=next_pow2(hq), BLOCK_HKV=next_pow2(hkv), BLOCK_HALF=next_pow2(d // 2),
-        INTERPRET=interpreting(), num_warps=4, **EXACT_OPTIONS,
+        INTERPRET=interpreting(), num_warps=4, **_EXACT,
     )
     return q_out, k_out
 
@@ -241,7 +241,7 @@ def rotary_kv_write_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) ->
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), hq, hkv,
         PAGE_SIZE=k_cache.shape[1], HALF=d // 2, BLOCK_HQ=next_pow2(hq), BLOCK_HKV=next_pow2(hkv),
-        BLOCK_HALF=next_pow2(d // 2), INTERPRET=interpreting(), num_warps=4, **EXACT_OPTIONS,
+        BLOCK_HALF=next_pow2(d // 2), INTERPRET=interpreting(), num_warps=4, **_EXACT,
     )
     return q_out
 
@@ -258,7 +258,7 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     block = min(next_pow2(inter), 1024)
     _silu_mul_kernel[(T, cdiv(inter, block))](
-        gate_up, out, gate_up.stride(0), inter, BLOCK=block, INTERPRET=interpreting(), num_warps=4, **EXACT_OPTIONS,
+        gate_up, out, gate_up.stride(0), inter, BLOCK=block, INTERPRET=interpreting(), num_warps=4, **_EXACT,
     )
     return out
 
@@ -269,4 +269,4 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
 
 # No FMA contraction (torch rounds every product), and libdevice's non-FTZ functions,
 # which are what nvcc (so torch) compiles expf/rsqrtf/division to.
-EXACT_OPTIONS = dict(enable_fp_fusion=False, enable_reflect_ftz=False)
+_EXACT = dict(enable_fp_fusion=False, enable_reflect_ftz=False)

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ._common import lazy_jit, shared_helper
+from ._common import lazy_jit
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
     from triton.language.extra.cuda import libdevice
 
 
-@shared_helper
 def _round_to(v, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
     """float32 v rounded (to nearest even) to DTYPE, as float32."""
     if DTYPE == tl.float32:
@@ -222,16 +221,9 @@ def _silu_mul_kernel(gu_ptr, out_ptr, stride_t, I, BLOCK: tl.constexpr, INTERPRE
     DTYPE: tl.constexpr = gu_ptr.dtype.element_ty
     gate = tl.load(gu_ptr + t * stride_t + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gu_ptr + t * stride_t + I + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * I + offs, silu_mul_math(gate, up, DTYPE, INTERPRET).to(DTYPE), mask=mask)
-
-
-@shared_helper
-def silu_mul_math(gate, up, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
-    """silu(gate) * up as torch computes it on DTYPE tensors (float32 in and out, each
-    result rounded to DTYPE): the SiLU kernel's, and the skinny linear's GLU epilogue's.
-    Bit for bit only when compiled with `fused_ops.EXACT_OPTIONS`."""
     if INTERPRET:
         silu = tl.math.div_rn(gate, 1.0 + tl.exp(-gate))
     else:  # torch: x / (1 + expf(-x)), IEEE division
         silu = libdevice.div_rn(gate, 1.0 + libdevice.exp(-gate))
-    return _round_to(_round_to(silu, DTYPE, INTERPRET) * up, DTYPE, INTERPRET)
+    y = _round_to(_round_to(silu, DTYPE, INTERPRET) * up, DTYPE, INTERPRET)
+    tl.store(out_ptr + t * I + offs, y.to(DTYPE), mask=mask)

@@ -37,8 +37,7 @@ import torch.nn.functional as F
 
 from . import _common
 from ._common import cdiv, check_launch, dot_precision, int_arg, interpreting, lazy_jit
-from .fused_ops import EXACT_OPTIONS, rms_norm_ref, silu_mul_ref
-from .fused_ops_kernels import silu_mul_math
+from .fused_ops import rms_norm_ref
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
@@ -51,9 +50,6 @@ ENGINE_MAX_ROWS = 16
 # add into the linear before it (`rms_eps`, `residual`; LlamaForCausalLM.fold_norms), read
 # when an engine loads its model (profile_decode_step.py --kernel-const sets it for A/Bs).
 FOLD_NORMS = True
-# Whether the model's gate_up layer computes SiLU(gate) * up in this kernel's epilogue (`glu`)
-# instead of a separate SiLU kernel after it (read at each call: --kernel-const A/Bs it).
-GLU_EPILOGUE = True
 
 
 def streams(x: torch.Tensor) -> bool:
@@ -73,21 +69,18 @@ def engine_tiles(n: int, dtype: torch.dtype = torch.bfloat16) -> dict:
 
 
 def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                      rms_eps: float | None = None, residual: torch.Tensor | None = None,
-                      glu: bool = False) -> torch.Tensor:
+                      rms_eps: float | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`; with `rms_eps`, of RMSNorm(x) with a unit weight (the
     model's norm, `fused_ops.rms_norm_ref`); with `residual`, plus it (after rounding to
-    x's dtype); with `glu`, `fused_ops.silu_mul_ref` of it (gate rows, then up rows)."""
+    x's dtype)."""
     if rms_eps is not None:
         x = rms_norm_ref(x, torch.ones(x.shape[-1], dtype=x.dtype, device=x.device), rms_eps)
     y = F.linear(x, weight, bias)
-    if glu:
-        y = silu_mul_ref(y)
     return y if residual is None else y + residual
 
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                         rms_eps: float | None = None, residual: torch.Tensor | None = None, glu: bool = False,
+                         rms_eps: float | None = None, residual: torch.Tensor | None = None,
                          block_n: int = 16, block_k: int = 512,
                          num_warps: int = 4, num_stages: int = 4, pdl: bool = False) -> torch.Tensor:
     """`x [..., K]`, `weight [N, K]` (rows contiguous), `bias [N]` or None -> `[..., N]` in
@@ -102,14 +95,7 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     scales each row by rsqrt(mean + rms_eps). Within float32 rounding of the exact result,
     as the plain linear is; the model's norm then linear also rounds the scaled x to its
     dtype. `residual [..., N]` (x's dtype): the result rounded to x's dtype, plus residual
-    (one more rounding), as the model's residual add after the linear.
-
-    `glu`: weight `[2I, K]` holds a gate's rows, then an up projection's (the model's
-    gate_up); the result is `silu(gate) * up` `[..., I]`, computed in the epilogue from the
-    linear rounded to x's dtype exactly as `fused_ops.silu_mul` computes it from the
-    plain linear's output (bit for bit where the plain kernel rounds the same: no bias after
-    a norm, which float32 contraction may fuse). Each program takes `block_n / 2` gate rows
-    and the matching up rows: the same bytes a program, one launch fewer."""
+    (one more rounding), as the model's residual add after the linear."""
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ValueError(f"weight must be a [N, K] tensor, got {getattr(weight, 'shape', type(weight).__name__)}")
     N, K = weight.shape
@@ -125,10 +111,6 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
             raise ValueError(f"{name} must be a power of two >= 16, got {v}")
     if rms_eps is not None and not (isinstance(rms_eps, (int, float)) and rms_eps >= 0):
         raise ValueError(f"rms_eps must be a number >= 0 or None, got {rms_eps!r}")
-    if glu and (N % 2 or residual is not None):
-        raise ValueError(f"glu needs an even N (gate rows, then up rows) and no residual, got N={N}"
-                         f"{' and a residual' if residual is not None else ''}")
-    n_out = N // 2 if glu else N
     if residual is not None and (tuple(residual.shape) != (*x.shape[:-1], N) or residual.dtype != x.dtype):
         raise ValueError(f"residual must be {(*x.shape[:-1], N)} in {x.dtype}, got {tuple(residual.shape)} "
                          f"{residual.dtype}")
@@ -141,21 +123,20 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
-    y = _common.empty((M, n_out), x.dtype, device)
+    y = _common.empty((M, N), x.dtype, device)
     r2 = y if residual is None else residual.reshape(M, N)  # y: a dummy, never read
     if r2.stride(-1) != 1:
         r2 = r2.contiguous()
     if M and N:
-        per_program = block_n // 2 if glu else block_n  # output features a program writes
-        _skinny_linear_kernel[(cdiv(n_out, per_program), cdiv(M, BLOCK_M))](
-            x2, weight, weight if bias is None else bias, r2, y, M, n_out, K, x2.stride(0), weight.stride(0),
+        _skinny_linear_kernel[(cdiv(N, block_n), cdiv(M, BLOCK_M))](
+            x2, weight, weight if bias is None else bias, r2, y, M, N, K, x2.stride(0), weight.stride(0),
             r2.stride(0), y.stride(0), float(rms_eps or 0.0),
-            HAS_BIAS=bias is not None, NORM=rms_eps is not None, RESIDUAL=residual is not None, GLU=glu,
+            HAS_BIAS=bias is not None, NORM=rms_eps is not None, RESIDUAL=residual is not None,
             BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-            EVEN_N=n_out % per_program == 0, EVEN_K=K % block_k == 0, INTERPRET=interpreting(),
+            EVEN_N=N % block_n == 0, EVEN_K=K % block_k == 0, INTERPRET=interpreting(),
             DOT_PREC=dot_precision(x.dtype), PDL=pdl, num_warps=num_warps, num_stages=num_stages,
-            **({"launch_pdl": True} if pdl else {}), **(EXACT_OPTIONS if glu else {}))
-    return y.reshape(*lead, n_out)
+            **({"launch_pdl": True} if pdl else {}))
+    return y.reshape(*lead, N)
 
 
 def _tile_dot(w, x, acc, INTERPRET: tl.constexpr, DOT_PREC: tl.constexpr):
@@ -168,20 +149,12 @@ def _tile_dot(w, x, acc, INTERPRET: tl.constexpr, DOT_PREC: tl.constexpr):
 @lazy_jit
 def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_rm,
                           stride_ym, eps, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                          GLU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                           INTERPRET: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
     # acc[n, m] = sum_k w[n, k] * x[m, k]: the weight tile is the dot's left operand, so
-    # BLOCK_N (not the few rows of x) is the MMA's row dimension. N: output features (GLU:
-    # the gate's rows; weight row N + f is the up row of feature f).
-    if GLU:  # tile rows: BLOCK_N / 2 gate rows, then their up rows
-        HALF: tl.constexpr = BLOCK_N // 2
-        f = tl.program_id(0) * HALF + tl.arange(0, BLOCK_N) % HALF
-        n = f + (tl.arange(0, BLOCK_N) >= HALF).to(tl.int32) * N
-        n_ok = f < N
-    else:
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < N
+    # BLOCK_N (not the few rows of x) is the MMA's row dimension.
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     kk = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
@@ -190,7 +163,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_xm,
     ss = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)  # x's squares, summed across once after the loop
     k_start = 0
     if PDL:  # the weight does not depend on the previous kernel: its first tile before the wait
-        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & (kk[None, :] < K), other=0.0)
+        w = tl.load(w_rows + kk[None, :], mask=(n[:, None] < N) & (kk[None, :] < K), other=0.0)
         if not INTERPRET:  # the interpreter runs one program at a time, and knows no griddepcontrol
             tl.extra.cuda.gdc_wait()
         x = tl.load(x_rows + kk[None, :], mask=(m[:, None] < M) & (kk[None, :] < K), other=0.0)
@@ -206,21 +179,16 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_xm,
         if EVEN_N and EVEN_K:
             w = tl.load(w_rows + k[None, :])
         else:
-            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k[None, :] < K), other=0.0)
+            w = tl.load(w_rows + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
         acc = _tile_dot(w, x, acc, INTERPRET, DOT_PREC)
     if PDL and not INTERPRET:  # the next kernel may start on the SMs this one leaves
         tl.extra.cuda.gdc_launch_dependents()
     if NORM:
         acc *= (1.0 / tl.sqrt_rn(tl.sum(ss, axis=1) / K + eps))[None, :]
     if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
+    mask = (n[:, None] < N) & (m[None, :] < M)
     y = acc.to(y_ptr.dtype.element_ty)
-    if GLU:  # the gate and up halves of the tile, each rounded as the plain linear's output
-        gate, up = tl.split(tl.permute(tl.reshape(y.to(tl.float32), [2, HALF, BLOCK_M]), (1, 2, 0)))
-        y = silu_mul_math(gate, up, y_ptr.dtype.element_ty, INTERPRET).to(y_ptr.dtype.element_ty)
-        n = tl.program_id(0) * HALF + tl.arange(0, HALF)
-        n_ok = n < N
-    mask = n_ok[:, None] & (m[None, :] < M)
     if RESIDUAL:
         res = tl.load(r_ptr + m.to(tl.int64)[None, :] * stride_rm + n[:, None], mask=mask, other=0.0)
         y = (y.to(tl.float32) + res.to(tl.float32)).to(y_ptr.dtype.element_ty)

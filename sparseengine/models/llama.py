@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from sparseengine.kernels import skinny_linear
+from sparseengine.kernels.fused_ops import silu_mul
 from sparseengine.layers.attention import Attention
 from sparseengine.layers.layernorm import RMSNorm
 from sparseengine.layers.linear import Linear
@@ -46,7 +47,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, norm: nn.Module | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x, norm, glu=True), residual=residual)
+        return self.down_proj(silu_mul(self.gate_up_proj(x, norm)), residual=residual)
 
 
 class DecoderLayer(nn.Module):

@@ -83,45 +83,6 @@ def test_folded_norm_and_residual(gen, device, M, N, K, bias, dtype, block_n, bl
             assert bool(((y.double() - want.double()).abs() <= ulp * want.double().abs()).all())
 
 
-@pytest.mark.parametrize("M,N,K,bias,dtype,block_n,block_k", [
-    (6, 96, 384, False, torch.bfloat16, 32, 128),   # 48 features, 16 a program: unmasked loads
-    (6, 100, 200, False, torch.bfloat16, 16, 64),   # 50 features, 8 a program: the last one masked
-    (16, 64, 100, True, torch.float32, 16, 32),
-    (21, 72, 70, False, torch.float32, 32, 32),     # two row blocks
-])
-@pytest.mark.parametrize("norm", [False, True])
-@pytest.mark.parametrize("pdl", [False, True])
-def test_glu_epilogue(gen, device, M, N, K, bias, dtype, block_n, block_k, norm, pdl):
-    """silu(gate) * up in the epilogue: bit for bit the plain kernel's output through the
-    SiLU kernel (where the two round alike: no bias after a norm), and within the float64
-    result's bound."""
-    from sparseengine.kernels import silu_mul_triton
-
-    x, w, b = _inputs(gen, device, M, N, K, dtype, bias)
-    x = x * 3 + 0.5
-    eps = 1e-5 if norm else None
-    kw = dict(rms_eps=eps, block_n=block_n, block_k=block_k)
-    y = skinny_linear_triton(x, w, b, glu=True, pdl=pdl, **kw)
-    assert y.shape == (M, N // 2) and y.dtype == dtype
-    if not (bias and norm):
-        assert torch.equal(y, silu_mul_triton(skinny_linear_triton(x, w, b, **kw)))
-    # float64: the linear's bound as `_check`'s, its rounding to dtype, silu's slope (< 1.1) and
-    # the two roundings of silu_mul
-    xd = x.double()
-    if norm:
-        xd = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
-    lin = F.linear(xd, w.double(), None if b is None else b.double())
-    bound = F.linear(xd.abs(), w.double().abs(), None if b is None else b.double().abs())
-    ulp = torch.finfo(dtype).eps
-    err_lin = 1e-5 * bound + ulp * lin.abs()
-    (g, u), (eg, eu) = lin.chunk(2, -1), err_lin.chunk(2, -1)
-    want = F.silu(g) * u
-    tol = 1.1 * eg * (u.abs() + eu) + F.silu(g).abs() * eu + 2 * ulp * (want.abs() + 1.1 * eg * u.abs()) + 1e-30
-    err = (y.double() - want).abs()
-    assert bool((err <= tol).all()), f"max err {err.max().item():.3g}, tol there {tol.flatten()[err.argmax()]:.3g}"
-    assert torch.allclose(skinny_linear_ref(x, w, b, rms_eps=eps, glu=True).double(), want, rtol=0.05, atol=0.05)
-
-
 def test_folded_bad_input(device):
     x = torch.zeros(2, 64, device=device)
     w = torch.zeros(16, 64, device=device)
@@ -131,10 +92,6 @@ def test_folded_bad_input(device):
         skinny_linear_triton(x, w, residual=torch.zeros(2, 8, device=device))
     with pytest.raises(ValueError, match=r"residual must be \(2, 16\) in torch.float32"):
         skinny_linear_triton(x, w, residual=torch.zeros(2, 16, device=device, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="glu needs an even N .* got N=15$"):
-        skinny_linear_triton(x, w[:15], glu=True)
-    with pytest.raises(ValueError, match="glu needs an even N .* got N=16 and a residual"):
-        skinny_linear_triton(x, w, glu=True, residual=torch.zeros(2, 16, device=device))
 
 
 def test_model_linear_folds_norm_and_residual(gen, device):
@@ -152,30 +109,6 @@ def test_model_linear_folds_norm_and_residual(gen, device):
         _check(y, x, layer.weight, layer.bias, 1e-5, res, operand_ulps=1)
         if not x.is_cuda:  # the plain ops, exactly
             assert torch.equal(y, F.linear(norm(x), layer.weight, layer.bias) + res)
-
-
-@pytest.mark.parametrize("fused", [True, False])
-def test_model_linear_glu(gen, device, fused, monkeypatch):
-    """The model's gate_up `Linear` with `glu`: SiLU(gate) * up of its (normed) output, in the
-    kernel's epilogue (GLU_EPILOGUE) or by the SiLU op after it: the same bits on a GPU;
-    on the CPU the plain ops."""
-    from sparseengine.kernels import skinny_linear
-    from sparseengine.kernels.fused_ops import silu_mul
-    from sparseengine.layers.layernorm import RMSNorm
-    from sparseengine.layers.linear import Linear
-
-    monkeypatch.setattr(skinny_linear, "GLU_EPILOGUE", fused)
-    layer = Linear(64, 96, bias=False).to(device)
-    norm = RMSNorm(64, 1e-5).to(device)
-    x = torch.randn(5, 64, generator=gen).to(device) * 2 + 1
-    with torch.no_grad():
-        y = layer(x, norm, glu=True)
-        assert y.shape == (5, 48)
-        if x.is_cuda:
-            plain = skinny_linear_triton(x, layer.weight, rms_eps=1e-5, **skinny_linear.engine_tiles(96, x.dtype))
-            assert torch.equal(y, silu_mul(plain))
-        else:
-            assert torch.equal(y, silu_mul(F.linear(norm(x), layer.weight)))
 
 
 def test_leading_dims_and_strided_input(gen, device):
@@ -217,19 +150,6 @@ def test_llama_shapes_on_gpu(gen, N, K, pdl):
     x, w, _ = _inputs(gen, "cuda", 6, N, K, torch.bfloat16, False)
     y = skinny_linear_triton(x, w, block_n=32, block_k=256, num_stages=3, pdl=pdl)
     _check(y, x, w, None)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 6, 16])
-def test_llama_gate_up_glu_on_gpu(gen, rows):
-    """Llama-3.1-8B's gate_up with its norm folded, at the engine's tiles: the GLU epilogue
-    is bit for bit the plain kernel then the SiLU kernel."""
-    from sparseengine.kernels import silu_mul_triton, skinny_linear
-
-    x, w, _ = _inputs(gen, "cuda", rows, 28672, 4096, torch.bfloat16, False)
-    tiles = skinny_linear.engine_tiles(28672)
-    y = skinny_linear_triton(x, w, rms_eps=1e-5, glu=True, **tiles)
-    assert torch.equal(y, silu_mul_triton(skinny_linear_triton(x, w, rms_eps=1e-5, **tiles)))
 
 
 @pytest.mark.gpu
