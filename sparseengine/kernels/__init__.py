@@ -22,6 +22,7 @@ from .quest import (quest_page_scores_ref, quest_page_scores_triton, update_page
                     update_page_minmax_triton)
 from .omnikv_select import omnikv_select_triton
 from .quest_select import quest_select_pages_triton
+from .row_argmax import row_argmax_ref, row_argmax_triton
 from .skinny_linear import skinny_linear_ref, skinny_linear_triton
 from .sparse_decode import (sparse_decode_ref, sparse_decode_triton, sparse_page_decode_ref,
                             sparse_page_decode_triton)
@@ -58,6 +59,8 @@ __all__ = [
     "quest_page_scores_ref",
     "quest_page_scores_triton",
     "quest_select_pages_triton",
+    "row_argmax_ref",
+    "row_argmax_triton",
     "rms_norm_ref",
     "rms_norm_triton",
     "rotary_qk_ref",

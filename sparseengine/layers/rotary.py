@@ -41,8 +41,28 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.table: torch.Tensor | None = None  # [positions, 2 * d]: cos then sin (`reserve`)
+
+    def reserve(self, num_positions: int, dtype: torch.dtype) -> None:
+        """Compute cos/sin of positions [0, num_positions) in `dtype` once: `cos_sin` then
+        gathers a step's rows (one launch) instead of computing them (six: the product,
+        the concatenation, cos, sin and two casts; ~12 us a decode step on the H200). The
+        same elementwise ops, so the same values. Positions past the table are the
+        caller's error (the engine reserves max_model_len)."""
+        cos, sin = self._compute(torch.arange(num_positions, device=self.inv_freq.device), dtype)
+        self.table = torch.cat((cos, sin), dim=-1)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, d] in `dtype` (from the reserved table where it is
+        of `dtype` and on positions' device)."""
+        table = self.table
+        if table is None or table.dtype != dtype or table.device != positions.device:
+            return self._compute(positions, dtype)
+        rows = table.index_select(0, positions)
+        half = table.shape[1] // 2
+        return rows[:, :half], rows[:, half:]
+
+    def _compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
