@@ -19,7 +19,7 @@ from sparseengine.engine.outputs import RequestOutput
 from sparseengine.engine.page_allocator import PageAllocator
 from sparseengine.engine.scheduler import Scheduler, SchedulerConfig
 from sparseengine.engine.sequence import Sequence, SequenceStatus
-from sparseengine.kernels import skinny_linear
+from sparseengine.kernels import fused_ops, skinny_linear
 from sparseengine.layers.sampler import Sampler
 from sparseengine.method_registry import get_spec, resolve_prefill_policy
 from sparseengine.methods.base import MethodStack
@@ -88,7 +88,7 @@ class LLM:
         else:
             loader.load_weights(model, self.source)
         model.rotary.inv_freq = model.rotary.inv_freq.float()
-        if self.device.type == "cuda":  # a decode step gathers its cos/sin rows (one launch)
+        if self.device.type == "cuda" and fused_ops.ROTARY_TABLE:  # a decode step gathers its cos/sin rows
             model.rotary.reserve(self.config.max_model_len, self.dtype)
         if self.device.type == "cuda" and skinny_linear.FOLD_NORMS and skinny_linear.ENGINE_MAX_ROWS > 0:
             model.fold_norms()  # the decode steps' linears apply the norms and residual adds

@@ -34,6 +34,10 @@ from ._common import cdiv, check_launch, interpreting, next_pow2
 from .fused_ops_kernels import _rms_norm_kernel, _rotary_kv_write_kernel, _rotary_qk_kernel, _silu_mul_kernel
 
 OPS = ("rms_norm", "rotary_qk", "silu_mul")
+# Whether an engine on a GPU reserves its model's cos/sin table at load (a decode step then
+# gathers its rows instead of computing them, `RotaryEmbedding.reserve`); read when an engine
+# loads its model (profile_decode_step.py --kernel-const A/Bs it).
+ROTARY_TABLE = True
 _forced: dict[str, bool] = {}
 
 

@@ -22,6 +22,9 @@ if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing need
     import triton.language as tl
 
 MAX_ROWS = 1024  # rows a launch may count (its per-row counters, zeroed once per device)
+# Whether greedy sampling (layers/sampler.py) runs this kernel on a GPU (read at each call:
+# profile_decode_step.py --kernel-const A/Bs it against torch's argmax).
+SAMPLER_USES_KERNEL = True
 _row_counters: dict = {}
 
 

@@ -11,7 +11,8 @@ from sparseengine.sampling_params import SamplingParams
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """`logits.argmax(-1)`: on a GPU the row-split kernel (`row_argmax`, a few us against
     torch's 27 at 6 x 128256), torch's elsewhere or past the kernel's rows a launch."""
-    if logits.is_cuda and logits.shape[0] <= row_argmax.MAX_ROWS and logits.shape[-1] > 0:
+    if (logits.is_cuda and row_argmax.SAMPLER_USES_KERNEL and logits.shape[0] <= row_argmax.MAX_ROWS
+            and logits.shape[-1] > 0):
         return row_argmax.row_argmax_triton(logits)
     return logits.argmax(dim=-1)
 

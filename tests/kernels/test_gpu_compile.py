@@ -250,6 +250,8 @@ def launch_every_kernel(device):
     K.rotary_kv_write_triton(qr, kr, kr.clone(), cos, sin, kv.k_cache, kv.v_cache,
                              torch.tensor([0, 5, -1, 40, 7], device=device))
     K.silu_mul_triton(randn(5, 512, generator=gen, dtype=bf, device=device))
+    K.row_argmax_triton(torch.randn(3, 300, generator=gen).to(device), block=64)  # greedy sampling's logits
+    K.row_argmax_triton(randn(2, 300, generator=gen, dtype=bf, device=device))
     wl = randn(64, 256, generator=gen, dtype=bf, device=device)
     for pdl in (False, True):  # the benchmark's launches: 3 stages, and the PDL path's prologue
         K.skinny_linear_triton(x, wl, block_n=32, block_k=64, num_stages=3, pdl=pdl)

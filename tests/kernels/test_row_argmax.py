@@ -80,3 +80,4 @@ def test_sampler_greedy_uses_it_on_gpu(gen):
     assert torch.equal(greedy(x), torch.argmax(x, -1)) and int(greedy(x)[2]) == 5
     wide = torch.randn(row_argmax.MAX_ROWS + 1, 64, generator=gen).cuda()
     assert torch.equal(greedy(wide), torch.argmax(wide, -1))
+
