@@ -46,6 +46,10 @@ BLOCK_M = 16  # rows of x a program multiplies: tl.dot's smallest tile
 # The model's linear layers (layers/linear.py) use this kernel for at most this many rows on
 # a GPU (0: never, cuBLAS always; profile_decode_step.py --kernel-const sets it for A/Bs).
 ENGINE_MAX_ROWS = 16
+# Whether the model's linear layers spread their output features over whole waves of the
+# GPU's SMs (`balanced_programs`) instead of `cdiv(N, block_n)` full tiles (read at each call:
+# profile_decode_step.py --kernel-const A/Bs it).
+BALANCED_PROGRAMS = True
 # Whether a model on a GPU folds each RMSNorm into the linear after it and each residual
 # add into the linear before it (`rms_eps`, `residual`; LlamaForCausalLM.fold_norms), read
 # when an engine loads its model (profile_decode_step.py --kernel-const sets it for A/Bs).
@@ -57,15 +61,30 @@ def streams(x: torch.Tensor) -> bool:
     return x.is_cuda and 0 < x.numel() // max(x.shape[-1], 1) <= ENGINE_MAX_ROWS
 
 
-def engine_tiles(n: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+def engine_tiles(n: int, dtype: torch.dtype = torch.bfloat16, device: torch.device | None = None) -> dict:
     """Launch knobs for an N-feature layer: the fastest of bench_gpu --skinny-linear's grid
     at 6 rows on the H200 (results/skinny_linear_h200.jsonl, d44d4d6, bf16): 64 features a
     program for the wide layers (qkv, gate_up, lm_head), 32 for the 4096-wide ones (o,
     down); 256 channels a step, 4 warps, 5 stages. A 4-byte dtype takes 128 channels a
     step: the same bytes a stage, inside the shared memory (bf16's tiles in float32 would
-    need 320 KB at 64 features)."""
+    need 320 KB at 64 features). On a CUDA `device` with BALANCED_PROGRAMS, `programs`
+    (`balanced_programs`)."""
     block_k = 512 // dtype.itemsize
-    return dict(block_n=64 if n >= 6144 else 32, block_k=block_k, num_warps=4, num_stages=5)
+    tiles = dict(block_n=64 if n >= 6144 else 32, block_k=block_k, num_warps=4, num_stages=5)
+    if BALANCED_PROGRAMS and device is not None and device.type == "cuda":
+        tiles["programs"] = balanced_programs(n, tiles["block_n"], _common.num_sms(device))
+    return tiles
+
+
+def balanced_programs(n: int, block_n: int, sms: int) -> int | None:
+    """Programs for N features in tiles of `block_n`: as many whole waves of the GPU's `sms`
+    as `cdiv(n, block_n)` programs would start, the features spread evenly over them (None,
+    the plain tiles, where that is more programs than features). At the Llama-3.1-8B shape
+    on the H200's 132 SMs: qkv 96 programs of 64 features -> 132 of 46-47 (the weight read
+    by every SM, not 96), o and down 128 of 32 -> 132 of 31-32, gate_up 448 (3.4 waves) ->
+    528 of 54-55 (four even waves), lm_head 2004 -> 2112 of 60-61."""
+    programs = cdiv(cdiv(n, block_n), sms) * sms
+    return programs if programs <= n else None
 
 
 def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -81,7 +100,7 @@ def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                          rms_eps: float | None = None, residual: torch.Tensor | None = None,
-                         block_n: int = 16, block_k: int = 512,
+                         block_n: int = 16, block_k: int = 512, programs: int | None = None,
                          num_warps: int = 4, num_stages: int = 4, pdl: bool = False) -> torch.Tensor:
     """`x [..., K]`, `weight [N, K]` (rows contiguous), `bias [N]` or None -> `[..., N]` in
     x's dtype. `block_n`, `block_k`: powers of two, at least 16; `num_warps`, `num_stages`:
@@ -89,6 +108,11 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     programs start while the previous kernel runs, load their first weight tile, and wait
     for it (`griddepcontrol.wait`) before reading x; once past their reduction loop they
     let the next kernel launch.
+
+    `programs`: spread the N output features evenly over this many programs (program p
+    takes features `[p * N // programs, (p + 1) * N // programs)`, at most `block_n` of
+    them: at least `cdiv(N, block_n)` programs); default `cdiv(N, block_n)` programs of
+    `block_n` features (the last one partial).
 
     `rms_eps`: the linear of RMSNorm(x) with a unit weight (a model folds its norm's weight
     into this layer's weight): the loop also sums x's squares in float32, and the epilogue
@@ -109,6 +133,9 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     for name, v in (("block_n", block_n), ("block_k", block_k)):
         if int_arg(name, v, 16) & (v - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+    if programs is not None and not (isinstance(programs, int) and cdiv(N, block_n) <= programs <= max(N, 1)):
+        raise ValueError(f"programs must be an integer from cdiv(N={N}, block_n={block_n}) = {cdiv(N, block_n)} "
+                         f"to N, got {programs!r}")
     if rms_eps is not None and not (isinstance(rms_eps, (int, float)) and rms_eps >= 0):
         raise ValueError(f"rms_eps must be a number >= 0 or None, got {rms_eps!r}")
     if residual is not None and (tuple(residual.shape) != (*x.shape[:-1], N) or residual.dtype != x.dtype):
@@ -128,12 +155,13 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if r2.stride(-1) != 1:
         r2 = r2.contiguous()
     if M and N:
-        _skinny_linear_kernel[(cdiv(N, block_n), cdiv(M, BLOCK_M))](
+        spread = programs is not None and programs * block_n != N  # else the plain tiles exactly
+        _skinny_linear_kernel[(programs if spread else cdiv(N, block_n), cdiv(M, BLOCK_M))](
             x2, weight, weight if bias is None else bias, r2, y, M, N, K, x2.stride(0), weight.stride(0),
             r2.stride(0), y.stride(0), float(rms_eps or 0.0),
-            HAS_BIAS=bias is not None, NORM=rms_eps is not None, RESIDUAL=residual is not None,
+            HAS_BIAS=bias is not None, NORM=rms_eps is not None, RESIDUAL=residual is not None, SPREAD=spread,
             BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-            EVEN_N=N % block_n == 0, EVEN_K=K % block_k == 0, INTERPRET=interpreting(),
+            EVEN_N=N % block_n == 0 and not spread, EVEN_K=K % block_k == 0, INTERPRET=interpreting(),
             DOT_PREC=dot_precision(x.dtype), PDL=pdl, num_warps=num_warps, num_stages=num_stages,
             **({"launch_pdl": True} if pdl else {}))
     return y.reshape(*lead, N)
@@ -149,12 +177,18 @@ def _tile_dot(w, x, acc, INTERPRET: tl.constexpr, DOT_PREC: tl.constexpr):
 @lazy_jit
 def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_rm,
                           stride_ym, eps, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          SPREAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                           INTERPRET: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
     # acc[n, m] = sum_k w[n, k] * x[m, k]: the weight tile is the dot's left operand, so
     # BLOCK_N (not the few rows of x) is the MMA's row dimension.
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if SPREAD:  # this program's share of the N features, at most BLOCK_N of them
+        pid = tl.program_id(0)
+        n = (pid * N) // tl.num_programs(0) + tl.arange(0, BLOCK_N)
+        n_ok = n < ((pid + 1) * N) // tl.num_programs(0)
+    else:
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     kk = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
@@ -163,7 +197,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_xm,
     ss = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)  # x's squares, summed across once after the loop
     k_start = 0
     if PDL:  # the weight does not depend on the previous kernel: its first tile before the wait
-        w = tl.load(w_rows + kk[None, :], mask=(n[:, None] < N) & (kk[None, :] < K), other=0.0)
+        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & (kk[None, :] < K), other=0.0)
         if not INTERPRET:  # the interpreter runs one program at a time, and knows no griddepcontrol
             tl.extra.cuda.gdc_wait()
         x = tl.load(x_rows + kk[None, :], mask=(m[:, None] < M) & (kk[None, :] < K), other=0.0)
@@ -178,16 +212,18 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_xm,
             ss += x.to(tl.float32) * x.to(tl.float32)
         if EVEN_N and EVEN_K:
             w = tl.load(w_rows + k[None, :])
+        elif EVEN_K:  # a mask constant along k: the loads stay vectorised
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)
         else:
-            w = tl.load(w_rows + k[None, :], mask=(n[:, None] < N) & (k[None, :] < K), other=0.0)
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k[None, :] < K), other=0.0)
         acc = _tile_dot(w, x, acc, INTERPRET, DOT_PREC)
     if PDL and not INTERPRET:  # the next kernel may start on the SMs this one leaves
         tl.extra.cuda.gdc_launch_dependents()
     if NORM:
         acc *= (1.0 / tl.sqrt_rn(tl.sum(ss, axis=1) / K + eps))[None, :]
     if HAS_BIAS:
-        acc += tl.load(b_ptr + n, mask=n < N, other=0.0).to(tl.float32)[:, None]
-    mask = (n[:, None] < N) & (m[None, :] < M)
+        acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    mask = n_ok[:, None] & (m[None, :] < M)
     y = acc.to(y_ptr.dtype.element_ty)
     if RESIDUAL:
         res = tl.load(r_ptr + m.to(tl.int64)[None, :] * stride_rm + n[:, None], mask=mask, other=0.0)

@@ -255,6 +255,10 @@ def launch_every_kernel(device):
     wl = randn(64, 256, generator=gen, dtype=bf, device=device)
     for pdl in (False, True):  # the benchmark's launches: 3 stages, and the PDL path's prologue
         K.skinny_linear_triton(x, wl, block_n=32, block_k=64, num_stages=3, pdl=pdl)
+    # the model's: its features spread over whole SM waves, with a folded norm and a residual
+    K.skinny_linear_triton(x, wl, block_n=32, block_k=64, num_stages=5, programs=3, rms_eps=1e-5)
+    K.skinny_linear_triton(x, wl, block_n=32, block_k=64, num_stages=5, programs=5,
+                           residual=randn(5, 64, generator=gen, dtype=bf, device=device))
     from sparseengine.methods.deltakv_store import CodecStore
     for bits in (4, 16):  # the engine's store: bf16 centers, int16 neighbours; float32 Up
         store = CodecStore(60, 10, bits, 4, 2 * hkv * d, 32, bf, device)

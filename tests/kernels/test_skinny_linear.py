@@ -83,6 +83,38 @@ def test_folded_norm_and_residual(gen, device, M, N, K, bias, dtype, block_n, bl
             assert bool(((y.double() - want.double()).abs() <= ulp * want.double().abs()).all())
 
 
+@pytest.mark.parametrize("M,N,K,bias,dtype,block_n,programs", [
+    (6, 100, 256, True, torch.bfloat16, 16, 7),     # 14-15 features a program
+    (6, 96, 128, False, torch.bfloat16, 32, 5),     # 19-20 of 32
+    (16, 64, 96, False, torch.float32, 16, 64),     # one feature a program
+    (21, 50, 64, True, torch.float32, 16, 4),       # two row blocks; 12-13 features
+])
+@pytest.mark.parametrize("folded", [False, True])
+def test_programs_spread_the_features(gen, device, M, N, K, bias, dtype, block_n, programs, folded):
+    """`programs`: the features spread evenly over that many programs, each a partial tile:
+    every feature once, within the plain kernel's bound (with the norm and residual too);
+    bit for bit the plain tiles on a GPU, where a feature's sums do not depend on its tile."""
+    x, w, b = _inputs(gen, device, M, N, K, dtype, bias)
+    x = x * 3 + 0.5
+    eps = 1e-5 if folded else None
+    res = torch.randn(M, N, generator=gen).to(dtype).to(device) if folded else None
+    kw = dict(rms_eps=eps, residual=res, block_n=block_n, block_k=32)
+    y = skinny_linear_triton(x, w, b, programs=programs, **kw)
+    _check(y, x, w, b, eps, res)
+    if y.is_cuda:
+        assert torch.equal(y, skinny_linear_triton(x, w, b, **kw))
+
+
+def test_balanced_programs():
+    from sparseengine.kernels.skinny_linear import balanced_programs
+
+    # Llama-3.1-8B's layers on 132 SMs: whole waves, at most a tile a program
+    for n, block_n, want in ((6144, 64, 132), (4096, 32, 132), (28672, 64, 528), (128256, 64, 2112)):
+        got = balanced_programs(n, block_n, 132)
+        assert got == want and -(-n // got) <= block_n
+    assert balanced_programs(96, 32, 132) is None  # fewer features than an SM wave: the plain tiles
+
+
 def test_folded_bad_input(device):
     x = torch.zeros(2, 64, device=device)
     w = torch.zeros(16, 64, device=device)
@@ -141,6 +173,10 @@ def test_bad_input(device):
         skinny_linear_triton(x, w, block_k=48)
     with pytest.raises(ValueError, match="block_n must be an integer >= 16, got 8"):
         skinny_linear_triton(x, w, block_n=8)
+    with pytest.raises(ValueError, match=r"programs must be an integer from cdiv\(N=16, block_n=16\) = 1 to N, got 17"):
+        skinny_linear_triton(x, w, programs=17)
+    with pytest.raises(ValueError, match=r"cdiv\(N=48, block_n=16\) = 3 to N, got 2"):
+        skinny_linear_triton(x, torch.zeros(48, 64, device=device), programs=2)
 
 
 @pytest.mark.gpu
