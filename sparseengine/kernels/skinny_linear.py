@@ -5,7 +5,9 @@ At a decode step's batch the weight GEMMs are bound by reading the weight: a han
 rows multiply every weight element once. `skinny_linear_triton` gives each program
 `block_n` output features (weight rows) over the whole reduction, so the weight is read
 once, in order, as wide loads, by `cdiv(N, block_n)` programs (`cdiv(M, 16)` row blocks
-each, in one launch; one for a decode batch of up to 16 tokens). The rows of x sit in L2
+each, in one launch; one for a decode batch of up to 16 tokens), or by `programs` that
+share the N features evenly (the model's layers on a GPU: whole waves of its SMs,
+`balanced_programs`; not yet timed on the H200). The rows of x sit in L2
 and are read by every program. float32 accumulation (`tl.dot`), one rounding to the output
 dtype at the end, as cuBLAS does; the summation order differs from cuBLAS's, so the result
 agrees with `skinny_linear_ref` (`F.linear`) to float32 rounding, not bit for bit.
