@@ -2,6 +2,7 @@
 # GPU runs, one device call per phase; every output lands in $OUT (or ./gpu_out).
 #   bash scripts/gpu_session.sh check        # GPU tests, kernels (+FlashInfer side by side), TTFT, profiles
 #   bash scripts/gpu_session.sh profiles     # GPU tests (no FlashInfer), per-kernel decode profiles (vanilla b1, quest b6, omnikv b6, snapkv b183, h2o b128, deltakv b1 and b6), DeltaKV's flush times
+#   bash scripts/gpu_session.sh ab           # GPU tests, then each decode-step switch (AB_CONSTS) on/off in alternating profiles
 #   bash scripts/gpu_session.sh pick         # GPU tests (kernels, methods), OmniKV's pick side by side, OmniKV b6 profile
 #   bash scripts/gpu_session.sh balanced     # split-K decode tests (all, compiled), the balanced plan beside the per-row one
 #   bash scripts/gpu_session.sh ragged [hydra overrides]  # our dense decode beside FlashInfer's on ragged batches (carry
@@ -21,7 +22,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 WANDB_MODE=offline
 # The device copy's .git can name an older commit: pass COMMIT=<sha> DIRTY=0|1 so records carry provenance.
 COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export SPARSEENGINE_GIT_COMMIT=$COMMIT SPARSEENGINE_GIT_DIRTY=${DIRTY:-}
-phase=${1:?phase: check, profiles, pick, balanced, ragged, throughput or accuracy}; shift
+phase=${1:?phase: check, profiles, ab, pick, balanced, ragged, throughput or accuracy}; shift
 FI_WHEELS=.whl/flashinfer; [ -d .whl/flashinfer_trim ] && FI_WHEELS=.whl/flashinfer_trim
 export FI_WHEELS
 
@@ -80,6 +81,41 @@ profiles)
     timeout 120 python scripts/time_deltakv_flush.py --batch $b --commit "$COMMIT" \
       --engine-arg deltakv_checkpoint_path=$dk --out "$OUT/flush_deltakv_b$b.json" 2>&1 | tail -1
   done
+  ;;
+ab)
+  # GPU tests (unless SKIP_TESTS), then each decode-step switch A/B'd against its off state
+  # and all of them off, in alternating profiles, ROUNDS times (graph step of Quest b=6 and
+  # vanilla b=1; profile JSONs into $OUT). AB_CONSTS: the switches (module.NAME of
+  # sparseengine.kernels); AB_METHODS: "method batch" pairs. About 25 s a profile on a warm
+  # H200: the tests and one round of the defaults (14 profiles) take two calls.
+  [ -n "${SKIP_TESTS:-}" ] || { timeout "${TEST_TIMEOUT:-300}" python -m pytest tests/kernels tests/methods tests/attention \
+    tests/test_async_scheduling.py tests/test_rotary_table.py -q -m gpu -k "not flashinfer" -p no:cacheprovider -rs 2>&1 \
+    | tail -12 | tee "$OUT/gpu_tests.log"; timeout 120 python -m pytest tests/test_hf_equivalence.py -q -m gpu \
+    -p no:cacheprovider -rs 2>&1 | tail -6 | tee -a "$OUT/gpu_tests.log"; }
+  consts=${AB_CONSTS:-skinny_linear.BALANCED_PROGRAMS row_argmax.SAMPLER_USES_KERNEL fused_ops.ROTARY_TABLE}
+  IFS=, read -ra pairs <<< "${AB_METHODS:-quest 6,vanilla 1}"
+  for round in $(seq "${ROUNDS:-1}"); do
+    for pair in "${pairs[@]}"; do
+      set -- $pair
+      for c in $consts all_off; do
+        for state in True False; do
+          [ $c = all_off ] && [ $state = True ] && continue
+          args=()
+          if [ $c = all_off ]; then for d in $consts; do args+=(--kernel-const $d=False); done
+          else args=(--kernel-const $c=$state); fi
+          timeout 120 python scripts/profile_decode_step.py --method $1 --batch $2 --steps 8 --commit "$COMMIT" \
+            "${args[@]}" --out "$OUT/ab_$1_b$2_${c##*.}_${state}_r$round.json" > /tmp/ab.log 2>&1 || tail -5 /tmp/ab.log
+        done
+      done
+    done
+  done
+  python - "$OUT" <<'PY'
+import glob, json, sys
+for f in sorted(glob.glob(sys.argv[1] + "/ab_*.json")):
+    d = json.load(open(f))
+    print(f"{f.rsplit('/', 1)[-1]:60s} step {d['graph_step_ms']:.3f} ms  kernels {d['graph_kernel_sum_ms']:.3f} ms  "
+          f"{d['kernel_consts']}")
+PY
   ;;
 pick)
   timeout 240 python -m pytest tests/kernels tests/methods -q -m gpu -k "not flashinfer" -p no:cacheprovider -rs 2>&1 \
