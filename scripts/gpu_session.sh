@@ -83,25 +83,25 @@ profiles)
   done
   ;;
 ab)
-  # GPU tests (unless SKIP_TESTS), then each decode-step switch A/B'd against its off state
-  # and all of them off, in alternating profiles, ROUNDS times (graph step of Quest b=6 and
-  # vanilla b=1; profile JSONs into $OUT). AB_CONSTS: the switches (module.NAME of
-  # sparseengine.kernels); AB_METHODS: "method batch" pairs. About 25 s a profile on a warm
-  # H200: the tests and one round of the defaults (14 profiles) take two calls.
+  # GPU tests (unless SKIP_TESTS), then each decode-step switch on and off, and all of them
+  # on, in alternating profiles, ROUNDS times (graph step of Quest b=6 and vanilla b=1;
+  # profile JSONs into $OUT). AB_CONSTS: the switches (module.NAME of sparseengine.kernels);
+  # AB_METHODS: "method batch" pairs. About 25 s a profile on a warm H200: the tests and one
+  # round of the defaults (18 profiles) take two calls.
   [ -n "${SKIP_TESTS:-}" ] || { timeout "${TEST_TIMEOUT:-300}" python -m pytest tests/kernels tests/methods tests/attention \
     tests/test_async_scheduling.py tests/test_rotary_table.py -q -m gpu -k "not flashinfer" -p no:cacheprovider -rs 2>&1 \
     | tail -12 | tee "$OUT/gpu_tests.log"; timeout 120 python -m pytest tests/test_hf_equivalence.py -q -m gpu \
     -p no:cacheprovider -rs 2>&1 | tail -6 | tee -a "$OUT/gpu_tests.log"; }
-  consts=${AB_CONSTS:-skinny_linear.BALANCED_PROGRAMS row_argmax.SAMPLER_USES_KERNEL fused_ops.ROTARY_TABLE}
+  consts=${AB_CONSTS:-skinny_linear.BALANCED_PROGRAMS skinny_linear.TMA_LOADS row_argmax.SAMPLER_USES_KERNEL fused_ops.ROTARY_TABLE}
   IFS=, read -ra pairs <<< "${AB_METHODS:-quest 6,vanilla 1}"
   for round in $(seq "${ROUNDS:-1}"); do
     for pair in "${pairs[@]}"; do
       set -- $pair
-      for c in $consts all_off; do
+      for c in $consts all_on; do
         for state in True False; do
-          [ $c = all_off ] && [ $state = True ] && continue
+          [ $c = all_on ] && [ $state = False ] && continue
           args=()
-          if [ $c = all_off ]; then for d in $consts; do args+=(--kernel-const $d=False); done
+          if [ $c = all_on ]; then for d in $consts; do args+=(--kernel-const $d=True); done
           else args=(--kernel-const $c=$state); fi
           timeout 120 python scripts/profile_decode_step.py --method $1 --batch $2 --steps 8 --commit "$COMMIT" \
             "${args[@]}" --out "$OUT/ab_$1_b$2_${c##*.}_${state}_r$round.json" > /tmp/ab.log 2>&1 || tail -5 /tmp/ab.log

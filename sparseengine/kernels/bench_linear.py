@@ -51,6 +51,8 @@ def bench_skinny_linear(out_path, rows=(1, 6, 16), min_bytes=512 << 20):
             base = {"kind": "skinny_linear", "layer": name, "n": N, "k": K, "rows": M, "weight_copies": copies}
             variants = [("cublas", {}, lambda a, w: F.linear(a, w))]
             variants += [("triton", kw, lambda a, w, kw=kw: skinny_linear_triton(a, w, **kw)) for kw in CONFIGS]
+            variants += [("engine", kw, lambda a, w, kw=kw: skinny_linear_triton(a, w, **kw))
+                         for kw in engine_variants(N)]
             for impl, kw, fn in variants:
                 try:
                     err = (fn(x, weights[0]).float() - want).abs().max().item()
@@ -64,6 +66,16 @@ def bench_skinny_linear(out_path, rows=(1, 6, 16), min_bytes=512 << 20):
         torch.cuda.empty_cache()
 
 
+def engine_variants(n: int) -> list[dict]:
+    """The model's launch of an N-feature layer (`engine_tiles`), its features spread over
+    whole SM waves or not (`programs`), its weight tiles through TMA or not."""
+    from sparseengine.kernels.skinny_linear import balanced_programs, engine_tiles
+
+    tiles = engine_tiles(n)
+    spread = balanced_programs(n, tiles["block_n"], torch.cuda.get_device_properties(0).multi_processor_count)
+    return [dict(tiles, programs=programs, tma=tma) for programs in (None, spread) for tma in (False, True)]
+
+
 # The chain's GEMM launch configurations: the fastest of each layer in bench_skinny_linear
 # at 6 rows on the H200 (block_n, block_k, num_warps, num_stages); qkv its second (the
 # fastest, 5 stages, needs more shared memory than a PDL launch has).
@@ -75,8 +87,10 @@ def bench_pdl_chain(out_path, rows=6, layers=32):
     own weights, 14 GB), with a one-program-a-row stand-in kernel between each pair (the
     norm, the attention, the SiLU), as one CUDA graph: cuBLAS, the skinny Triton linear,
     and the skinny linear and the stand-ins as programmatic dependent launches (each starts
-    while the previous kernel runs and waits for it before reading its output). How much
-    of the step the kernel boundaries cost, and how much PDL gives back."""
+    while the previous kernel runs and waits for it before reading its output); and the
+    model's launches (`engine_variants`: features spread over SM waves, TMA weight loads,
+    both, both with PDL). How much of the step the kernel boundaries cost, and how much
+    PDL gives back."""
     from sparseengine.kernels.skinny_linear import skinny_linear_triton
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -102,8 +116,16 @@ def bench_pdl_chain(out_path, rows=6, layers=32):
             return skinny_linear_triton(a, w[name], block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, pdl=pdl)
         return gemm
 
+    def engine_gemm(spread, tma, pdl=False):
+        def gemm(a, w, name):
+            kw = engine_variants(SHAPES[name][0])[2 * spread + tma]
+            return skinny_linear_triton(a, w[name], pdl=pdl, **kw)
+        return gemm
+
     cublas = lambda a, w, name: F.linear(a, w[name])  # noqa: E731
-    variants = {"cublas": chain(cublas, False), "triton": chain(triton_gemm(False), False),
+    engine = {f"engine{'_spread' * s}{'_tma' * t}": chain(engine_gemm(s, t), False) for s in (0, 1) for t in (0, 1)}
+    engine["engine_spread_tma_pdl"] = chain(engine_gemm(1, 1, True), True)
+    variants = {"cublas": chain(cublas, False), "triton": chain(triton_gemm(False), False), **engine,
                 "triton_pdl": chain(triton_gemm(True), True),
                 "triton_pdl_stand_ins_trigger_last": chain(triton_gemm(True), True, early=False),
                 "cublas_gate_up_triton_pdl": chain(lambda a, w, name: cublas(a, w, name) if name == "gate_up"

@@ -37,7 +37,7 @@ OPS = ("rms_norm", "rotary_qk", "silu_mul")
 # Whether an engine on a GPU reserves its model's cos/sin table at load (a decode step then
 # gathers its rows instead of computing them, `RotaryEmbedding.reserve`); read when an engine
 # loads its model (profile_decode_step.py --kernel-const A/Bs it).
-ROTARY_TABLE = True
+ROTARY_TABLE = False  # not yet run on a GPU: off until an A/B (gpu_session.sh ab) says on
 _forced: dict[str, bool] = {}
 
 

@@ -51,7 +51,9 @@ ENGINE_MAX_ROWS = 16
 # Whether the model's linear layers spread their output features over whole waves of the
 # GPU's SMs (`balanced_programs`) instead of `cdiv(N, block_n)` full tiles (read at each call:
 # profile_decode_step.py --kernel-const A/Bs it).
-BALANCED_PROGRAMS = True
+BALANCED_PROGRAMS = False  # not yet timed on a GPU: off until an A/B (gpu_session.sh ab) says on
+# Whether they load the weight's tiles through a tensor descriptor (`tma`; read at each call).
+TMA_LOADS = False  # not yet run on a GPU: off until an A/B (gpu_session.sh ab) says on
 # Whether a model on a GPU folds each RMSNorm into the linear after it and each residual
 # add into the linear before it (`rms_eps`, `residual`; LlamaForCausalLM.fold_norms), read
 # when an engine loads its model (profile_decode_step.py --kernel-const sets it for A/Bs).
@@ -69,12 +71,14 @@ def engine_tiles(n: int, dtype: torch.dtype = torch.bfloat16, device: torch.devi
     program for the wide layers (qkv, gate_up, lm_head), 32 for the 4096-wide ones (o,
     down); 256 channels a step, 4 warps, 5 stages. A 4-byte dtype takes 128 channels a
     step: the same bytes a stage, inside the shared memory (bf16's tiles in float32 would
-    need 320 KB at 64 features). On a CUDA `device` with BALANCED_PROGRAMS, `programs`
-    (`balanced_programs`)."""
+    need 320 KB at 64 features). On a CUDA `device`: `programs` with BALANCED_PROGRAMS
+    (`balanced_programs`), `tma` with TMA_LOADS."""
     block_k = 512 // dtype.itemsize
     tiles = dict(block_n=64 if n >= 6144 else 32, block_k=block_k, num_warps=4, num_stages=5)
     if BALANCED_PROGRAMS and device is not None and device.type == "cuda":
         tiles["programs"] = balanced_programs(n, tiles["block_n"], _common.num_sms(device))
+    if TMA_LOADS and device is not None and device.type == "cuda":
+        tiles["tma"] = True
     return tiles
 
 
@@ -102,7 +106,7 @@ def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                          rms_eps: float | None = None, residual: torch.Tensor | None = None,
-                         block_n: int = 16, block_k: int = 512, programs: int | None = None,
+                         block_n: int = 16, block_k: int = 512, programs: int | None = None, tma: bool = False,
                          num_warps: int = 4, num_stages: int = 4, pdl: bool = False) -> torch.Tensor:
     """`x [..., K]`, `weight [N, K]` (rows contiguous), `bias [N]` or None -> `[..., N]` in
     x's dtype. `block_n`, `block_k`: powers of two, at least 16; `num_warps`, `num_stages`:
@@ -115,6 +119,9 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     takes features `[p * N // programs, (p + 1) * N // programs)`, at most `block_n` of
     them: at least `cdiv(N, block_n)` programs); default `cdiv(N, block_n)` programs of
     `block_n` features (the last one partial).
+
+    `tma`: load the weight's tiles through a tensor descriptor (Hopper's tensor memory
+    accelerator copies them; the weight's rows must start 16-byte aligned).
 
     `rms_eps`: the linear of RMSNorm(x) with a unit weight (a model folds its norm's weight
     into this layer's weight): the loop also sums x's squares in float32, and the epilogue
@@ -147,6 +154,14 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     device = check_launch(x, weight, *extra)
     if weight.stride(1) != 1:
         weight = weight.contiguous()
+    w_desc = weight  # a placeholder the kernel does not read unless TMA
+    if tma:
+        if weight.data_ptr() % 16 or (weight.stride(0) * weight.element_size()) % 16:
+            raise ValueError(f"tma needs 16-byte aligned weight rows, got a base at {weight.data_ptr()} "
+                             f"and rows of {weight.stride(0) * weight.element_size()} bytes")
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        w_desc = TensorDescriptor(weight, shape=[N, K], strides=[weight.stride(0), 1], block_shape=[block_n, block_k])
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     if x2.stride(1) != 1:
@@ -159,9 +174,9 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if M and N:
         spread = programs is not None and programs * block_n != N  # else the plain tiles exactly
         _skinny_linear_kernel[(programs if spread else cdiv(N, block_n), cdiv(M, BLOCK_M))](
-            x2, weight, weight if bias is None else bias, r2, y, M, N, K, x2.stride(0), weight.stride(0),
+            x2, weight, w_desc, weight if bias is None else bias, r2, y, M, N, K, x2.stride(0), weight.stride(0),
             r2.stride(0), y.stride(0), float(rms_eps or 0.0),
-            HAS_BIAS=bias is not None, NORM=rms_eps is not None, RESIDUAL=residual is not None, SPREAD=spread,
+            HAS_BIAS=bias is not None, NORM=rms_eps is not None, RESIDUAL=residual is not None, SPREAD=spread, TMA=tma,
             BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
             EVEN_N=N % block_n == 0 and not spread, EVEN_K=K % block_k == 0, INTERPRET=interpreting(),
             DOT_PREC=dot_precision(x.dtype), PDL=pdl, num_warps=num_warps, num_stages=num_stages,
@@ -177,19 +192,21 @@ def _tile_dot(w, x, acc, INTERPRET: tl.constexpr, DOT_PREC: tl.constexpr):
 
 
 @lazy_jit
-def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_rm,
+def _skinny_linear_kernel(x_ptr, w_ptr, w_desc, b_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_rm,
                           stride_ym, eps, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                          SPREAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          SPREAD: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                           INTERPRET: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
     # acc[n, m] = sum_k w[n, k] * x[m, k]: the weight tile is the dot's left operand, so
     # BLOCK_N (not the few rows of x) is the MMA's row dimension.
+    pid = tl.program_id(0)
     if SPREAD:  # this program's share of the N features, at most BLOCK_N of them
-        pid = tl.program_id(0)
-        n = (pid * N) // tl.num_programs(0) + tl.arange(0, BLOCK_N)
+        n0 = (pid * N) // tl.num_programs(0)
+        n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < ((pid + 1) * N) // tl.num_programs(0)
     else:
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n0 = pid * BLOCK_N
+        n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < N
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     kk = tl.arange(0, BLOCK_K)
@@ -199,7 +216,10 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_xm,
     ss = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)  # x's squares, summed across once after the loop
     k_start = 0
     if PDL:  # the weight does not depend on the previous kernel: its first tile before the wait
-        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & (kk[None, :] < K), other=0.0)
+        if TMA:
+            w = w_desc.load([n0, 0])
+        else:
+            w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & (kk[None, :] < K), other=0.0)
         if not INTERPRET:  # the interpreter runs one program at a time, and knows no griddepcontrol
             tl.extra.cuda.gdc_wait()
         x = tl.load(x_rows + kk[None, :], mask=(m[:, None] < M) & (kk[None, :] < K), other=0.0)
@@ -212,7 +232,9 @@ def _skinny_linear_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_xm,
         x = tl.load(x_rows + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
         if NORM:
             ss += x.to(tl.float32) * x.to(tl.float32)
-        if EVEN_N and EVEN_K:
+        if TMA:  # the tensor memory accelerator copies the tile (rows and channels past the weight: zeros)
+            w = w_desc.load([n0, k0])
+        elif EVEN_N and EVEN_K:
             w = tl.load(w_rows + k[None, :])
         elif EVEN_K:  # a mask constant along k: the loads stay vectorised
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None], other=0.0)

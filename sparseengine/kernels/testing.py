@@ -95,7 +95,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float = 1e-4
 
 
 def compile_for_gpu(kernel, helpers, types: dict, constexprs: dict, *, num_warps: int = 4, arch: int = 90,
-                    options: dict | None = None):
+                    options: dict | None = None, aligned: tuple = ()):
     """Compile a lazy Triton kernel for CUDA sm_`arch` without a GPU (front end, LLVM and
     the bundled ptxas), in a process where TRITON_INTERPRET is not set (Triton's own
     library functions are interpreter objects once it is imported under it): the
@@ -103,7 +103,10 @@ def compile_for_gpu(kernel, helpers, types: dict, constexprs: dict, *, num_warps
     shape, say). `helpers`: the kernel module's global names of the plain functions it
     calls (jitted for the compile, restored after); None: found from the kernel's code.
     `types`: Triton type strings of the runtime arguments ("*fp32", "i32", ...); every
-    other argument is a constexpr from `constexprs`. Returns the compiled kernel."""
+    other argument is a constexpr from `constexprs`. `aligned`: the arguments a launch would
+    find divisible by 16 (pointers 16-byte aligned, integers multiples of 16), which Triton's
+    launches specialise on (wide loads): without them the build is the unspecialised one.
+    Returns the compiled kernel."""
     import triton
     import triton.language
     from triton.backends.compiler import GPUTarget
@@ -134,8 +137,9 @@ def compile_for_gpu(kernel, helpers, types: dict, constexprs: dict, *, num_warps
         unknown = set(types) - set(signature)
         if unknown:
             raise ValueError(f"not arguments of {fn.__name__}: {sorted(unknown)}")
+        attrs = {(jitted.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
         source = ASTSource(fn=jitted, signature=signature,
-                           constexprs={name: value for name, value in constexprs.items()})
+                           constexprs={name: value for name, value in constexprs.items()}, attrs=attrs)
         return triton.compile(source, target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": num_warps, **(options or {})})
     finally:
@@ -182,6 +186,9 @@ class record_launches:
                         consts[p.name] = False if p.name == "INTERPRET" else value
                     elif isinstance(value, torch.Tensor):
                         types[p.name] = "*" + _TRITON_TYPES[value.dtype]
+                    elif type(value).__name__ == "TensorDescriptor":  # triton.tools.tensor_descriptor's
+                        block = ", ".join(str(int(n)) for n in value.block_shape)
+                        types[p.name] = f"tensordesc<{_TRITON_TYPES[value.base.dtype]}[{block}]>"
                     elif isinstance(value, bool):
                         types[p.name] = "i1"
                     elif isinstance(value, int):

@@ -259,6 +259,9 @@ def launch_every_kernel(device):
     K.skinny_linear_triton(x, wl, block_n=32, block_k=64, num_stages=5, programs=3, rms_eps=1e-5)
     K.skinny_linear_triton(x, wl, block_n=32, block_k=64, num_stages=5, programs=5,
                            residual=randn(5, 64, generator=gen, dtype=bf, device=device))
+    for pdl in (False, True):  # the weight's tiles through a tensor descriptor (TMA)
+        K.skinny_linear_triton(x, wl, block_n=32, block_k=64, num_stages=5, programs=3, rms_eps=1e-5, tma=True,
+                               pdl=pdl)
     from sparseengine.methods.deltakv_store import CodecStore
     for bits in (4, 16):  # the engine's store: bf16 centers, int16 neighbours; float32 Up
         store = CodecStore(60, 10, bits, 4, 2 * hkv * d, 32, bf, device)

@@ -105,6 +105,33 @@ def test_programs_spread_the_features(gen, device, M, N, K, bias, dtype, block_n
         assert torch.equal(y, skinny_linear_triton(x, w, b, **kw))
 
 
+@pytest.mark.parametrize("M,N,K,bias,dtype,block_n,block_k,programs", [
+    (6, 96, 384, True, torch.bfloat16, 32, 128, None),   # whole tiles
+    (6, 50, 200, False, torch.bfloat16, 16, 64, None),   # rows and channels past the weight: zeros
+    (16, 100, 96, False, torch.float32, 16, 32, 7),      # features spread, tiles overlapping the next
+    (21, 40, 72, True, torch.float32, 32, 32, 2),        # two row blocks; channels past K in the last tile
+])
+@pytest.mark.parametrize("folded", [False, True])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_tma_loads(gen, device, M, N, K, bias, dtype, block_n, block_k, programs, folded, pdl):
+    """The weight's tiles through a tensor descriptor (`tma`): the plain loads' result, bit
+    for bit (the same tiles into the same sums); with the norm and residual folded in, and
+    the PDL path's first tile."""
+    x, w, b = _inputs(gen, device, M, N, K, dtype, bias)
+    res = torch.randn(M, N, generator=gen).to(dtype).to(device) if folded else None
+    kw = dict(rms_eps=1e-5 if folded else None, residual=res, block_n=block_n, block_k=block_k, programs=programs,
+              pdl=pdl)
+    y = skinny_linear_triton(x, w, b, tma=True, **kw)
+    assert torch.equal(y, skinny_linear_triton(x, w, b, **kw))
+    _check(y, x, w, b, kw["rms_eps"], res)
+
+
+def test_tma_needs_aligned_rows(device):
+    w = torch.zeros(16, 70, device=device)[:, :68]  # rows of 280 bytes: not a multiple of 16
+    with pytest.raises(ValueError, match="tma needs 16-byte aligned weight rows, got .* rows of 280 bytes"):
+        skinny_linear_triton(torch.zeros(2, 68, device=device), w, tma=True)
+
+
 def test_balanced_programs():
     from sparseengine.kernels.skinny_linear import balanced_programs
 
