@@ -2,12 +2,13 @@
 
 `row_argmax_ref(x)` is `torch.argmax(x, -1)`, the oracle: the first index of the row's
 maximum, a NaN counting as larger than every number (the first NaN wins).
-`row_argmax_triton(x)` has its contract on `[B, V]` float rows. torch's kernel reduces a row
-in one block: 27 us a step at 6 rows x 128256 on the H200 (profile_quest_b6). Here a row
-is cut into chunks of `block` values, one program each (first index of the chunk's
-maximum, or of its first NaN); the last program of a row to finish (an atomic count per
-row, left at zero for the next launch) reduces the row's chunks in index order. One
-launch, no host sync: CUDA-graph capturable.
+`row_argmax_triton(x)` has its contract on `[B, V]` float rows. torch's argmax took 27 us a
+step at 6 rows x 128256 on the H200 (its reduce kernel in profile_quest_b6). Here a row is
+cut into chunks of `block` values, one program each (first index of the chunk's maximum,
+or of its first NaN); the last program of a row to finish (an atomic count per row, left
+at zero for the next launch) reduces the row's chunks in index order. One launch, no host
+sync: CUDA-graph capturable. Built for sm_90 in the tests, not yet run on a GPU: the
+sampler takes it only with SAMPLER_USES_KERNEL.
 """
 from __future__ import annotations
 
