@@ -36,7 +36,8 @@ def main(path):
         counts = torch.full((B, HKV), width, dtype=torch.int32, device="cuda")
         for layout in ("NHD", "HND", "NHD", "HND"):
             k, v = caches(pool, layout, gen)
-            for chunk, bn, w, st in ((None, None, None, None), (128, 32, 4, 2), (128, 64, 4, 2), (256, 64, 4, 3), (64, 16, 2, 2)):
+            for chunk, bn, w, st in ((None, None, None, None), (128, 32, 4, 2), (128, 64, 4, 2), (256, 64, 4, 3),
+                                     (64, 16, 2, 2)):
                 kw = {} if chunk is None else dict(kv_chunk=chunk, block_n=bn, num_warps=w, num_stages=st)
                 fn = lambda: sparse_page_decode_triton(q, k, v, table, kv_lens, pages, counts, **kw)
                 us = per_launch_us(fn)

@@ -206,7 +206,8 @@ def main():
             print(json.dumps(r), flush=True)
     # the prefetch kernels' own time, and the stream's
     for name, f in (("asm prefetch o", lambda: pf_asm(w_o)), ("bulk prefetch o", lambda: pf_bulk(w_o, True)),
-                    ("load prefetch o", lambda: pf_load(w_o)), ("stream 50MB evict_first", lambda: stream("evict_first")),
+                    ("load prefetch o", lambda: pf_load(w_o)),
+                    ("stream 50MB evict_first", lambda: stream("evict_first")),
                     ("stream 50MB default", lambda: stream(""))):
         ts = []
         for _ in range(25):
