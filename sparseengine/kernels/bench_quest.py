@@ -118,3 +118,26 @@ def bench_quest_attention(out_path, B=6, P=8320, n=131072, width=129):
                         "merge": "last program" if fused else "second kernel",
                         "us_per_launch": us, "GBps": nbytes / us / 1e3, "max_abs_diff_vs_default": err})
 
+
+def bench_quest_attention_widths(out_path, B=6, P=8320, n=131072, widths=(1, 4, 16, 64, 129, 256, 512)):
+    """Quest's sparse-page attention at its default launch, `widths` chosen pages a (request,
+    KV head) at the 128K shape, per launch in a CUDA graph of 30 launches (the merge kernel
+    included): how much of a launch is fixed (the lines' intercept) and how much is bytes."""
+    from sparseengine.kernels import sparse_page_decode_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    pool = B * P
+    k_cache, v_cache = (torch.randn(pool, PS, HKV, D, generator=gen, device="cuda").to(BF16) for _ in range(2))
+    table = torch.randperm(pool, generator=gen, device="cuda").int().view(B, P)
+    kv_lens = torch.full((B,), n, dtype=torch.int32, device="cuda")
+    q = torch.randn(B, HQ, D, generator=gen, device="cuda").to(BF16)
+    for width in widths:
+        chosen = torch.rand(B, HKV, n // PS, generator=gen, device="cuda").argsort(-1)[..., :width]
+        pages = chosen.sort(-1).values.contiguous()
+        counts = torch.full((B, HKV), width, dtype=torch.int32, device="cuda")
+        fn = lambda: sparse_page_decode_triton(q, k_cache, v_cache, table, kv_lens, pages, counts)  # noqa: E731
+        us = per_launch_us(fn)
+        nbytes = 2 * B * HKV * width * PS * D * 2
+        emit(out_path, {"kind": "quest_attention_width", "batch": B, "hkv": HKV, "pages": width, "kv_len": n,
+                        "us_per_launch": us, "GBps": nbytes / us / 1e3})
+
