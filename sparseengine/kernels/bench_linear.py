@@ -116,15 +116,18 @@ def bench_pdl_chain(out_path, rows=6, layers=32):
             return skinny_linear_triton(a, w[name], block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, pdl=pdl)
         return gemm
 
-    def engine_gemm(spread, tma, pdl=False):
+    def engine_gemm(spread, tma, pdl=False, stages=None):
         def gemm(a, w, name):
             kw = engine_variants(SHAPES[name][0])[2 * spread + tma]
+            if stages:  # fewer stages: two programs fit an SM's shared memory, so a PDL launch can overlap
+                kw = dict(kw, num_stages=stages)
             return skinny_linear_triton(a, w[name], pdl=pdl, **kw)
         return gemm
 
     cublas = lambda a, w, name: F.linear(a, w[name])  # noqa: E731
     engine = {f"engine{'_spread' * s}{'_tma' * t}": chain(engine_gemm(s, t), False) for s in (0, 1) for t in (0, 1)}
     engine["engine_spread_tma_pdl"] = chain(engine_gemm(1, 1, True), True)
+    engine["engine_spread_tma_pdl_3_stages"] = chain(engine_gemm(1, 1, True, stages=3), True)
     variants = {"cublas": chain(cublas, False), "triton": chain(triton_gemm(False), False), **engine,
                 "triton_pdl": chain(triton_gemm(True), True),
                 "triton_pdl_stand_ins_trigger_last": chain(triton_gemm(True), True, early=False),
