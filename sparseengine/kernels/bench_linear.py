@@ -119,7 +119,7 @@ def bench_pdl_chain(out_path, rows=6, layers=32):
     def engine_gemm(spread, tma, pdl=False, stages=None):
         def gemm(a, w, name):
             kw = engine_variants(SHAPES[name][0])[2 * spread + tma]
-            if stages:  # fewer stages: two programs fit an SM's shared memory, so a PDL launch can overlap
+            if stages:  # fewer stages: more programs fit an SM (o, down: 72 KB at 3), so a PDL launch can overlap
                 kw = dict(kw, num_stages=stages)
             return skinny_linear_triton(a, w[name], pdl=pdl, **kw)
         return gemm
