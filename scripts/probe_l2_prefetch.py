@@ -52,7 +52,7 @@ def load_kernel(ptr, dummy, N, BLOCK: tl.constexpr, POLICY: tl.constexpr):
     tl.store(dummy + tl.program_id(0), s, mask=s == 123456.75)
 
 
-def main2(path):
+def graph_probe(path):
     """In CUDA graphs: per rep, a clean 256 MB read (L2 flush), a 20 us latency-bound
     stand-in (sleep) with or without a prefetch of o's weight on a side stream, a 50 MB
     stream (the sparse decode), then o and gate_up. us per rep."""
@@ -130,7 +130,7 @@ def main2(path):
             fh.write(json.dumps(r) + "\n")
 
 
-def main():
+def events_probe(path):
     dev = torch.device("cuda")
     torch.manual_seed(0)
     w_o = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
@@ -221,10 +221,10 @@ def main():
         r = {"case": name, "us_median": statistics.median(ts)}
         out.append(r)
         print(json.dumps(r), flush=True)
-    with open(sys.argv[1], "w") as fh:
+    with open(path, "w") as fh:
         for r in out:
             fh.write(json.dumps(r) + "\n")
 
 
 if __name__ == "__main__":
-    main2(sys.argv[1]) if len(sys.argv) > 2 and sys.argv[2] == "graph" else main()
+    (graph_probe if len(sys.argv) > 2 and sys.argv[2] == "graph" else events_probe)(sys.argv[1])

@@ -185,6 +185,18 @@ def default_scale(head_dim: int, scale: float | None) -> float:
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
+_zeroed_counters: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def zeroed_counters(owner: str, size: int, device: torch.device) -> torch.Tensor:
+    """`owner`'s int32 arrival counters on `device` (a kernel whose last program to arrive
+    finishes the work): zeroed once, each launch leaving them at zero again."""
+    key = (owner, device)
+    if key not in _zeroed_counters:
+        _zeroed_counters[key] = torch.zeros(size, dtype=torch.int32, device=device)
+    return _zeroed_counters[key]
+
+
 def num_sms(device: torch.device) -> int:
     return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device()) \
         if device.type == "cuda" else 4

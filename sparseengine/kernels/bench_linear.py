@@ -69,10 +69,11 @@ def bench_skinny_linear(out_path, rows=(1, 6, 16), min_bytes=512 << 20):
 def engine_variants(n: int) -> list[dict]:
     """The model's launch of an N-feature layer (`engine_tiles`), its features spread over
     whole SM waves or not (`programs`), its weight tiles through TMA or not."""
+    from sparseengine.kernels._common import num_sms
     from sparseengine.kernels.skinny_linear import balanced_programs, engine_tiles
 
     tiles = engine_tiles(n)
-    spread = balanced_programs(n, tiles["block_n"], torch.cuda.get_device_properties(0).multi_processor_count)
+    spread = balanced_programs(n, tiles["block_n"], num_sms(torch.device("cuda")))
     return [dict(tiles, programs=programs, tma=tma) for programs in (None, spread) for tma in (False, True)]
 
 

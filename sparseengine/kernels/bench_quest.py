@@ -84,6 +84,16 @@ def bench_quest_fold(out_path, q, kmax, kmin, table, kv_lens):
                         "us_per_step": per_launch_us(fn), "equals_update_then_scores": torch.equal(fn(), want)})
 
 
+def _attention_inputs(B, P, n, gen):
+    """q, a K/V pool of B * P pages, B page tables scattered over it, kv_lens all n."""
+    pool = B * P
+    k_cache, v_cache = (torch.randn(pool, PS, HKV, D, generator=gen, device="cuda").to(BF16) for _ in range(2))
+    table = torch.randperm(pool, generator=gen, device="cuda").int().view(B, P)
+    kv_lens = torch.full((B,), n, dtype=torch.int32, device="cuda")
+    q = torch.randn(B, HQ, D, generator=gen, device="cuda").to(BF16)
+    return q, k_cache, v_cache, table, kv_lens
+
+
 def bench_quest_attention(out_path, B=6, P=8320, n=131072, width=129):
     """Quest's sparse layers' attention at the 128K decode benchmark's shape: every (request,
     KV head) attends over `width` chosen pages (4 sink + 92 top + 33 recent) of an
@@ -93,11 +103,7 @@ def bench_quest_attention(out_path, B=6, P=8320, n=131072, width=129):
     from sparseengine.kernels import sparse_page_decode_triton
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    pool = B * P
-    k_cache, v_cache = (torch.randn(pool, PS, HKV, D, generator=gen, device="cuda").to(BF16) for _ in range(2))
-    table = torch.randperm(pool, generator=gen, device="cuda").int().view(B, P)
-    kv_lens = torch.full((B,), n, dtype=torch.int32, device="cuda")
-    q = torch.randn(B, HQ, D, generator=gen, device="cuda").to(BF16)
+    q, k_cache, v_cache, table, kv_lens = _attention_inputs(B, P, n, gen)
     chosen = torch.rand(B, HKV, n // PS, generator=gen, device="cuda").argsort(-1)[..., :width]
     pages = chosen.sort(-1).values.contiguous()
     counts = torch.full((B, HKV), width, dtype=torch.int32, device="cuda")
@@ -126,11 +132,7 @@ def bench_quest_attention_widths(out_path, B=6, P=8320, n=131072, widths=(1, 4, 
     from sparseengine.kernels import sparse_page_decode_triton
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    pool = B * P
-    k_cache, v_cache = (torch.randn(pool, PS, HKV, D, generator=gen, device="cuda").to(BF16) for _ in range(2))
-    table = torch.randperm(pool, generator=gen, device="cuda").int().view(B, P)
-    kv_lens = torch.full((B,), n, dtype=torch.int32, device="cuda")
-    q = torch.randn(B, HQ, D, generator=gen, device="cuda").to(BF16)
+    q, k_cache, v_cache, table, kv_lens = _attention_inputs(B, P, n, gen)
     for width in widths:
         chosen = torch.rand(B, HKV, n // PS, generator=gen, device="cuda").argsort(-1)[..., :width]
         pages = chosen.sort(-1).values.contiguous()

@@ -64,9 +64,6 @@ COMBINE_D_TILE: int | None = 32
 # vanilla at 1 x 128K + 63 x 1K, batch 64: merges 705 against 1432 us a step, graph step
 # 13.57 against 14.65 ms; SnapKV at batch 183 (no merge launches) unchanged.
 WIDE_BALANCED_MERGE = True
-_split_counters: dict[torch.device, torch.Tensor] = {}
-
-
 def paged_decode_ref(q, k_cache, v_cache, page_table, kv_lens, scale=None, return_lse=False):
     """q `[B, Hq, d]` -> out `[B, Hq, d]` (and lse `[B, Hq]` fp32, natural log)."""
     B, Hq, d = q.shape
@@ -148,7 +145,8 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
     meta = balanced_plan.plan_buffer(plan_out, rows, device) if balanced else balanced_plan.no_plan(plan_out, kv_lens)
     out = _common.empty((B, Hq, d), q.dtype, device)
     lse = _common.empty((B, Hq), torch.float32, device) if return_lse else part_lse
-    counters = _counters(device) if combine == _LAST_MERGES else kv_lens
+    counters = _common.zeroed_counters("split_k_decode", MAX_SPLIT_COUNTERS, device) if combine == _LAST_MERGES \
+        else kv_lens
     has_sel = sel is not None
     sel_t = sel if has_sel else kv_lens
     num_sel_t = num_sel if has_sel else kv_lens
@@ -211,13 +209,6 @@ def _combine_mode(fused_combine: bool | None, num_splits: int, rows: int, balanc
     if fused_combine:
         raise ValueError(f"fused_combine needs B * Hkv <= {MAX_SPLIT_COUNTERS} counters, got {rows} rows")
     return _PARTIALS
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    """The device's split counters: zeroed once, then every launch leaves them at zero."""
-    if device not in _split_counters:
-        _split_counters[device] = torch.zeros(MAX_SPLIT_COUNTERS, dtype=torch.int32, device=device)
-    return _split_counters[device]
 
 
 @lazy_jit

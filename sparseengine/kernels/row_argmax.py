@@ -26,7 +26,6 @@ MAX_ROWS = 1024  # rows a launch may count (its per-row counters, zeroed once pe
 # Whether greedy sampling (layers/sampler.py) runs this kernel on a GPU (read at each call:
 # profile_decode_step.py --kernel-const A/Bs it against torch's argmax).
 SAMPLER_USES_KERNEL = False  # not yet run on a GPU: off until an A/B (gpu_session.sh ab) says on
-_row_counters: dict = {}
 
 
 def row_argmax_ref(x: torch.Tensor) -> torch.Tensor:
@@ -57,10 +56,9 @@ def row_argmax_triton(x: torch.Tensor, *, block: int = 4096, num_warps: int = 4)
     part_val = _common.empty((B, chunks), torch.float32, device)
     part_idx = torch.empty((B, chunks), dtype=torch.int64, device=device)
     part_nan = torch.empty((B, chunks), dtype=torch.int32, device=device)
-    if device not in _row_counters:
-        _row_counters[device] = torch.zeros(MAX_ROWS, dtype=torch.int32, device=device)
     _row_argmax_kernel[(chunks, B)](
-        x, out, part_val, part_idx, part_nan, _row_counters[device], V, x.stride(0), chunks,
+        x, out, part_val, part_idx, part_nan, _common.zeroed_counters("row_argmax", MAX_ROWS, device), V,
+        x.stride(0), chunks,
         BLOCK=block, BLOCK_C=max(16, next_pow2(chunks)), num_warps=num_warps)
     return out
 
