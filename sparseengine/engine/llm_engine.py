@@ -89,7 +89,7 @@ class LLM:
             loader.load_weights(model, self.source)
         model.rotary.inv_freq = model.rotary.inv_freq.float()
         if self.device.type == "cuda" and fused_ops.ROTARY_TABLE:  # a decode step gathers its cos/sin rows
-            model.rotary.reserve(self.config.max_model_len, self.dtype)
+            model.rotary.reserve(self.max_model_len, self.dtype)
         if self.device.type == "cuda" and skinny_linear.FOLD_NORMS and skinny_linear.ENGINE_MAX_ROWS > 0:
             model.fold_norms()  # the decode steps' linears apply the norms and residual adds
         return model.eval()

@@ -367,12 +367,13 @@ def main(argv=None):
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu needs a CUDA GPU")
     emit(args.out, {"kind": "meta", **_meta()})
-    for flag, (_, module, functions) in PARTS.items():
-        if getattr(args, flag.replace("-", "_")):
-            bench = importlib.import_module(f"sparseengine.kernels.{module}")
-            for name in functions:
-                getattr(bench, name)(args.out)
-            return
+    parts = [part for flag, part in PARTS.items() if getattr(args, flag.replace("-", "_"))]
+    for _, module, functions in parts:  # every part named, in PARTS' order
+        bench = importlib.import_module(f"sparseengine.kernels.{module}")
+        for name in functions:
+            getattr(bench, name)(args.out)
+    if parts:
+        return
     if args.flashinfer:
         bench_flashinfer_decode(args.out, 32, 32768)
         bench_flashinfer_decode(args.out, 1, 131072)
