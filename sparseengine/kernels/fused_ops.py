@@ -37,7 +37,7 @@ OPS = ("rms_norm", "rotary_qk", "silu_mul")
 # Whether an engine on a GPU reserves its model's cos/sin table at load (a decode step then
 # gathers its rows instead of computing them, `RotaryEmbedding.reserve`); read when an engine
 # loads its model (profile_decode_step.py --kernel-const A/Bs it).
-ROTARY_TABLE = False  # not yet run on a GPU: off until an A/B (gpu_session.sh ab) says on
+ROTARY_TABLE = True  # A/B session 21 (results/ab_switches_h200.jsonl): Quest b=6 step -0.013 ms, vanilla b=1 -0.01
 _forced: dict[str, bool] = {}
 
 

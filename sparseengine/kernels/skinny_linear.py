@@ -53,7 +53,7 @@ ENGINE_MAX_ROWS = 16
 # profile_decode_step.py --kernel-const A/Bs it).
 BALANCED_PROGRAMS = False  # not yet timed on a GPU: off until an A/B (gpu_session.sh ab) says on
 # Whether they load the weight's tiles through a tensor descriptor (`tma`; read at each call).
-TMA_LOADS = False  # not yet run on a GPU: off until an A/B (gpu_session.sh ab) says on
+TMA_LOADS = True  # A/B session 21 (results/ab_switches_h200.jsonl): Quest b=6 step -0.013 ms, vanilla b=1 -0.02
 # Whether a model on a GPU folds each RMSNorm into the linear after it and each residual
 # add into the linear before it (`rms_eps`, `residual`; LlamaForCausalLM.fold_norms), read
 # when an engine loads its model (profile_decode_step.py --kernel-const sets it for A/Bs).
