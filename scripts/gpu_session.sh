@@ -92,7 +92,7 @@ ab)
     tests/test_async_scheduling.py tests/test_rotary_table.py -q -m gpu -k "not flashinfer" -p no:cacheprovider -rs 2>&1 \
     | tail -12 | tee "$OUT/gpu_tests.log"; timeout 120 python -m pytest tests/test_hf_equivalence.py -q -m gpu \
     -p no:cacheprovider -rs 2>&1 | tail -6 | tee -a "$OUT/gpu_tests.log"; }
-  consts=${AB_CONSTS:-skinny_linear.BALANCED_PROGRAMS skinny_linear.TMA_LOADS row_argmax.SAMPLER_USES_KERNEL fused_ops.ROTARY_TABLE}
+  consts=${AB_CONSTS:-skinny_linear.TMA_LOADS row_argmax.SAMPLER_USES_KERNEL fused_ops.ROTARY_TABLE}
   IFS=, read -ra pairs <<< "${AB_METHODS:-quest 6,vanilla 1}"
   for round in $(seq "${ROUNDS:-1}"); do
     for pair in "${pairs[@]}"; do

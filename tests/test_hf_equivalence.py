@@ -131,13 +131,13 @@ def test_tiny_random_models_on_gpu_match_hf(fold, switches, tiny_llama, monkeypa
     """On a GPU the decode steps' linears run the Triton kernel, with the RMSNorms and residual
     adds folded into them (`skinny_linear.FOLD_NORMS`, read when the model loads) or not:
     still HF's greedy tokens (float32), eager and through the decode graphs. `switches`: the
-    decode-step switches not yet on by default, all on (features spread over SM waves, TMA
-    weight loads, the greedy argmax kernel, the reserved cos/sin table)."""
+    decode-step switches on (their default since session 21) or all off (TMA weight loads,
+    the greedy argmax kernel, the reserved cos/sin table)."""
     from sparseengine.kernels import fused_ops, row_argmax, skinny_linear
 
     monkeypatch.setattr(skinny_linear, "FOLD_NORMS", fold)
-    for module, name in ((skinny_linear, "BALANCED_PROGRAMS"), (skinny_linear, "TMA_LOADS"),
-                         (row_argmax, "SAMPLER_USES_KERNEL"), (fused_ops, "ROTARY_TABLE")):
+    for module, name in ((skinny_linear, "TMA_LOADS"), (row_argmax, "SAMPLER_USES_KERNEL"),
+                         (fused_ops, "ROTARY_TABLE")):
         monkeypatch.setattr(module, name, switches)
     folder, hf = tiny_llama
     gen = torch.Generator().manual_seed(1)

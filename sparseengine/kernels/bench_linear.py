@@ -67,14 +67,11 @@ def bench_skinny_linear(out_path, rows=(1, 6, 16), min_bytes=512 << 20):
 
 
 def engine_variants(n: int) -> list[dict]:
-    """The model's launch of an N-feature layer (`engine_tiles`), its features spread over
-    whole SM waves or not (`programs`), its weight tiles through TMA or not."""
-    from sparseengine.kernels._common import num_sms
-    from sparseengine.kernels.skinny_linear import balanced_programs, engine_tiles
+    """The model's launch of an N-feature layer (`engine_tiles`), its weight tiles through
+    TMA or not."""
+    from sparseengine.kernels.skinny_linear import engine_tiles
 
-    tiles = engine_tiles(n)
-    spread = balanced_programs(n, tiles["block_n"], num_sms(torch.device("cuda")))
-    return [dict(tiles, programs=programs, tma=tma) for programs in (None, spread) for tma in (False, True)]
+    return [dict(engine_tiles(n), tma=tma) for tma in (False, True)]
 
 
 # The chain's GEMM launch configurations: the fastest of each layer in bench_skinny_linear
@@ -89,8 +86,7 @@ def bench_pdl_chain(out_path, rows=6, layers=32):
     norm, the attention, the SiLU), as one CUDA graph: cuBLAS, the skinny Triton linear,
     and the skinny linear and the stand-ins as programmatic dependent launches (each starts
     while the previous kernel runs and waits for it before reading its output); and the
-    model's launches (`engine_variants`: features spread over SM waves, TMA weight loads,
-    both, both with PDL). How much of the step the kernel boundaries cost, and how much
+    model's launches (`engine_variants`: plain and TMA weight loads, TMA with PDL). How much of the step the kernel boundaries cost, and how much
     PDL gives back."""
     from sparseengine.kernels.skinny_linear import skinny_linear_triton
 
@@ -117,18 +113,18 @@ def bench_pdl_chain(out_path, rows=6, layers=32):
             return skinny_linear_triton(a, w[name], block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, pdl=pdl)
         return gemm
 
-    def engine_gemm(spread, tma, pdl=False, stages=None):
+    def engine_gemm(tma, pdl=False, stages=None):
         def gemm(a, w, name):
-            kw = engine_variants(SHAPES[name][0])[2 * spread + tma]
+            kw = engine_variants(SHAPES[name][0])[tma]
             if stages:  # fewer stages: more programs fit an SM (o, down: 72 KB at 3), so a PDL launch can overlap
                 kw = dict(kw, num_stages=stages)
             return skinny_linear_triton(a, w[name], pdl=pdl, **kw)
         return gemm
 
     cublas = lambda a, w, name: F.linear(a, w[name])  # noqa: E731
-    engine = {f"engine{'_spread' * s}{'_tma' * t}": chain(engine_gemm(s, t), False) for s in (0, 1) for t in (0, 1)}
-    engine["engine_spread_tma_pdl"] = chain(engine_gemm(1, 1, True), True)
-    engine["engine_spread_tma_pdl_3_stages"] = chain(engine_gemm(1, 1, True, stages=3), True)
+    engine = {f"engine{'_tma' * t}": chain(engine_gemm(t), False) for t in (0, 1)}
+    engine["engine_tma_pdl"] = chain(engine_gemm(1, True), True)
+    engine["engine_tma_pdl_3_stages"] = chain(engine_gemm(1, True, stages=3), True)
     variants = {"cublas": chain(cublas, False), "triton": chain(triton_gemm(False), False), **engine,
                 "triton_pdl": chain(triton_gemm(True), True),
                 "triton_pdl_stand_ins_trigger_last": chain(triton_gemm(True), True, early=False),

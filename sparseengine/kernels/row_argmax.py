@@ -7,8 +7,9 @@ step at 6 rows x 128256 on the H200 (its reduce kernel in profile_quest_b6). Her
 cut into chunks of `block` values, one program each (first index of the chunk's maximum,
 or of its first NaN); the last program of a row to finish (an atomic count per row, left
 at zero for the next launch) reduces the row's chunks in index order. One launch, no host
-sync: CUDA-graph capturable. Built for sm_90 in the tests, not yet run on a GPU: the
-sampler takes it only with SAMPLER_USES_KERNEL.
+sync: CUDA-graph capturable. In the Quest b=6 decode step on the H200 it took 5.4 us a
+step against torch's 27.2 (session 21, `ab_switches_h200.jsonl`); the sampler takes it
+with SAMPLER_USES_KERNEL.
 """
 from __future__ import annotations
 

@@ -5,9 +5,7 @@ At a decode step's batch the weight GEMMs are bound by reading the weight: a han
 rows multiply every weight element once. `skinny_linear_triton` gives each program
 `block_n` output features (weight rows) over the whole reduction, so the weight is read
 once, in order, as wide loads, by `cdiv(N, block_n)` programs (`cdiv(M, 16)` row blocks
-each, in one launch; one for a decode batch of up to 16 tokens), or by `programs` that
-share the N features evenly (the model's layers on a GPU: whole waves of its SMs,
-`balanced_programs`; not yet timed on the H200). The rows of x sit in L2
+each, in one launch; one for a decode batch of up to 16 tokens). The rows of x sit in L2
 and are read by every program. float32 accumulation (`tl.dot`), one rounding to the output
 dtype at the end, as cuBLAS does; the summation order differs from cuBLAS's, so the result
 agrees with `skinny_linear_ref` (`F.linear`) to float32 rounding, not bit for bit.
@@ -28,7 +26,9 @@ skinny_linear.ENGINE_MAX_ROWS=0/16`, twice each) the linears of Quest at batch 6
 in the down projection's loads (every program recomputing it for its rows) took them to
 22.6 ms: not kept. As programmatic dependent launches in a chain of the step's GEMMs it
 made the chain slower (results/README.md, `pdl_chain_h200.jsonl`; `bench_gpu
---skinny-linear`, `--pdl-chain`).
+--skinny-linear`, `--pdl-chain`). Spreading the features evenly over whole waves of the
+SMs (qkv on 132 programs, not 96) made the step slower (session 21,
+`ab_switches_h200.jsonl`): removed.
 """
 from __future__ import annotations
 
@@ -48,11 +48,7 @@ BLOCK_M = 16  # rows of x a program multiplies: tl.dot's smallest tile
 # The model's linear layers (layers/linear.py) use this kernel for at most this many rows on
 # a GPU (0: never, cuBLAS always; profile_decode_step.py --kernel-const sets it for A/Bs).
 ENGINE_MAX_ROWS = 16
-# Whether the model's linear layers spread their output features over whole waves of the
-# GPU's SMs (`balanced_programs`) instead of `cdiv(N, block_n)` full tiles (read at each call:
-# profile_decode_step.py --kernel-const A/Bs it).
-BALANCED_PROGRAMS = False  # not yet timed on a GPU: off until an A/B (gpu_session.sh ab) says on
-# Whether they load the weight's tiles through a tensor descriptor (`tma`; read at each call).
+# Whether the model's linear layers load the weight's tiles through a tensor descriptor (`tma`; read at each call).
 TMA_LOADS = True  # A/B session 21 (results/ab_switches_h200.jsonl): Quest b=6 step -0.013 ms, vanilla b=1 -0.02
 # Whether a model on a GPU folds each RMSNorm into the linear after it and each residual
 # add into the linear before it (`rms_eps`, `residual`; LlamaForCausalLM.fold_norms), read
@@ -71,26 +67,12 @@ def engine_tiles(n: int, dtype: torch.dtype = torch.bfloat16, device: torch.devi
     program for the wide layers (qkv, gate_up, lm_head), 32 for the 4096-wide ones (o,
     down); 256 channels a step, 4 warps, 5 stages. A 4-byte dtype takes 128 channels a
     step: the same bytes a stage, inside the shared memory (bf16's tiles in float32 would
-    need 320 KB at 64 features). On a CUDA `device`: `programs` with BALANCED_PROGRAMS
-    (`balanced_programs`), `tma` with TMA_LOADS."""
+    need 320 KB at 64 features). On a CUDA `device`: `tma` with TMA_LOADS."""
     block_k = 512 // dtype.itemsize
     tiles = dict(block_n=64 if n >= 6144 else 32, block_k=block_k, num_warps=4, num_stages=5)
-    if BALANCED_PROGRAMS and device is not None and device.type == "cuda":
-        tiles["programs"] = balanced_programs(n, tiles["block_n"], _common.num_sms(device))
     if TMA_LOADS and device is not None and device.type == "cuda":
         tiles["tma"] = True
     return tiles
-
-
-def balanced_programs(n: int, block_n: int, sms: int) -> int | None:
-    """Programs for N features in tiles of `block_n`: as many whole waves of the GPU's `sms`
-    as `cdiv(n, block_n)` programs would start, the features spread evenly over them (None,
-    the plain tiles, where that is more programs than features). At the Llama-3.1-8B shape
-    on the H200's 132 SMs: qkv 96 programs of 64 features -> 132 of 46-47 (the weight read
-    by every SM, not 96), o and down 128 of 32 -> 132 of 31-32, gate_up 448 (3.4 waves) ->
-    528 of 54-55 (four even waves), lm_head 2004 -> 2112 of 60-61."""
-    programs = cdiv(cdiv(n, block_n), sms) * sms
-    return programs if programs <= n else None
 
 
 def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -106,7 +88,7 @@ def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                          rms_eps: float | None = None, residual: torch.Tensor | None = None,
-                         block_n: int = 16, block_k: int = 512, programs: int | None = None, tma: bool = False,
+                         block_n: int = 16, block_k: int = 512, tma: bool = False,
                          num_warps: int = 4, num_stages: int = 4, pdl: bool = False) -> torch.Tensor:
     """`x [..., K]`, `weight [N, K]` (rows contiguous), `bias [N]` or None -> `[..., N]` in
     x's dtype. `block_n`, `block_k`: powers of two, at least 16; `num_warps`, `num_stages`:
@@ -114,11 +96,6 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     programs start while the previous kernel runs, load their first weight tile, and wait
     for it (`griddepcontrol.wait`) before reading x; once past their reduction loop they
     let the next kernel launch.
-
-    `programs`: spread the N output features evenly over this many programs (program p
-    takes features `[p * N // programs, (p + 1) * N // programs)`, at most `block_n` of
-    them: at least `cdiv(N, block_n)` programs); default `cdiv(N, block_n)` programs of
-    `block_n` features (the last one partial).
 
     `tma`: load the weight's tiles through a tensor descriptor (Hopper's tensor memory
     accelerator copies them; the weight's rows must start 16-byte aligned).
@@ -142,9 +119,6 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     for name, v in (("block_n", block_n), ("block_k", block_k)):
         if int_arg(name, v, 16) & (v - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {v}")
-    if programs is not None and not (isinstance(programs, int) and cdiv(N, block_n) <= programs <= max(N, 1)):
-        raise ValueError(f"programs must be an integer from cdiv(N={N}, block_n={block_n}) = {cdiv(N, block_n)} "
-                         f"to N, got {programs!r}")
     if rms_eps is not None and not (isinstance(rms_eps, (int, float)) and rms_eps >= 0):
         raise ValueError(f"rms_eps must be a number >= 0 or None, got {rms_eps!r}")
     if residual is not None and (tuple(residual.shape) != (*x.shape[:-1], N) or residual.dtype != x.dtype):
@@ -172,13 +146,12 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if r2.stride(-1) != 1:
         r2 = r2.contiguous()
     if M and N:
-        spread = programs is not None and programs * block_n != N  # else the plain tiles exactly
-        _skinny_linear_kernel[(programs if spread else cdiv(N, block_n), cdiv(M, BLOCK_M))](
+        _skinny_linear_kernel[(cdiv(N, block_n), cdiv(M, BLOCK_M))](
             x2, weight, w_desc, weight if bias is None else bias, r2, y, M, N, K, x2.stride(0), weight.stride(0),
             r2.stride(0), y.stride(0), float(rms_eps or 0.0),
-            HAS_BIAS=bias is not None, NORM=rms_eps is not None, RESIDUAL=residual is not None, SPREAD=spread, TMA=tma,
+            HAS_BIAS=bias is not None, NORM=rms_eps is not None, RESIDUAL=residual is not None, TMA=tma,
             BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-            EVEN_N=N % block_n == 0 and not spread, EVEN_K=K % block_k == 0, INTERPRET=interpreting(),
+            EVEN_N=N % block_n == 0, EVEN_K=K % block_k == 0, INTERPRET=interpreting(),
             DOT_PREC=dot_precision(x.dtype), PDL=pdl, num_warps=num_warps, num_stages=num_stages,
             **({"launch_pdl": True} if pdl else {}))
     return y.reshape(*lead, N)
@@ -194,20 +167,15 @@ def _tile_dot(w, x, acc, INTERPRET: tl.constexpr, DOT_PREC: tl.constexpr):
 @lazy_jit
 def _skinny_linear_kernel(x_ptr, w_ptr, w_desc, b_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_rm,
                           stride_ym, eps, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                          SPREAD: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                           INTERPRET: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
     # acc[n, m] = sum_k w[n, k] * x[m, k]: the weight tile is the dot's left operand, so
     # BLOCK_N (not the few rows of x) is the MMA's row dimension.
     pid = tl.program_id(0)
-    if SPREAD:  # this program's share of the N features, at most BLOCK_N of them
-        n0 = (pid * N) // tl.num_programs(0)
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < ((pid + 1) * N) // tl.num_programs(0)
-    else:
-        n0 = pid * BLOCK_N
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < N
+    n0 = pid * BLOCK_N
+    n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = n < N
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     kk = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn

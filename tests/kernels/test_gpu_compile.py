@@ -255,13 +255,12 @@ def launch_every_kernel(device):
     wl = randn(64, 256, generator=gen, dtype=bf, device=device)
     for pdl in (False, True):  # the benchmark's launches: 3 stages, and the PDL path's prologue
         K.skinny_linear_triton(x, wl, block_n=32, block_k=64, num_stages=3, pdl=pdl)
-    # the model's: its features spread over whole SM waves, with a folded norm and a residual
-    K.skinny_linear_triton(x, wl, block_n=32, block_k=64, num_stages=5, programs=3, rms_eps=1e-5)
-    K.skinny_linear_triton(x, wl, block_n=32, block_k=64, num_stages=5, programs=5,
+    # the model's: a folded norm, a residual, and the weight's tiles through a tensor descriptor (TMA)
+    K.skinny_linear_triton(x, wl, block_n=32, block_k=64, num_stages=5, rms_eps=1e-5)
+    K.skinny_linear_triton(x, wl, block_n=32, block_k=64, num_stages=5,
                            residual=randn(5, 64, generator=gen, dtype=bf, device=device))
-    for pdl in (False, True):  # the weight's tiles through a tensor descriptor (TMA)
-        K.skinny_linear_triton(x, wl, block_n=32, block_k=64, num_stages=5, programs=3, rms_eps=1e-5, tma=True,
-                               pdl=pdl)
+    for pdl in (False, True):
+        K.skinny_linear_triton(x, wl, block_n=32, block_k=64, num_stages=5, rms_eps=1e-5, tma=True, pdl=pdl)
     from sparseengine.methods.deltakv_store import CodecStore
     for bits in (4, 16):  # the engine's store: bf16 centers, int16 neighbours; float32 Up
         store = CodecStore(60, 10, bits, 4, 2 * hkv * d, 32, bf, device)

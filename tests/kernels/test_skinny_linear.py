@@ -83,44 +83,21 @@ def test_folded_norm_and_residual(gen, device, M, N, K, bias, dtype, block_n, bl
             assert bool(((y.double() - want.double()).abs() <= ulp * want.double().abs()).all())
 
 
-@pytest.mark.parametrize("M,N,K,bias,dtype,block_n,programs", [
-    (6, 100, 256, True, torch.bfloat16, 16, 7),     # 14-15 features a program
-    (6, 96, 128, False, torch.bfloat16, 32, 5),     # 19-20 of 32
-    (16, 64, 96, False, torch.float32, 16, 64),     # one feature a program
-    (21, 50, 64, True, torch.float32, 16, 4),       # two row blocks; 12-13 features
-])
-@pytest.mark.parametrize("folded", [False, True])
-def test_programs_spread_the_features(gen, device, M, N, K, bias, dtype, block_n, programs, folded):
-    """`programs`: the features spread evenly over that many programs, each a partial tile:
-    every feature once, within the plain kernel's bound (with the norm and residual too);
-    bit for bit the plain tiles on a GPU, where a feature's sums do not depend on its tile."""
-    x, w, b = _inputs(gen, device, M, N, K, dtype, bias)
-    x = x * 3 + 0.5
-    eps = 1e-5 if folded else None
-    res = torch.randn(M, N, generator=gen).to(dtype).to(device) if folded else None
-    kw = dict(rms_eps=eps, residual=res, block_n=block_n, block_k=32)
-    y = skinny_linear_triton(x, w, b, programs=programs, **kw)
-    _check(y, x, w, b, eps, res)
-    if y.is_cuda:
-        assert torch.equal(y, skinny_linear_triton(x, w, b, **kw))
-
-
-@pytest.mark.parametrize("M,N,K,bias,dtype,block_n,block_k,programs", [
-    (6, 96, 384, True, torch.bfloat16, 32, 128, None),   # whole tiles
-    (6, 50, 200, False, torch.bfloat16, 16, 64, None),   # rows and channels past the weight: zeros
-    (16, 100, 96, False, torch.float32, 16, 32, 7),      # features spread, tiles overlapping the next
-    (21, 40, 72, True, torch.float32, 32, 32, 2),        # two row blocks; channels past K in the last tile
+@pytest.mark.parametrize("M,N,K,bias,dtype,block_n,block_k", [
+    (6, 96, 384, True, torch.bfloat16, 32, 128),   # whole tiles
+    (6, 50, 200, False, torch.bfloat16, 16, 64),   # rows and channels past the weight: zeros
+    (16, 100, 96, False, torch.float32, 16, 32),   # a partial last tile of features
+    (21, 40, 72, True, torch.float32, 32, 32),     # two row blocks; channels past K in the last tile
 ])
 @pytest.mark.parametrize("folded", [False, True])
 @pytest.mark.parametrize("pdl", [False, True])
-def test_tma_loads(gen, device, M, N, K, bias, dtype, block_n, block_k, programs, folded, pdl):
+def test_tma_loads(gen, device, M, N, K, bias, dtype, block_n, block_k, folded, pdl):
     """The weight's tiles through a tensor descriptor (`tma`): the plain loads' result, bit
     for bit (the same tiles into the same sums); with the norm and residual folded in, and
     the PDL path's first tile."""
     x, w, b = _inputs(gen, device, M, N, K, dtype, bias)
     res = torch.randn(M, N, generator=gen).to(dtype).to(device) if folded else None
-    kw = dict(rms_eps=1e-5 if folded else None, residual=res, block_n=block_n, block_k=block_k, programs=programs,
-              pdl=pdl)
+    kw = dict(rms_eps=1e-5 if folded else None, residual=res, block_n=block_n, block_k=block_k, pdl=pdl)
     y = skinny_linear_triton(x, w, b, tma=True, **kw)
     assert torch.equal(y, skinny_linear_triton(x, w, b, **kw))
     _check(y, x, w, b, kw["rms_eps"], res)
@@ -130,16 +107,6 @@ def test_tma_needs_aligned_rows(device):
     w = torch.zeros(16, 70, device=device)[:, :68]  # rows of 280 bytes: not a multiple of 16
     with pytest.raises(ValueError, match="tma needs 16-byte aligned weight rows, got .* rows of 280 bytes"):
         skinny_linear_triton(torch.zeros(2, 68, device=device), w, tma=True)
-
-
-def test_balanced_programs():
-    from sparseengine.kernels.skinny_linear import balanced_programs
-
-    # Llama-3.1-8B's layers on 132 SMs: whole waves, at most a tile a program
-    for n, block_n, want in ((6144, 64, 132), (4096, 32, 132), (28672, 64, 528), (128256, 64, 2112)):
-        got = balanced_programs(n, block_n, 132)
-        assert got == want and -(-n // got) <= block_n
-    assert balanced_programs(96, 32, 132) is None  # fewer features than an SM wave: the plain tiles
 
 
 def test_folded_bad_input(device):
@@ -200,10 +167,6 @@ def test_bad_input(device):
         skinny_linear_triton(x, w, block_k=48)
     with pytest.raises(ValueError, match="block_n must be an integer >= 16, got 8"):
         skinny_linear_triton(x, w, block_n=8)
-    with pytest.raises(ValueError, match=r"programs must be an integer from cdiv\(N=16, block_n=16\) = 1 to N, got 17"):
-        skinny_linear_triton(x, w, programs=17)
-    with pytest.raises(ValueError, match=r"cdiv\(N=48, block_n=16\) = 3 to N, got 2"):
-        skinny_linear_triton(x, torch.zeros(48, 64, device=device), programs=2)
 
 
 @pytest.mark.gpu
