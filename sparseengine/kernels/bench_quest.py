@@ -143,3 +143,58 @@ def bench_quest_attention_widths(out_path, B=6, P=8320, n=131072, widths=(1, 4, 
         emit(out_path, {"kind": "quest_attention_width", "batch": B, "hkv": HKV, "pages": width, "kv_len": n,
                         "us_per_launch": us, "GBps": nbytes / us / 1e3})
 
+
+
+def bench_quest_overlap(out_path, B=6, P=8320, n=131072, layers=30):
+    """Quest's sparse layers' attention block (page scores -> selection -> sparse-page
+    attention and its merge) for `layers` layers in one CUDA graph, per layer: the whole
+    batch on one stream (the engine today) against the batch cut in parts, each part's
+    chain on its own stream (fork before, join after each layer), so one part's selection
+    (latency-bound: 48 programs at B=6) runs beside another part's scores or attention.
+    `serial_parts`: the same parts on one stream, the cost of cutting alone. Each variant's
+    outputs are checked bit for bit against the whole batch's (every kernel is per row)."""
+    from sparseengine.kernels import quest_page_scores_triton, quest_select_pages_triton, sparse_page_decode_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k_cache, v_cache, table, kv_lens = _attention_inputs(B, P, n, gen)
+    kmax = torch.randn(B * P, HKV, D, generator=gen, device="cuda").to(BF16)
+    kmin = kmax - torch.rand(B * P, HKV, D, generator=gen, device="cuda").to(BF16)
+
+    def block(rows):
+        qs, ts, ls = q[rows], table[rows], kv_lens[rows]
+        scores = quest_page_scores_triton(qs, kmax, kmin, ts, ls, PS)
+        pages, counts = quest_select_pages_triton(scores, ls, PS, 64, 512, 1472)
+        return sparse_page_decode_triton(qs, k_cache, v_cache, ts, ls, pages, counts)
+
+    def parts_of(k):
+        edges = [B * i // k for i in range(k + 1)]
+        return [slice(a, b) for a, b in zip(edges, edges[1:])]
+
+    def on_streams(parts, streams):
+        def run():
+            main = torch.cuda.current_stream()
+            outs = [None] * len(parts)
+            for i, s in enumerate(streams):
+                s.wait_stream(main)
+                with torch.cuda.stream(s):
+                    outs[i + 1] = block(parts[i + 1])
+            outs[0] = block(parts[0])
+            for s in streams:
+                main.wait_stream(s)
+            return torch.cat(outs)
+        return run
+
+    want = block(slice(0, B))
+    variants = {"whole_batch": lambda: block(slice(0, B))}
+    for k in (2, 3):
+        parts = parts_of(k)
+        variants[f"serial_parts_{k}"] = lambda parts=parts: torch.cat([block(p) for p in parts])
+        variants[f"streams_{k}"] = on_streams(parts, [torch.cuda.Stream() for _ in range(k - 1)])
+        variants[f"streams_{k}_side_high_priority"] = on_streams(
+            parts, [torch.cuda.Stream(priority=-1) for _ in range(k - 1)])
+    for name, fn in variants.items():
+        same = torch.equal(fn(), want)
+        torch.cuda.synchronize()
+        emit(out_path, {"kind": "quest_overlap", "variant": name, "batch": B, "hkv": HKV, "pages": P, "kv_len": n,
+                        "layers": layers, "us_per_layer": per_launch_us(fn, launches=layers),
+                        "equals_whole_batch": same})
