@@ -64,9 +64,6 @@ COMBINE_D_TILE: int | None = 32
 # vanilla at 1 x 128K + 63 x 1K, batch 64: merges 705 against 1432 us a step, graph step
 # 13.57 against 14.65 ms; SnapKV at batch 183 (no merge launches) unchanged.
 WIDE_BALANCED_MERGE = True
-# Over a selection (tokens or pages: the sparse methods' decode), look a tile's cache rows
-# up during the tile before and load its V beside its K (read at each launch).
-PREFETCH_SELECTED = False  # not yet timed on a GPU: off until an A/B says on
 def paged_decode_ref(q, k_cache, v_cache, page_table, kv_lens, scale=None, return_lse=False):
     """q `[B, Hq, d]` -> out `[B, Hq, d]` (and lse `[B, Hq]` fp32, natural log)."""
     B, Hq, d = q.shape
@@ -174,7 +171,6 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
         MODE=mode, STORE_LOGITS=store_logits, DOT_PREC=_common.dot_precision(q.dtype),
         COMBINE=combine, FINE=fine > 0, BALANCED=balanced,
         BLOCK_R=min(next_pow2(rows), balanced_plan.BALANCED_ROW_BLOCK) if balanced else 1, SLACK=balanced_plan.BALANCED_SLACK,
-        PREFETCH=PREFETCH_SELECTED and mode != MODE_DENSE,
         **merge_args, num_warps=num_warps, num_stages=num_stages,
     )
     if combine == _PARTIALS:  # a program per (query row, COMBINE_D_TILE channels): more programs than rows
@@ -226,7 +222,7 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
     STORE_LOGITS: tl.constexpr, DOT_PREC: tl.constexpr, COMBINE: tl.constexpr, BLOCK_S: tl.constexpr,
     STORE_LSE: tl.constexpr, FINE: tl.constexpr, BALANCED: tl.constexpr, BLOCK_R: tl.constexpr,
-    SLACK: tl.constexpr, PREFETCH: tl.constexpr,
+    SLACK: tl.constexpr,
 ):
     if BALANCED:  # a flat grid over the batch's chunks (`balanced_plan.py`): one a program, the rest idle
         r, split, first, n_active, chunk, n_items = balanced_chunk(
@@ -242,7 +238,7 @@ def _decode_split_kernel(
                           stride_sel_h, stride_ob, stride_oh, logits_len, HKV, HQ,
                           r, split, chunk, n_items, n_active, tl.program_id(0) * GROUP, 1, first * GROUP, GROUP,
                           GROUP, BLOCK_H, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, MODE, STORE_LOGITS, DOT_PREC,
-                          COMBINE, BLOCK_S, STORE_LSE, True, PREFETCH)
+                          COMBINE, BLOCK_S, STORE_LSE, True)
     else:  # a (row, split) grid
         pid_bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -274,28 +270,7 @@ def _decode_split_kernel(
                       stride_ob, stride_oh, logits_len, HKV, HQ,
                       pid_bh, split, chunk, n_items, n_active, head0 + split, num_splits, head0, 1,
                       GROUP, BLOCK_H, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, MODE, STORE_LOGITS, DOT_PREC,
-                      COMBINE, BLOCK_S, STORE_LSE, False, PREFETCH)
-
-
-def _tile_rows(n0, end, kv_len, sel_row, pt_row, MODE: tl.constexpr, PAGE_SIZE: tl.constexpr,
-               BLOCK_N: tl.constexpr):
-    """Items [n0, n0 + BLOCK_N) of a row (tokens, or a selection's tokens or pages' tokens):
-    their indices, which are valid (below `end` and the row's length), and where each sits
-    in the cache (page, offset in it)."""
-    items = n0 + tl.arange(0, BLOCK_N)
-    valid = items < end
-    if MODE == 0:
-        tok = items
-    elif MODE == 1:
-        tok = tl.load(sel_row + items, mask=valid, other=0)
-        valid = valid & (tok >= 0) & (tok < kv_len)
-    else:
-        lp = tl.load(sel_row + items // PAGE_SIZE, mask=valid, other=0)
-        tok = lp * PAGE_SIZE + items % PAGE_SIZE
-        valid = valid & (lp >= 0) & (tok < kv_len)
-    tok = tl.where(valid, tok, 0)
-    page = tl.load(pt_row + tok // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-    return items, valid, page, tok % PAGE_SIZE
+                      COMBINE, BLOCK_S, STORE_LSE, False)
 
 
 def _attend_chunk(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, sel_ptr, part_out_ptr, part_lse_ptr, logits_ptr,
@@ -305,7 +280,7 @@ def _attend_chunk(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, sel_ptr, par
                   GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, STORE_LOGITS: tl.constexpr,
                   DOT_PREC: tl.constexpr, COMBINE: tl.constexpr, BLOCK_S: tl.constexpr, STORE_LSE: tl.constexpr,
-                  BALANCED: tl.constexpr, PREFETCH: tl.constexpr):
+                  BALANCED: tl.constexpr):
     """Chunk `split` (items [split * chunk, min(n_items, ...))) of row `pid_bh` (request x
     KV head) for the group's query heads: its partial at slots `slot + i * slot_h` (query
     head i of the group), or the output itself where the row has one chunk with items (or
@@ -330,21 +305,24 @@ def _attend_chunk(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, sel_ptr, par
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    # PREFETCH (a selection, MODE 1 or 2): a tile's cache rows are looked up (selection,
-    # then page table) during the tile before, and its V is loaded beside its K, so a tile
-    # waits on one memory latency instead of three in a row.
-    if PREFETCH:
-        items, valid, page, off = _tile_rows(start, end, kv_len, sel_row, pt_row, MODE, PAGE_SIZE, BLOCK_N)
     for n0 in range(start, end, BLOCK_N):
-        if not PREFETCH:
-            items, valid, page, off = _tile_rows(n0, end, kv_len, sel_row, pt_row, MODE, PAGE_SIZE, BLOCK_N)
+        items = n0 + tl.arange(0, BLOCK_N)
+        valid = items < end
+        if MODE == 0:
+            tok = items
+        elif MODE == 1:
+            tok = tl.load(sel_row + items, mask=valid, other=0)
+            valid = valid & (tok >= 0) & (tok < kv_len)
+        else:
+            lp = tl.load(sel_row + items // PAGE_SIZE, mask=valid, other=0)
+            tok = lp * PAGE_SIZE + items % PAGE_SIZE
+            valid = valid & (lp >= 0) & (tok < kv_len)
+        tok = tl.where(valid, tok, 0)
+        page = tl.load(pt_row + tok // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+        off = tok % PAGE_SIZE
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + page[:, None] * stride_kp + off[:, None] * stride_ko + kvh * stride_kh
                     + offs_d[None, :], mask=kv_mask, other=0.0)
-        if PREFETCH:
-            v = tl.load(v_ptr + page[:, None] * stride_vp + off[:, None] * stride_vo + kvh * stride_vh
-                        + offs_d[None, :], mask=kv_mask, other=0.0)
-            next_rows = _tile_rows(n0 + BLOCK_N, end, kv_len, sel_row, pt_row, MODE, PAGE_SIZE, BLOCK_N)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
         if STORE_LOGITS == 1:  # every query head's log2-domain logits
@@ -355,13 +333,10 @@ def _attend_chunk(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, sel_ptr, par
             tl.store(logits_ptr + pid_bh.to(tl.int64) * logits_len + items, s_max,
                      mask=valid & (items < logits_len))
         m_new, alpha, p, l_i = softmax_step(s, m_i, l_i)
-        if not PREFETCH:
-            v = tl.load(v_ptr + page[:, None] * stride_vp + off[:, None] * stride_vo + kvh * stride_vh
-                        + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + page[:, None] * stride_vp + off[:, None] * stride_vo + kvh * stride_vh
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
-        if PREFETCH:
-            items, valid, page, off = next_rows
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))  # log2 domain

@@ -137,33 +137,3 @@ def test_balanced_plan_over_selections(mode, gen, device):
         assert torch.equal(plan.cpu().long(), torch.stack([first, k], 1))
         assert_close(out, out_ref, 1e-4, f"out fused={fused}")
         assert_close(lse, lse_ref, 1e-4, f"lse fused={fused}")
-
-
-@pytest.mark.parametrize("mode", ["tokens", "pages"])
-@pytest.mark.parametrize("balanced", [False, True])
-def test_prefetch_selected(mode, balanced, gen, device, monkeypatch):
-    """`PREFETCH_SELECTED`: each tile's cache rows looked up during the tile before, its V
-    loaded beside its K. Several tiles a chunk, partial last tiles, invalid and garbage
-    entries past the counts: the reference's attention, and bit for bit the plain loop's
-    (the same tiles in the same order)."""
-    from sparseengine.kernels import paged_decode
-    from sparseengine.kernels.paged_decode import MODE_PAGES, MODE_TOKENS, split_k_decode
-
-    hq, hkv, d, ps, lens = 8, 2, 32, 4, [150, 37, 9, 90]
-    q, kv = _inputs((hq, hkv, d, ps, lens), gen, device)
-    if mode == "tokens":
-        idx, num = _token_selection(lens, hkv, 120, gen, device)
-        ref, kw = sparse_decode_ref, dict(mode=MODE_TOKENS, capacity=120)
-    else:
-        idx, num = _page_selection(lens, hkv, ps, 30, gen, device)
-        ref, kw = sparse_page_decode_ref, dict(mode=MODE_PAGES, capacity=120)
-    args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens)
-    plan = dict(row_splits=2, balanced=True) if balanced else dict(kv_chunk=64)  # chunks of 3-4 tiles of 16
-    out_ref, lse_ref = ref(*args, idx, num, return_lse=True)
-    got = {}
-    for on in (False, True):
-        monkeypatch.setattr(paged_decode, "PREFETCH_SELECTED", on)
-        got[on] = split_k_decode(*args, sel=idx, num_sel=num, return_lse=True, block_n=16, **plan, **kw)
-        assert_close(got[on][0], out_ref, 1e-4, f"out prefetch={on}")
-        assert_close(got[on][1], lse_ref, 1e-4, f"lse prefetch={on}")
-    assert torch.equal(got[True][0], got[False][0]) and torch.equal(got[True][1], got[False][1])
