@@ -64,6 +64,10 @@ COMBINE_D_TILE: int | None = 32
 # vanilla at 1 x 128K + 63 x 1K, batch 64: merges 705 against 1432 us a step, graph step
 # 13.57 against 14.65 ms; SnapKV at batch 183 (no merge launches) unchanged.
 WIDE_BALANCED_MERGE = True
+# Tried and not kept (session 21, 7d1a140, results/tried_not_kept_h200.jsonl): over a selection,
+# looking each tile's cache rows up a tile ahead and loading its V beside its K. Quest's 129
+# pages at 6 x 8 rows took 26.9 us a launch against 21.1-21.9 (the compiler's own pipelining
+# of the selection load lost, more registers live); its b=6 step 8.580 ms against 8.456.
 def paged_decode_ref(q, k_cache, v_cache, page_table, kv_lens, scale=None, return_lse=False):
     """q `[B, Hq, d]` -> out `[B, Hq, d]` (and lse `[B, Hq]` fp32, natural log)."""
     B, Hq, d = q.shape
