@@ -86,8 +86,8 @@ def bench_pdl_chain(out_path, rows=6, layers=32):
     norm, the attention, the SiLU), as one CUDA graph: cuBLAS, the skinny Triton linear,
     and the skinny linear and the stand-ins as programmatic dependent launches (each starts
     while the previous kernel runs and waits for it before reading its output); and the
-    model's launches (`engine_variants`: plain and TMA weight loads, TMA with PDL). How much of the step the kernel boundaries cost, and how much
-    PDL gives back."""
+    model's launches (`engine_variants`: plain and TMA weight loads, TMA with PDL). How
+    much of the step the kernel boundaries cost, and how much PDL gives back."""
     from sparseengine.kernels.skinny_linear import skinny_linear_triton
 
     gen = torch.Generator(device="cuda").manual_seed(0)

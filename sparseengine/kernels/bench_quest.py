@@ -144,7 +144,6 @@ def bench_quest_attention_widths(out_path, B=6, P=8320, n=131072, widths=(1, 4, 
                         "us_per_launch": us, "GBps": nbytes / us / 1e3})
 
 
-
 def bench_quest_overlap(out_path, B=6, P=8320, n=131072, layers=30):
     """Quest's sparse layers' attention block (page scores -> selection -> sparse-page
     attention and its merge) for `layers` layers in one CUDA graph, per layer: the whole

@@ -68,6 +68,8 @@ WIDE_BALANCED_MERGE = True
 # looking each tile's cache rows up a tile ahead and loading its V beside its K. Quest's 129
 # pages at 6 x 8 rows took 26.9 us a launch against 21.1-21.9 (the compiler's own pipelining
 # of the selection load lost, more registers live); its b=6 step 8.580 ms against 8.456.
+
+
 def paged_decode_ref(q, k_cache, v_cache, page_table, kv_lens, scale=None, return_lse=False):
     """q `[B, Hq, d]` -> out `[B, Hq, d]` (and lse `[B, Hq]` fp32, natural log)."""
     B, Hq, d = q.shape

@@ -48,7 +48,8 @@ BLOCK_M = 16  # rows of x a program multiplies: tl.dot's smallest tile
 # The model's linear layers (layers/linear.py) use this kernel for at most this many rows on
 # a GPU (0: never, cuBLAS always; profile_decode_step.py --kernel-const sets it for A/Bs).
 ENGINE_MAX_ROWS = 16
-# Whether the model's linear layers load the weight's tiles through a tensor descriptor (`tma`; read at each call).
+# Whether the model's linear layers load the weight's tiles through a tensor descriptor
+# (`tma`; read at each call).
 TMA_LOADS = True  # A/B session 21 (results/ab_switches_h200.jsonl): Quest b=6 step -0.013 ms, vanilla b=1 -0.02
 # Whether a model on a GPU folds each RMSNorm into the linear after it and each residual
 # add into the linear before it (`rms_eps`, `residual`; LlamaForCausalLM.fold_norms), read
