@@ -116,6 +116,8 @@ for f in sorted(glob.glob(sys.argv[1] + "/ab_*.json")):
     print(f"{f.rsplit('/', 1)[-1]:60s} step {d['graph_step_ms']:.3f} ms  kernels {d['graph_kernel_sum_ms']:.3f} ms  "
           f"{d['kernel_consts']}")
 PY
+  # one archive: a call brings back at most 8 files (session 21 lost 6 of 14 profiles)
+  (cd "$OUT" && tar czf ab_profiles.tgz ab_*.json && rm -f ab_*.json)
   ;;
 pick)
   timeout 240 python -m pytest tests/kernels tests/methods -q -m gpu -k "not flashinfer" -p no:cacheprovider -rs 2>&1 \
