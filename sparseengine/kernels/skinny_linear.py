@@ -173,8 +173,7 @@ def _skinny_linear_kernel(x_ptr, w_ptr, w_desc, b_ptr, r_ptr, y_ptr, M, N, K, st
                           INTERPRET: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr):
     # acc[n, m] = sum_k w[n, k] * x[m, k]: the weight tile is the dot's left operand, so
     # BLOCK_N (not the few rows of x) is the MMA's row dimension.
-    pid = tl.program_id(0)
-    n0 = pid * BLOCK_N
+    n0 = tl.program_id(0) * BLOCK_N
     n = n0 + tl.arange(0, BLOCK_N)
     n_ok = n < N
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
