@@ -10,10 +10,7 @@ their whole KV too. Every other layer is *sparse*.
 
 Sparse layers, per request, once it holds more than ``sink + budget + recent`` tokens (at
 the end of prefill, or later during decode). Their paged cache is laid out as
-
-    [ sink: S raw | scratch: B slots | raw tail: tokens hist_end .. L-1 ]
-
-and the tokens ``S .. hist_end-1`` (the *history*) live only in the codec
+``deltakv_layout`` describes (sink, scratch slots, raw tail), and the tokens ``S .. hist_end-1`` (the *history*) live only in the codec
 (``deltakv_codec``) in the per-request state: centers (every ``round(1/ratio)``-th history
 token, raw, pre-RoPE), neighbour indices and ``Down``-projected residual latents (int4 or
 float16). Keys are stored rotated in the cache; they are un-rotated (rotation by the
@@ -67,6 +64,7 @@ from sparseengine.methods import deltakv_codec as codec
 from sparseengine.methods.base import SparseMethodRuntime
 from sparseengine.methods.deltakv_bytes import DeltaKVBytes, rebuild_read_bytes, request_bytes
 from sparseengine.methods.deltakv_fit import load_down_up
+from sparseengine.methods.deltakv_layout import map_chosen
 from sparseengine.methods.deltakv_store import CodecStore, RequestState
 from sparseengine.methods import omnikv
 from sparseengine.methods.omnikv import FILTER_LAYERS, choose_tokens, filter_layers_for
@@ -90,12 +88,6 @@ def layer_roles(model, given: str) -> tuple[list[int], list[int], list[int]]:
     full = sorted(set(filters) | set(range(filters[0])))
     sparse = [layer for layer in range(model.num_layers) if layer not in full]
     return filters, full, sparse
-
-
-# ----------------------------------------------------------------------------- state
-
-
-# --------------------------------------------------------------------------- runtime
 
 
 class DeltaKV(SparseMethodRuntime):
@@ -269,30 +261,13 @@ class DeltaKV(SparseMethodRuntime):
                          dense=(False,) * B)
 
     def _map(self, seqs, tokens: torch.Tensor, counts: torch.Tensor, table: torch.Tensor):
-        """``(idx, slots, positions)``, each ``[B, K]``, of ``tokens [B, K]`` (each row's
-        first ``counts[b]`` chosen, ascending) in a sparse layer, on the device: cache
-        indices (sink tokens in place, raw tail tokens at their slots past the scratch,
-        history tokens in the scratch slots in order: at most ``budget`` of them, as they
-        all lie in the full layer's top-``budget`` range, ``hist_end <= length - recent``);
-        the cache slot each history token is rebuilt into (-1: none); and the codec-safe
-        position of every entry. Rows of requests not compressed (or None) map to
-        themselves."""
-        sink, budget = self.config.sink_tokens, self.config.budget
+        """``deltakv_layout.map_chosen`` of these requests' chosen tokens (rows of requests
+        not compressed, or None, map to themselves)."""
         states = [None if s is None else self._state(s) for s in seqs]
         ends = [st.hist_end_t if st is not None and st.compressed else self._no_history for st in states]
         hist_end = torch.stack(ends)[:, None]  # [B, 1]: the flushes move it on the device
-        compressed = hist_end >= 0
-        counted = torch.arange(tokens.shape[1], device=tokens.device)[None, :] < counts[:, None]
-        raw = tokens >= hist_end
-        hist = compressed & counted & (tokens >= sink) & ~raw
-        scratch = sink + torch.cumsum(hist, 1) - 1
-        mapped = torch.where(raw, sink + budget + tokens - hist_end, torch.where(hist, scratch, tokens))
-        idx = torch.where(compressed, mapped, tokens)
-        page_size = self.cache.page_size
-        at = scratch.clamp(0, table.shape[1] * page_size - 1)
-        pages = table.gather(1, at // page_size).long()
-        slots = torch.where(hist, pages * page_size + at % page_size, -1)
-        return idx, slots, torch.minimum(tokens.clamp(min=sink), (hist_end - 1).clamp(min=sink))
+        return map_chosen(tokens, counts, hist_end, table, self.config.sink_tokens, self.config.budget,
+                          self.cache.page_size)
 
     def _rebuild_into(self, seq, layer: int, positions: torch.Tensor, slots: torch.Tensor, ctx) -> None:
         """Rebuild the history tokens at ``positions`` into this layer's cache at ``slots``
