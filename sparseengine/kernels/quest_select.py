@@ -16,11 +16,11 @@ How: a score's fp32 bits map to an int32 key with the same order (negative float
 their low 31 bits; -0.0 counts as +0.0).
 
 Shortlist first (the default): the middle pages are cut into groups of `group` pages
-(`next_pow2(P / 512)`, at least 2); the m-th largest of the groups' maxima, L, is found
-in registers. At least m middle keys are >= L, so every key the choice takes (ties
-included) is >= L: one pass over the row writes those candidates, in page order, to a
-per-row scratch of `cap` slots, and the same search, then the tie rule, runs on them in
-registers. Two passes over the row in all, against 2 + 32 / radix_bits. There are at
+(`next_pow2(P / 512)`, at least 2); a lower bound L of the m-th largest of the groups'
+maxima (its top `L_BITS` bits) is found in registers. At least m middle keys are >= L, so
+every key the choice takes (ties included) is >= L: one pass over the row writes those
+candidates, in page order, to a per-row scratch of `cap` slots, and the same search (all
+32 bits), then the tie rule, runs on them in registers. Two passes over the row in all, against 2 + 32 / radix_bits. There are at
 most `group * m` candidates, usually few more than m (random scores, m = 92 of 8192
 pages in groups of 32: about 110 expected); a row with more than `cap` (many equal
 scores) runs the full search below.
@@ -52,6 +52,13 @@ import torch
 from ._common import cdiv, check_launch, check_lens, check_scores, int_arg, lazy_jit, next_pow2
 
 MAX_GROUPS = 512  # shortlist: the most page groups a row is cut into (group = next_pow2(P / this))
+# Shortlist: the key bits of L (the m-th largest group maximum) its search settles, a multiple
+# of 4. H200, 128K shape, us a launch (results/quest_select_stages_h200.jsonl, 4eabe02): 32
+# bits 20.3-20.5; 16 bits 17.5; 12 bits 16.7; the maxima read back as a plain vector, 32
+# bits 18.7, 16 bits 16.8, 12 bits 16.4. 16 keeps L within 2^-7 of the exact bound, so
+# clustered scores add few candidates (more than the room: the full search, still exact).
+L_BITS = 16
+CAND_FROM_GRID = False  # under test: the candidates from the row's first load, kept in registers
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
@@ -99,14 +106,16 @@ def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_to
     cap = shortlist_cap or min(4096, max(16, next_pow2(4 * top)))
     if cap & (cap - 1) or cap < 16:
         raise ValueError(f"shortlist_cap must be a power of two >= 16, got {cap}")
-    scratch = torch.empty((B * H, 2, cap) if shortlist else (1, 2, 1), dtype=torch.int32, device=device)
+    block_g = max(16, next_pow2(cdiv(P, group)))
+    row_scratch = max(2 * cap, block_g)  # the groups' maxima, then the candidates' keys and pages
+    scratch = torch.empty((B * H, row_scratch) if shortlist else (1, 1), dtype=torch.int32, device=device)
     _select_kernel[(B * H,)](
         scores, kv_lens, pages, counts, scratch, scores.stride(0), scores.stride(1), H, P, K,
         PAGE_SIZE=ps, SINK_PAGES=cdiv(sink, ps), RECENT=recent, TOTAL=sink + budget + recent,
         TOP=top, BLOCK_P=block_p, BLOCK_K=min(1024, max(16, next_pow2(K))),
         RADIX_BITS=radix_bits or 2, SHORT_RADIX=radix_bits or 4, SHORTLIST=shortlist, GROUP=group,
-        BLOCK_G=max(16, next_pow2(cdiv(P, group))),
-        CAP=cap, num_warps=num_warps or min(16, max(1, block_p // 512)),
+        BLOCK_G=block_g, CAP=cap, L_BITS=L_BITS, SCRATCH=row_scratch,
+        CAND_FROM_GRID=CAND_FROM_GRID, num_warps=num_warps or min(16, max(1, block_p // 512)),
     )
     return pages, counts
 
@@ -118,16 +127,18 @@ def _page_keys(row, offs, P):
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: larger magnitude, smaller key
 
 
-def _kth_largest(keys, ok, m, RADIX_BITS: tl.constexpr):
+def _kth_largest(keys, ok, m, RADIX_BITS: tl.constexpr, BITS: tl.constexpr = 32):
     """The m-th largest of the int32 `keys` where `ok` (a register block), RADIX_BITS key
-    bits a pass; the minimum int32 when fewer than m are ok. The search runs on uint32
-    (the keys with their sign bit flipped: the same order): a candidate `lo + digit *
-    step` has zeros in the bits still open, so it never passes 2^32."""
+    bits a pass; the minimum int32 when fewer than m are ok. With BITS < 32 only the top
+    BITS bits are settled (the rest left 0): a lower bound of that key, still with at least
+    m keys >= it. The search runs on uint32 (the keys with their sign bit flipped: the
+    same order): a candidate `lo + digit * step` has zeros in the bits still open, so it
+    never passes 2^32."""
     ukeys = (keys ^ -2147483648).to(tl.uint32, bitcast=True)
     lo = tl.zeros([], tl.uint32)
     digit = tl.arange(0, 1 << RADIX_BITS).to(tl.uint32)
     step = tl.full([], 1 << (32 - RADIX_BITS), tl.uint32)
-    for _ in range(32 // RADIX_BITS):
+    for _ in range(BITS // RADIX_BITS):
         cand = lo + digit * step
         cnt = tl.sum((ok[:, None] & (ukeys[:, None] >= cand[None, :])).to(tl.int32), 0)
         lo = lo + tl.max(tl.where(cnt >= m, digit, 0), 0) * step  # digit 0 always qualifies
@@ -136,9 +147,10 @@ def _kth_largest(keys, ok, m, RADIX_BITS: tl.constexpr):
 
 
 def _shortlist_select(row, out, keys_out, P, K, mid_end, m, active, SINK_PAGES: tl.constexpr, GROUP: tl.constexpr,
-                      BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, CAP: tl.constexpr, RADIX_BITS: tl.constexpr):
+                      BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, CAP: tl.constexpr, RADIX_BITS: tl.constexpr,
+                      L_BITS: tl.constexpr, CAND_FROM_GRID: tl.constexpr):
     """Where `active`, choose the m middle pages through a shortlist of candidates (kept in
-    this row's scratch `keys_out`: CAP keys, then CAP pages) and write them at slots
+    this row's scratch `keys_out`: first the groups' maxima, then CAP keys and CAP pages) and write them at slots
     SINK_PAGES.. ascending. Returns whether the row still needs the full search: it is
     not active (every middle page is taken: the full search's two passes do that), or it
     has more than CAP candidates."""
@@ -151,20 +163,39 @@ def _shortlist_select(row, out, keys_out, P, K, mid_end, m, active, SINK_PAGES: 
         g = tl.arange(0, BLOCK_G)
         grid = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # one load of the row, a group a row
         in_mid = (grid >= SINK_PAGES) & (grid < mid_end)
-        gmax = tl.max(tl.where(in_mid, _page_keys(row, grid, P), -2147483648), 1)
+        keys = tl.where(in_mid, _page_keys(row, grid, P), -2147483648)
+        gmax = tl.max(keys, 1)
+        # Through scratch and back: the max over the groups' axis leaves the maxima in a
+        # sliced register layout, where each search pass took ~0.7 us against ~0.45 read
+        # back as a plain vector (H200, results/quest_select_stages_h200.jsonl).
+        tl.store(keys_out + g, gmax)
+        tl.debug_barrier()
+        gmax = tl.load(keys_out + g)
+        tl.debug_barrier()  # every read back before the candidates overwrite the slots
         g_ok = ((g + 1) * GROUP > SINK_PAGES) & (g * GROUP < mid_end)
-        low = _kth_largest(gmax, g_ok, m, RADIX_BITS)
+        # L's top L_BITS bits only: a lower bound of the m-th largest maximum, so the choice
+        # stays exact; it lets in the few keys within 2^-7 below it as extra candidates.
+        low = _kth_largest(gmax, g_ok, m, RADIX_BITS, L_BITS)
         # The candidates, in page order, into this row's scratch (keys, then pages).
         n_cand = tl.zeros([], tl.int32)
-        for p0 in range(0, mid_end, BLOCK_P):
-            offs = p0 + tl.arange(0, BLOCK_P)
-            key = _page_keys(row, offs, P)
-            is_cand = ((offs >= SINK_PAGES) & (offs < mid_end) & (key >= low)).to(tl.int32)
-            slot = n_cand + tl.cumsum(is_cand, 0) - is_cand
-            keep = (is_cand > 0) & (slot < CAP)
-            tl.store(keys_out + slot, key, mask=keep)
-            tl.store(keys_out + CAP + slot, offs, mask=keep)
-            n_cand += tl.sum(is_cand, 0)
+        if CAND_FROM_GRID:  # from the row still in registers: a group's rank, then within it
+            grid_cand = (in_mid & (keys >= low)).to(tl.int32)
+            per_group = tl.sum(grid_cand, 1)
+            grid_slot = (tl.cumsum(per_group, 0) - per_group)[:, None] + tl.cumsum(grid_cand, 1) - grid_cand
+            grid_keep = (grid_cand > 0) & (grid_slot < CAP)
+            tl.store(keys_out + grid_slot, keys, mask=grid_keep)
+            tl.store(keys_out + CAP + grid_slot, grid, mask=grid_keep)
+            n_cand = tl.sum(per_group, 0)
+        else:
+            for p0 in range(0, mid_end, BLOCK_P):
+                offs = p0 + tl.arange(0, BLOCK_P)
+                key = _page_keys(row, offs, P)
+                is_cand = ((offs >= SINK_PAGES) & (offs < mid_end) & (key >= low)).to(tl.int32)
+                slot = n_cand + tl.cumsum(is_cand, 0) - is_cand
+                keep = (is_cand > 0) & (slot < CAP)
+                tl.store(keys_out + slot, key, mask=keep)
+                tl.store(keys_out + CAP + slot, offs, mask=keep)
+                n_cand += tl.sum(is_cand, 0)
         if n_cand <= CAP:
             tl.debug_barrier()  # this program's scratch stores before its loads
             c = tl.arange(0, CAP)
@@ -186,7 +217,8 @@ def _select_kernel(
     PAGE_SIZE: tl.constexpr, SINK_PAGES: tl.constexpr, RECENT: tl.constexpr, TOTAL: tl.constexpr,
     TOP: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, RADIX_BITS: tl.constexpr,
     SHORT_RADIX: tl.constexpr,
-    SHORTLIST: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, CAP: tl.constexpr,
+    SHORTLIST: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, CAP: tl.constexpr, L_BITS: tl.constexpr,
+    SCRATCH: tl.constexpr, CAND_FROM_GRID: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // HKV
@@ -216,8 +248,9 @@ def _select_kernel(
     full_search = partial
     if SHORTLIST:
         full_search = partial & _shortlist_select(
-            row, out, scratch_ptr + pid.to(tl.int64) * (2 * CAP), P, K, mid_end, m,
-            partial & (recent_first - SINK_PAGES > TOP), SINK_PAGES, GROUP, BLOCK_G, BLOCK_P, CAP, SHORT_RADIX)
+            row, out, scratch_ptr + pid.to(tl.int64) * SCRATCH, P, K, mid_end, m,
+            partial & (recent_first - SINK_PAGES > TOP), SINK_PAGES, GROUP, BLOCK_G, BLOCK_P, CAP, SHORT_RADIX,
+            L_BITS, CAND_FROM_GRID)
     if full_search:
         # The middle pages are [SINK_PAGES, mid_end). Blocks start at multiples of BLOCK_P,
         # so the loads stay aligned (vectorised); `ok` masks the sink pages of block 0.

@@ -95,6 +95,24 @@ def test_shortlist_with_few_groups(gen, device):
                 assert torch.equal(got, w), (sink, search)
 
 
+@pytest.mark.parametrize("search", ["shortlist", "default"])
+def test_clustered_scores_above_the_settled_bound(search, gen, device):
+    """The shortlist's bound L keeps only its top `L_BITS` key bits: scores within 2^-7 of
+    each other share them, so pages below the exact m-th largest group maximum become
+    candidates too (with room for all of them: the shortlist's own search; with the
+    default room: the full search). The choice is still the definition's. Head 1 mixes a
+    cluster just under a spread of higher pages."""
+    lens, hkv, P, ps, sink, budget, recent = [16 * 300, 16 * 260 + 7], 2, 300, 16, 64, 512, 64
+    values = 1.0 + 1e-3 * torch.rand(len(lens), hkv, P, generator=gen)  # distinct fp32, one bf16 value
+    values[:, 1, ::7] += 1.0 + torch.rand(len(lens), (P + 6) // 7, generator=gen)
+    scores = _scores(values, lens, ps).to(device)
+    args = (scores, torch.tensor(lens, device=device), ps, sink, recent, budget)
+    pages, counts = quest_select_pages_triton(*args, block_p=64, **SEARCHES[search])
+    want_pages, want_counts = select_pages_batched(*args)
+    assert torch.equal(counts, want_counts)
+    assert torch.equal(pages, want_pages)
+
+
 def test_strided_scores_and_int64_lengths(gen, device):
     """A view into a wider buffer (row stride != P), int64 kv_lens."""
     lens, ps, P = [130, 77], 4, 33
