@@ -7,9 +7,9 @@ on random scores (B=6, Hkv=8, 8320 pages, top 92 of the middle pages):
   `floor` (the row's count and its sink/recent slots only), `gmax` (+ the row's load in
   groups and the bound L), `candidates` (+ the pass writing the candidates >= L to scratch),
   `full` (the kernel as it is);
-- the kernel's switches set one at a time: `quest_select.L_BITS` (the bound's key bits) 32 /
-  16 / 12, `quest_select.CAND_FROM_GRID` (the candidates from the row's first load) at 8
-  and 16 warps.
+- `quest_select.L_BITS` (the bound's key bits, default 16) at 32 and 12.
+(At 7304d35 also `CAND_FROM_GRID`, the candidates from the row's first load kept in
+registers: 20.7 us at 8 warps, 23.6 at 16, against 16.6-16.8; removed.)
 Every variant that is a whole selection is checked against the kernel's default output.
 
     python scripts/probe_quest_select_stages.py OUT.jsonl
@@ -31,8 +31,7 @@ LOW = "        low = _kth_largest(gmax, g_ok, m, RADIX_BITS, L_BITS)\n"
 CAND_LOOP = ("            for p0 in range(0, mid_end, BLOCK_P):\n                offs = p0 + tl.arange(0, BLOCK_P)\n"
              "                key = _page_keys(row, offs, P)\n                is_cand")
 FINAL = "        if n_cand <= CAP:\n"
-SWITCHES = [("L_BITS", 32, {}), ("L_BITS", 12, {}), ("CAND_FROM_GRID", True, {}),
-            ("CAND_FROM_GRID", True, {"num_warps": 16})]
+SWITCHES = [("L_BITS", 32, {}), ("L_BITS", 12, {})]
 
 
 def _replace(text: str, old: str, new: str) -> str:

@@ -55,10 +55,11 @@ MAX_GROUPS = 512  # shortlist: the most page groups a row is cut into (group = n
 # Shortlist: the key bits of L (the m-th largest group maximum) its search settles, a multiple
 # of 4. H200, 128K shape, us a launch (results/quest_select_stages_h200.jsonl, 4eabe02): 32
 # bits 20.3-20.5; 16 bits 17.5; 12 bits 16.7; the maxima read back as a plain vector, 32
-# bits 18.7, 16 bits 16.8, 12 bits 16.4. 16 keeps L within 2^-7 of the exact bound, so
-# clustered scores add few candidates (more than the room: the full search, still exact).
+# bits 18.7, 16 bits 16.8, 12 bits 16.4. In the engine (7304d35, Quest b=6 at 128K) the
+# selection took 472 us a step against 524 at 32 bits and 612 before both (session 21's
+# profile). 16 keeps L within 2^-7 of the exact bound, so clustered scores add few
+# candidates (more than the room: the full search, still exact).
 L_BITS = 16
-CAND_FROM_GRID = False  # under test: the candidates from the row's first load, kept in registers
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
@@ -115,7 +116,7 @@ def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_to
         TOP=top, BLOCK_P=block_p, BLOCK_K=min(1024, max(16, next_pow2(K))),
         RADIX_BITS=radix_bits or 2, SHORT_RADIX=radix_bits or 4, SHORTLIST=shortlist, GROUP=group,
         BLOCK_G=block_g, CAP=cap, L_BITS=L_BITS, SCRATCH=row_scratch,
-        CAND_FROM_GRID=CAND_FROM_GRID, num_warps=num_warps or min(16, max(1, block_p // 512)),
+        num_warps=num_warps or min(16, max(1, block_p // 512)),
     )
     return pages, counts
 
@@ -148,7 +149,7 @@ def _kth_largest(keys, ok, m, RADIX_BITS: tl.constexpr, BITS: tl.constexpr = 32)
 
 def _shortlist_select(row, out, keys_out, P, K, mid_end, m, active, SINK_PAGES: tl.constexpr, GROUP: tl.constexpr,
                       BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, CAP: tl.constexpr, RADIX_BITS: tl.constexpr,
-                      L_BITS: tl.constexpr, CAND_FROM_GRID: tl.constexpr):
+                      L_BITS: tl.constexpr):
     """Where `active`, choose the m middle pages through a shortlist of candidates (kept in
     this row's scratch `keys_out`: first the groups' maxima, then CAP keys and CAP pages) and write them at slots
     SINK_PAGES.. ascending. Returns whether the row still needs the full search: it is
@@ -156,15 +157,14 @@ def _shortlist_select(row, out, keys_out, P, K, mid_end, m, active, SINK_PAGES: 
     has more than CAP candidates."""
     n_cand = tl.zeros([], tl.int32)
     if active:
-        # L = the m-th largest of the middle groups' maxima (GROUP pages a group): at least
+        # L <= the m-th largest of the middle groups' maxima (GROUP pages a group): at least
         # m middle keys are >= L, so the m-th largest key t is >= L and every key the
         # choice takes (ties at t included) is a candidate >= L. At most GROUP * m of them
         # when the groups' maxima are distinct; typically about m.
         g = tl.arange(0, BLOCK_G)
         grid = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # one load of the row, a group a row
         in_mid = (grid >= SINK_PAGES) & (grid < mid_end)
-        keys = tl.where(in_mid, _page_keys(row, grid, P), -2147483648)
-        gmax = tl.max(keys, 1)
+        gmax = tl.max(tl.where(in_mid, _page_keys(row, grid, P), -2147483648), 1)
         # Through scratch and back: the max over the groups' axis leaves the maxima in a
         # sliced register layout, where each search pass took ~0.7 us against ~0.45 read
         # back as a plain vector (H200, results/quest_select_stages_h200.jsonl).
@@ -178,24 +178,15 @@ def _shortlist_select(row, out, keys_out, P, K, mid_end, m, active, SINK_PAGES: 
         low = _kth_largest(gmax, g_ok, m, RADIX_BITS, L_BITS)
         # The candidates, in page order, into this row's scratch (keys, then pages).
         n_cand = tl.zeros([], tl.int32)
-        if CAND_FROM_GRID:  # from the row still in registers: a group's rank, then within it
-            grid_cand = (in_mid & (keys >= low)).to(tl.int32)
-            per_group = tl.sum(grid_cand, 1)
-            grid_slot = (tl.cumsum(per_group, 0) - per_group)[:, None] + tl.cumsum(grid_cand, 1) - grid_cand
-            grid_keep = (grid_cand > 0) & (grid_slot < CAP)
-            tl.store(keys_out + grid_slot, keys, mask=grid_keep)
-            tl.store(keys_out + CAP + grid_slot, grid, mask=grid_keep)
-            n_cand = tl.sum(per_group, 0)
-        else:
-            for p0 in range(0, mid_end, BLOCK_P):
-                offs = p0 + tl.arange(0, BLOCK_P)
-                key = _page_keys(row, offs, P)
-                is_cand = ((offs >= SINK_PAGES) & (offs < mid_end) & (key >= low)).to(tl.int32)
-                slot = n_cand + tl.cumsum(is_cand, 0) - is_cand
-                keep = (is_cand > 0) & (slot < CAP)
-                tl.store(keys_out + slot, key, mask=keep)
-                tl.store(keys_out + CAP + slot, offs, mask=keep)
-                n_cand += tl.sum(is_cand, 0)
+        for p0 in range(0, mid_end, BLOCK_P):
+            offs = p0 + tl.arange(0, BLOCK_P)
+            key = _page_keys(row, offs, P)
+            is_cand = ((offs >= SINK_PAGES) & (offs < mid_end) & (key >= low)).to(tl.int32)
+            slot = n_cand + tl.cumsum(is_cand, 0) - is_cand
+            keep = (is_cand > 0) & (slot < CAP)
+            tl.store(keys_out + slot, key, mask=keep)
+            tl.store(keys_out + CAP + slot, offs, mask=keep)
+            n_cand += tl.sum(is_cand, 0)
         if n_cand <= CAP:
             tl.debug_barrier()  # this program's scratch stores before its loads
             c = tl.arange(0, CAP)
@@ -218,7 +209,7 @@ def _select_kernel(
     TOP: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, RADIX_BITS: tl.constexpr,
     SHORT_RADIX: tl.constexpr,
     SHORTLIST: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, CAP: tl.constexpr, L_BITS: tl.constexpr,
-    SCRATCH: tl.constexpr, CAND_FROM_GRID: tl.constexpr,
+    SCRATCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // HKV
@@ -250,7 +241,7 @@ def _select_kernel(
         full_search = partial & _shortlist_select(
             row, out, scratch_ptr + pid.to(tl.int64) * SCRATCH, P, K, mid_end, m,
             partial & (recent_first - SINK_PAGES > TOP), SINK_PAGES, GROUP, BLOCK_G, BLOCK_P, CAP, SHORT_RADIX,
-            L_BITS, CAND_FROM_GRID)
+            L_BITS)
     if full_search:
         # The middle pages are [SINK_PAGES, mid_end). Blocks start at multiples of BLOCK_P,
         # so the loads stay aligned (vectorised); `ok` masks the sink pages of block 0.
