@@ -161,6 +161,10 @@ def main() -> None:
     ap.add_argument("--kernel-const", action="append", default=[], metavar="MODULE.NAME=VALUE",
                     help="set a module constant of sparseengine.kernels for an A/B in one call, e.g. "
                          "paged_decode.WIDE_BALANCED_MERGE=False (a Python literal; repeatable)")
+    ap.add_argument("--before-batches", default="", metavar="B1,B2,...",
+                    help="first run these batches of the same prompts through the engine, each for --before-tokens "
+                         "tokens (as the benchmark's lane runs its smaller batches before the largest in one engine)")
+    ap.add_argument("--before-tokens", type=int, default=304)
     ap.add_argument("--host-profile", action="store_true",
                     help="also cProfile the eager steps: where their host time goes")
     ap.add_argument("--commit", default="")
@@ -193,6 +197,11 @@ def main() -> None:
     with LLM(**kw) as llm:
         out["engine_args"] = {k: v for k, v in args.engine_arg}
         out["async_scheduling"] = llm.async_scheduling
+        for b in [int(x) for x in args.before_batches.split(",") if x]:
+            llm.generate([[(11 * i + j) % 30000 + 3 for j in range(n)] for i, n in enumerate(mix.lengths(b))],
+                         SamplingParams(temperature=0, max_tokens=args.before_tokens, ignore_eos=True),
+                         prefill="synthesized")
+        out["before_batches"] = args.before_batches
         reads: list = []
         stats: dict = {}
         out["graph_step_ms"] = 1e3 * step_time(llm, prompts, args.window_steps, reads=reads, stats=stats)

@@ -67,6 +67,10 @@ def main() -> None:
     ap.add_argument("--sort", default="cumulative", help="the profile's order: cumulative or tottime")
     ap.add_argument("--kv-gib", type=float, default=None,
                     help="the KV pool (default: every prompt's full KV; an eviction method at a large batch needs less)")
+    ap.add_argument("--before-batches", default="", metavar="B1,B2,...",
+                    help="first run these batches (each --before-tokens tokens) through the engine, as the "
+                         "benchmark's lane runs its smaller batches before the largest")
+    ap.add_argument("--before-tokens", type=int, default=304)
     args = ap.parse_args()
     max_len = args.prompt_len + args.steps + 64
     budget = {} if args.method == "vanilla" else dict(sink_tokens=64, recent_tokens=512, budget=1472)
@@ -75,6 +79,10 @@ def main() -> None:
              sparse_method=args.method, kv_cache_memory=kv_gib, max_num_seqs=args.batch, **budget) as llm:
         llm.runner.graphs = _StubGraphs(llm.model, llm.kv_cache, llm.provider, llm.method, llm.device,
                                         args.batch, table_pages(llm.method, max_len, llm.config.page_size))
+        for b in [int(x) for x in args.before_batches.split(",") if x]:
+            llm.generate([[4] * args.prompt_len] * b,
+                         SamplingParams(temperature=0, max_tokens=args.before_tokens, ignore_eos=True),
+                         prefill="synthesized")
         ends, orig, prof = [], llm.step, cProfile.Profile()
 
         def timed():

@@ -133,6 +133,7 @@ class ThroughputTask(Task):
                      "e2e_output_tok_s": w.e2e_output_tok_s, "wall_s": w.wall_s, "preemptions": w.preemptions,
                      "pure_decode_steps": w.pure_decode_steps, "kv_tokens_mean": w.kv_tokens_mean,
                      "read_tokens_per_layer": w.read_tokens_per_layer, "metadata_bytes_read": w.metadata_bytes_read,
+                     "step_s_median": w.step_s_median, "step_s_max": w.step_s_max, "slow_steps": w.slow_steps,
                      "bytes_per_step": cost.bytes, "flops_per_step": cost.flops, "limit_step_s": limit_s,
                      "limit_tok_s": batch / limit_s, "pct_of_limit": 100.0 * limit_s / w.step_s,
                      "prompt_tokens_mean": sum(lengths) / batch,

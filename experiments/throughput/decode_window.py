@@ -47,6 +47,9 @@ class WindowResult:
     kv_tokens_mean: float | None
     read_tokens_per_layer: float | None = None  # per request, what the method's decode step reads
     metadata_bytes_read: float | None = None  # per request and step (page bounds, scores...)
+    step_s_median: float | None = None  # of the timed steps, each from one step's end to the next's
+    step_s_max: float | None = None
+    slow_steps: int | None = None  # timed steps over 1.2x the median: pauses (host, GC), not the device's pace
 
 
 def batch_reads(llm, batch: int) -> tuple[float, float] | None:
@@ -127,6 +130,9 @@ def measure(llm, prompts: list[list[int]], output_len: int, warmup_steps: int, t
                            f"the last was prefilled; raise task.output_len (now {output_len})")
     t0, t1 = ends[k_ready + warmup_steps], ends[k_ready + warmup_steps + timed_steps]
     seconds = t1 - t0
+    steps = sorted(b - a for a, b in zip(ends[k_ready + warmup_steps:k_ready + need],
+                                         ends[k_ready + warmup_steps + 1:k_ready + need + 1]))
+    median = steps[len(steps) // 2]
     out_tokens = sum(len(o.token_ids) for o in outputs)
     tpots = [o.metrics["decode_s"] / (len(o.token_ids) - 1) for o in outputs if len(o.token_ids) > 1]
     kv = [o.metrics["kv_tokens"] for o in outputs if o.metrics.get("kv_tokens") is not None]
@@ -138,4 +144,5 @@ def measure(llm, prompts: list[list[int]], output_len: int, warmup_steps: int, t
         wall_s=wall, preemptions=sum(o.metrics["preemptions"] for o in outputs), pure_decode_steps=pure,
         kv_tokens_mean=statistics.fmean(kv) if kv else None,
         read_tokens_per_layer=clock.read[0] if clock.read else None,
-        metadata_bytes_read=clock.read[1] if clock.read else None)
+        metadata_bytes_read=clock.read[1] if clock.read else None, step_s_median=median, step_s_max=steps[-1],
+        slow_steps=sum(t > 1.2 * median for t in steps))
