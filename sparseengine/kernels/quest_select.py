@@ -20,10 +20,10 @@ Shortlist first (the default): the middle pages are cut into groups of `group` p
 maxima (its top `L_BITS` bits) is found in registers. At least m middle keys are >= L, so
 every key the choice takes (ties included) is >= L: one pass over the row writes those
 candidates, in page order, to a per-row scratch of `cap` slots, and the same search (all
-32 bits), then the tie rule, runs on them in registers. Two passes over the row in all, against 2 + 32 / radix_bits. There are at
-most `group * m` candidates, usually few more than m (random scores, m = 92 of 8192
-pages in groups of 32: about 110 expected); a row with more than `cap` (many equal
-scores) runs the full search below.
+32 bits), then the tie rule, runs on them in registers. Two passes over the row in all,
+against 2 + 32 / radix_bits. There are at most `group * m` candidates, usually few more
+than m (random scores, m = 92 of 8192 pages in groups of 32: about 110 expected); a row
+with more than `cap` (many equal scores) runs the full search below.
 
 Full search: a radix search over the 32 key bits, `radix_bits`
 at a time, finds the m-th largest key t: each pass counts the middle keys `>= lo + j *
