@@ -19,10 +19,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from profile_decode_step import step_time  # noqa: E402
+from profile_decode_step import engine_kwargs, prompts_of, step_time  # noqa: E402
 
 from sparseengine import LLM  # noqa: E402
-from sparseengine.method_registry import split_total  # noqa: E402
 
 
 def main() -> None:
@@ -32,11 +31,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=131072)
     ap.add_argument("--window-steps", type=int, default=128)
     args = ap.parse_args()
-    kw = dict(model="llama-3.1-8b", load_format="dummy", dtype="bfloat16", sparse_method=args.method,
-              max_num_seqs=max(8, args.batch), sink_tokens=64, recent_tokens=512,
-              max_model_len=args.prompt_len + 2048, **split_total(args.method, 2048, 64, 512))
-    prompts = [[(7 * i + j) % 30000 + 3 for j in range(args.prompt_len)] for i in range(args.batch)]
-    with LLM(**kw) as llm:
+    prompts = prompts_of([args.prompt_len] * args.batch)
+    with LLM(**engine_kwargs(args.method, args.batch, args.prompt_len + 2048)) as llm:
         for run in ("fresh", "reused", "reused_sorted", "reused_again"):
             if run == "reused_sorted":
                 llm.allocator._free = collections.deque(sorted(llm.allocator._free))

@@ -29,6 +29,22 @@ from experiments.throughput.length_mix import LengthMix
 from sparseengine import LLM, SamplingParams
 
 
+def engine_kwargs(method: str, batch: int, max_model_len: int, total: int = 2048, **more) -> dict:
+    """The profiled engine's `LLM(...)` arguments: the benchmark's dummy bf16 shape, sink 64
+    and recent 512, the method's budget knobs for `total` attended tokens (as the benchmark's
+    total_budget; StreamingLLM: recent), then `more`."""
+    from sparseengine.method_registry import split_total
+
+    kw = dict(model="llama-3.1-8b", load_format="dummy", dtype="bfloat16", sparse_method=method,
+              max_num_seqs=max(8, batch), sink_tokens=64, recent_tokens=512, max_model_len=max_model_len)
+    return {**kw, **split_total(method, total, 64, 512), **more}
+
+
+def prompts_of(lengths: list[int], salt: int = 7) -> list[list[int]]:
+    """Deterministic token ids, one prompt a length (the synthesised prefill never reads them)."""
+    return [[(salt * i + j) % 30000 + 3 for j in range(n)] for i, n in enumerate(lengths)]
+
+
 def step_time(llm, prompts, steps: int, warmup: int = 8, reads: list | None = None,
               stats: dict | None = None) -> float:
     """Median seconds per pure-decode step over ``steps`` steps after ``warmup``. ``reads``:
@@ -170,7 +186,6 @@ def main() -> None:
     ap.add_argument("--commit", default="")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    from sparseengine.method_registry import split_total
     from experiments.throughput import roofline
     from sparseengine.kernels import paged_decode
 
@@ -181,12 +196,9 @@ def main() -> None:
     consts = dict(_set_kernel_const(text) for text in args.kernel_const)
     mix = LengthMix.parse(None if args.length_mix is None else json.loads(args.length_mix), args.prompt_len)
     lengths = mix.lengths(args.batch)
-    kw = dict(model=args.model, load_format="dummy", dtype="bfloat16", sparse_method=args.method,
-              attention_provider=args.provider, max_num_seqs=max(8, args.batch), sink_tokens=64, recent_tokens=512,
-              max_model_len=args.max_model_len or max(lengths) + 2048)
-    kw.update(split_total(args.method, args.total, 64, 512))  # as the benchmark's total_budget (StreamingLLM: recent)
-    kw.update(dict(args.engine_arg))
-    prompts = [[(7 * i + j) % 30000 + 3 for j in range(n)] for i, n in enumerate(lengths)]
+    kw = engine_kwargs(args.method, args.batch, args.max_model_len or max(lengths) + 2048, args.total,
+                       model=args.model, attention_provider=args.provider, **dict(args.engine_arg))
+    prompts = prompts_of(lengths)
     bw = args.bandwidth_gbps or roofline.measure_copy_bandwidth(torch.device("cuda"))
     out = {"model": args.model, "method": args.method, "batch": args.batch, "prompt_len": args.prompt_len,
            "max_model_len": kw["max_model_len"],
@@ -198,7 +210,7 @@ def main() -> None:
         out["engine_args"] = {k: v for k, v in args.engine_arg}
         out["async_scheduling"] = llm.async_scheduling
         for b in [int(x) for x in args.before_batches.split(",") if x]:
-            llm.generate([[(11 * i + j) % 30000 + 3 for j in range(n)] for i, n in enumerate(mix.lengths(b))],
+            llm.generate(prompts_of(mix.lengths(b), salt=11),
                          SamplingParams(temperature=0, max_tokens=args.before_tokens, ignore_eos=True),
                          prefill="synthesized")
         out["before_batches"] = args.before_batches

@@ -25,8 +25,9 @@ if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing need
 
 MAX_ROWS = 1024  # rows a launch may count (its per-row counters, zeroed once per device)
 # Whether greedy sampling (layers/sampler.py) runs this kernel on a GPU (read at each call:
-# profile_decode_step.py --kernel-const A/Bs it against torch's argmax).
-SAMPLER_USES_KERNEL = True  # A/B session 21 (results/ab_switches_h200.jsonl): Quest b=6 step -0.020 ms, vanilla b=1 -0.025
+# profile_decode_step.py --kernel-const A/Bs it against torch's argmax). A/B session 21
+# (results/ab_switches_h200.jsonl): Quest b=6 step -0.020 ms, vanilla b=1 -0.025.
+SAMPLER_USES_KERNEL = True
 
 
 def row_argmax_ref(x: torch.Tensor) -> torch.Tensor:

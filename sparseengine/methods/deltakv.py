@@ -10,8 +10,9 @@ their whole KV too. Every other layer is *sparse*.
 
 Sparse layers, per request, once it holds more than ``sink + budget + recent`` tokens (at
 the end of prefill, or later during decode). Their paged cache is laid out as
-``deltakv_layout`` describes (sink, scratch slots, raw tail), and the tokens ``S .. hist_end-1`` (the *history*) live only in the codec
-(``deltakv_codec``) in the per-request state: centers (every ``round(1/ratio)``-th history
+``deltakv_layout`` describes (sink, scratch slots, raw tail), and the tokens ``S ..
+hist_end-1`` (the *history*) live only in the codec (``deltakv_codec``) in the
+per-request state: centers (every ``round(1/ratio)``-th history
 token, raw, pre-RoPE), neighbour indices and ``Down``-projected residual latents (int4 or
 float16). Keys are stored rotated in the cache; they are un-rotated (rotation by the
 negative position, exact up to float error) before encoding. The codec's positions count
