@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import ast
+import collections
+import itertools
 import json
 import time
 from collections import defaultdict
@@ -150,6 +152,49 @@ def _set_kernel_const(text: str) -> tuple[str, object]:
     return target, getattr(mod, name)
 
 
+def _own_pools() -> None:
+    """Every decode graph captured into a fresh memory pool (the engine shares one)."""
+    from sparseengine.engine.cuda_graphs import DecodeGraphs
+
+    capture = DecodeGraphs._capture
+
+    def own(self, size, seqs=None):
+        self.pool = None
+        return capture(self, size, seqs)
+
+    DecodeGraphs._capture = own
+
+
+def _replay_timing() -> tuple[list, callable]:
+    """Record, around every CUDA graph replay, device events and the host time of the launch
+    call; returns (records, restore)."""
+    graph, orig = torch.cuda.CUDAGraph, torch.cuda.CUDAGraph.replay
+    recs: list = []
+
+    def replay(self):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        t0 = time.perf_counter()
+        orig(self)
+        recs.append((a, b, time.perf_counter() - t0, t0))
+        b.record()
+
+    graph.replay = replay
+    return recs, lambda: setattr(graph, "replay", orig)
+
+
+def _replay_stats(recs: list, skip: int = 10) -> dict:
+    """Medians over the replays after `skip`: device ms of a graph, device idle ms from one
+    graph's end to the next one's start event, host us of the launch call, host ms between launches."""
+    torch.cuda.synchronize()
+    recs = recs[skip:]
+    med = lambda xs: sorted(xs)[len(xs) // 2] if xs else None  # noqa: E731
+    return {"replays": len(recs), "graph_device_ms": med([a.elapsed_time(b) for a, b, _, _ in recs]),
+            "device_idle_between_ms": med([p[1].elapsed_time(n[0]) for p, n in zip(recs, recs[1:])]),
+            "launch_host_us": med([1e6 * h for _, _, h, _ in recs]),
+            "host_between_launches_ms": med([1e3 * (n[3] - p[3]) for p, n in zip(recs, recs[1:])])}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-3.1-8b")
@@ -181,6 +226,20 @@ def main() -> None:
                     help="first run these batches of the same prompts through the engine, each for --before-tokens "
                          "tokens (as the benchmark's lane runs its smaller batches before the largest in one engine)")
     ap.add_argument("--before-tokens", type=int, default=304)
+    ap.add_argument("--graph-pool", choices=("shared", "per-bucket"), default="shared",
+                    help="per-bucket: each decode graph captured into a memory pool of its own (a probe: the "
+                         "engine's graphs share one)")
+    ap.add_argument("--sort-free-queue", action="store_true",
+                    help="after the --before-batches, sort the page allocator's free queue ascending (a probe)")
+    ap.add_argument("--replay-timing", action="store_true",
+                    help="events around each graph replay in the window: device time of a graph, device idle between")
+    ap.add_argument("--first-seq-id", type=int, default=None,
+                    help="number the engine's requests from here (the synthesised KV is seeded by seed + request id)")
+    ap.add_argument("--before-eager", action="store_true", help="the --before-batches run without decode graphs")
+    ap.add_argument("--extra-graphs", default="", metavar="S1,S2", help="capture these buckets' graphs before the window")
+    ap.add_argument("--drop-graphs", action="store_true", help="drop every captured graph before the window")
+    ap.add_argument("--dummy-graphs", type=int, default=0, help="capture this many one-kernel graphs before the window")
+    ap.add_argument("--graph-only", action="store_true", help="only the graph window: no kernel tables, no eager engine")
     ap.add_argument("--host-profile", action="store_true",
                     help="also cProfile the eager steps: where their host time goes")
     ap.add_argument("--commit", default="")
@@ -194,6 +253,11 @@ def main() -> None:
         paged_decode.COMBINE_D_TILE = args.combine_d_tile or None
 
     consts = dict(_set_kernel_const(text) for text in args.kernel_const)
+    if args.first_seq_id is not None:
+        from sparseengine.engine import sequence
+        sequence._ids = itertools.count(args.first_seq_id)
+    if args.graph_pool == "per-bucket":
+        _own_pools()
     mix = LengthMix.parse(None if args.length_mix is None else json.loads(args.length_mix), args.prompt_len)
     lengths = mix.lengths(args.batch)
     kw = engine_kwargs(args.method, args.batch, args.max_model_len or max(lengths) + 2048, args.total,
@@ -209,16 +273,52 @@ def main() -> None:
     with LLM(**kw) as llm:
         out["engine_args"] = {k: v for k, v in args.engine_arg}
         out["async_scheduling"] = llm.async_scheduling
+        graphs = llm.runner.graphs
+        if args.before_eager:
+            llm.runner.graphs = None
         for b in [int(x) for x in args.before_batches.split(",") if x]:
             llm.generate(prompts_of(mix.lengths(b), salt=11),
                          SamplingParams(temperature=0, max_tokens=args.before_tokens, ignore_eos=True),
                          prefill="synthesized")
         out["before_batches"] = args.before_batches
+        llm.runner.graphs = graphs
+        for size in [int(x) for x in args.extra_graphs.split(",") if x]:
+            graphs.graphs[size] = graphs._capture(size)
+        dummies = []
+        for _ in range(args.dummy_graphs):
+            x = torch.zeros(16, device="cuda")
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                x.add_(1)
+            dummies.append((g, x))
+        if args.drop_graphs:
+            graphs.graphs.clear()
+            graphs.pool = None
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        out["probe"] = {"before_eager": args.before_eager, "extra_graphs": args.extra_graphs,
+                        "drop_graphs": args.drop_graphs,
+                        "dummy_graphs": args.dummy_graphs}
+        out["first_seq_id"] = args.first_seq_id
+        if args.sort_free_queue:
+            llm.allocator._free = collections.deque(sorted(llm.allocator._free))
+        free = list(llm.allocator._free)
+        out["free_queue"] = {"pages": llm.allocator.num_pages, "free": len(free), "head": free[:3],
+                             "breaks_in_first_60000": sum(b != a + 1 for a, b in zip(free[:60000], free[1:60000]))}
         reads: list = []
         stats: dict = {}
+        recs, restore = _replay_timing() if args.replay_timing else (None, None)
         out["graph_step_ms"] = 1e3 * step_time(llm, prompts, args.window_steps, reads=reads, stats=stats)
+        if recs is not None:
+            restore()
+            out["replay_timing"] = _replay_stats(recs)
         out.update({f"graph_step_{k}": v for k, v in stats.items()})
         out["graph_steps_used"] = llm.runner.graph_steps > 0
+        out["graph_pool"] = args.graph_pool
+        if args.graph_only:
+            print(json.dumps(out, indent=1))
+            Path(args.out).write_text(json.dumps(out, indent=1))
+            return
         graph_table = kernel_table(llm, prompts, args.steps)  # the kernels the graph replays
         # the KV and metadata the method's step reads (as the throughput records count them)
         cost = roofline.decode_step_cost(llm.model_config, llm.config, 2, args.batch, sum(lengths) // len(lengths),
