@@ -7,7 +7,10 @@ the kernels are the ones the CUDA graph replays, without the launch gaps). Write
 with the device time per step of each kernel (grouped by name), their sum, the eager and
 the graph step times measured in the same process, and the roofline of the step. The
 graph steps are profiled too (CUPTI sees the kernels a replay launches): graph step time
-minus their kernel sum is the host work and launch gaps between kernels.
+minus their kernel sum is the host work and launch gaps between kernels. Three one-kernel
+graphs are captured before the window (``--captures-before``), so the window's graph runs in
+the state a lane's does: from a process's fourth stream capture on, every graph kernel
+launches ~0.18 us later on the H200 (results/README.md, session 23).
 
     python scripts/profile_decode_step.py --method vanilla --batch 1 --out profile_vanilla_b1.json
     python scripts/profile_decode_step.py --method deltakv --engine-arg deltakv_checkpoint_path=FILE \
@@ -18,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import collections
 import itertools
 import json
 import time
@@ -152,19 +154,6 @@ def _set_kernel_const(text: str) -> tuple[str, object]:
     return target, getattr(mod, name)
 
 
-def _own_pools() -> None:
-    """Every decode graph captured into a fresh memory pool (the engine shares one)."""
-    from sparseengine.engine.cuda_graphs import DecodeGraphs
-
-    capture = DecodeGraphs._capture
-
-    def own(self, size, seqs=None):
-        self.pool = None
-        return capture(self, size, seqs)
-
-    DecodeGraphs._capture = own
-
-
 def _replay_timing() -> tuple[list, callable]:
     """Record, around every CUDA graph replay, device events and the host time of the launch
     call; returns (records, restore)."""
@@ -226,19 +215,15 @@ def main() -> None:
                     help="first run these batches of the same prompts through the engine, each for --before-tokens "
                          "tokens (as the benchmark's lane runs its smaller batches before the largest in one engine)")
     ap.add_argument("--before-tokens", type=int, default=304)
-    ap.add_argument("--graph-pool", choices=("shared", "per-bucket"), default="shared",
-                    help="per-bucket: each decode graph captured into a memory pool of its own (a probe: the "
-                         "engine's graphs share one)")
-    ap.add_argument("--sort-free-queue", action="store_true",
-                    help="after the --before-batches, sort the page allocator's free queue ascending (a probe)")
     ap.add_argument("--replay-timing", action="store_true",
                     help="events around each graph replay in the window: device time of a graph, device idle between")
     ap.add_argument("--first-seq-id", type=int, default=None,
                     help="number the engine's requests from here (the synthesised KV is seeded by seed + request id)")
-    ap.add_argument("--before-eager", action="store_true", help="the --before-batches run without decode graphs")
-    ap.add_argument("--extra-graphs", default="", metavar="S1,S2", help="capture these buckets' graphs before the window")
-    ap.add_argument("--drop-graphs", action="store_true", help="drop every captured graph before the window")
-    ap.add_argument("--dummy-graphs", type=int, default=0, help="capture this many one-kernel graphs before the window")
+    ap.add_argument("--captures-before", type=int, default=3,
+                    help="capture this many one-kernel CUDA graphs before the window. A process's fourth stream "
+                         "capture makes every later graph kernel ~0.18 us slower on the H200 (results/README.md, "
+                         "session 23); a lane's engine captures one graph per bucket (1, 2, 4, 8 up to batch 6), so "
+                         "the default 3 profiles in the lane's state; 0: as profiles before session 23")
     ap.add_argument("--graph-only", action="store_true", help="only the graph window: no kernel tables, no eager engine")
     ap.add_argument("--host-profile", action="store_true",
                     help="also cProfile the eager steps: where their host time goes")
@@ -256,8 +241,6 @@ def main() -> None:
     if args.first_seq_id is not None:
         from sparseengine.engine import sequence
         sequence._ids = itertools.count(args.first_seq_id)
-    if args.graph_pool == "per-bucket":
-        _own_pools()
     mix = LengthMix.parse(None if args.length_mix is None else json.loads(args.length_mix), args.prompt_len)
     lengths = mix.lengths(args.batch)
     kw = engine_kwargs(args.method, args.batch, args.max_model_len or max(lengths) + 2048, args.total,
@@ -273,38 +256,20 @@ def main() -> None:
     with LLM(**kw) as llm:
         out["engine_args"] = {k: v for k, v in args.engine_arg}
         out["async_scheduling"] = llm.async_scheduling
-        graphs = llm.runner.graphs
-        if args.before_eager:
-            llm.runner.graphs = None
         for b in [int(x) for x in args.before_batches.split(",") if x]:
             llm.generate(prompts_of(mix.lengths(b), salt=11),
                          SamplingParams(temperature=0, max_tokens=args.before_tokens, ignore_eos=True),
                          prefill="synthesized")
         out["before_batches"] = args.before_batches
-        llm.runner.graphs = graphs
-        for size in [int(x) for x in args.extra_graphs.split(",") if x]:
-            graphs.graphs[size] = graphs._capture(size)
-        dummies = []
-        for _ in range(args.dummy_graphs):
+        held = []  # the captures stay alive through the window (dropping them would not undo the state)
+        for _ in range(args.captures_before):
             x = torch.zeros(16, device="cuda")
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
                 x.add_(1)
-            dummies.append((g, x))
-        if args.drop_graphs:
-            graphs.graphs.clear()
-            graphs.pool = None
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-        out["probe"] = {"before_eager": args.before_eager, "extra_graphs": args.extra_graphs,
-                        "drop_graphs": args.drop_graphs,
-                        "dummy_graphs": args.dummy_graphs}
+            held.append((g, x))
+        out["captures_before"] = args.captures_before
         out["first_seq_id"] = args.first_seq_id
-        if args.sort_free_queue:
-            llm.allocator._free = collections.deque(sorted(llm.allocator._free))
-        free = list(llm.allocator._free)
-        out["free_queue"] = {"pages": llm.allocator.num_pages, "free": len(free), "head": free[:3],
-                             "breaks_in_first_60000": sum(b != a + 1 for a, b in zip(free[:60000], free[1:60000]))}
         reads: list = []
         stats: dict = {}
         recs, restore = _replay_timing() if args.replay_timing else (None, None)
@@ -314,7 +279,6 @@ def main() -> None:
             out["replay_timing"] = _replay_stats(recs)
         out.update({f"graph_step_{k}": v for k, v in stats.items()})
         out["graph_steps_used"] = llm.runner.graph_steps > 0
-        out["graph_pool"] = args.graph_pool
         if args.graph_only:
             print(json.dumps(out, indent=1))
             Path(args.out).write_text(json.dumps(out, indent=1))
