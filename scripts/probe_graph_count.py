@@ -3,7 +3,13 @@
 A graph of `--kernels` small kernels (launch-bound: its time is mostly the gaps between
 kernels) and one of `--kernels` 1 MiB copies are timed (device events, median of
 `--replays` replays); then `--extra` more graphs of the same kind are captured one at a
-time, and both are timed again after each. Prints one JSON line per state.
+time, and both are timed again after each (also replayed on a side stream and on a
+high-priority one), then once more after the extra graphs are dropped. Prints one JSON line
+per state. `--mode` says what an extra step does (a capture, one never instantiated, a bare
+`capture_begin`/`capture_end`, or only the synchronize, gc and empty_cache that
+`torch.cuda.graph` does around a capture); `--capture-mode`, torch's `capture_error_mode`.
+On the H200 the fourth capture in the process slows every later replay (results/README.md,
+session 23; `graph_capture_state_h200.jsonl`).
 
     python scripts/probe_graph_count.py --extra 6
 """
@@ -17,15 +23,12 @@ import os
 import torch
 
 
-CAPTURE_MODE = "global"
-
-
-def capture(fn, keep_graph: bool = False) -> torch.cuda.CUDAGraph:
+def capture(fn, keep_graph: bool = False, capture_mode: str = "global") -> torch.cuda.CUDAGraph:
     """keep_graph: captured, not instantiated (torch instantiates at the first replay)."""
     fn()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph(keep_graph=keep_graph)
-    with torch.cuda.graph(g, capture_error_mode=CAPTURE_MODE):
+    with torch.cuda.graph(g, capture_error_mode=capture_mode):
         fn()
     return g
 
@@ -58,8 +61,6 @@ def main() -> None:
                          "on a side stream without torch.cuda.graph's synchronize, gc and empty_cache; or only those")
     ap.add_argument("--capture-mode", choices=("global", "thread_local", "relaxed"), default="global")
     args = ap.parse_args()
-    global CAPTURE_MODE
-    CAPTURE_MODE = args.capture_mode
     small = torch.zeros(256, device="cuda")
     src, dst = torch.zeros(1 << 18, device="cuda"), torch.zeros(1 << 18, device="cuda")
 
@@ -71,12 +72,13 @@ def main() -> None:
         for _ in range(args.kernels):
             dst.copy_(src)
 
-    keep = {"tiny": capture(tiny), "copies": capture(copies)}
+    keep = {"tiny": capture(tiny, capture_mode=args.capture_mode),
+            "copies": capture(copies, capture_mode=args.capture_mode)}
     extra: list = []
     report = _report(keep, args.replays)
     for n in range(args.extra + 1):
         if n:
-            extra.append(_extra(args.mode, tiny if n % 2 else copies))
+            extra.append(_extra(args.mode, tiny if n % 2 else copies, args.capture_mode))
         report(2 + len(extra))
     extra.clear()
     gc.collect()
@@ -84,14 +86,14 @@ def main() -> None:
     report(2, "after dropping the extra graphs")
 
 
-def _extra(mode: str, fn):
+def _extra(mode: str, fn, capture_mode: str):
     if mode == "empty_cache":
         torch.cuda.synchronize()
         gc.collect()
         torch.cuda.empty_cache()
         return None
     if mode != "raw":
-        return capture(fn, mode == "uninstantiated")
+        return capture(fn, mode == "uninstantiated", capture_mode)
     fn()
     g, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -25,6 +25,7 @@ import itertools
 import json
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -154,7 +155,7 @@ def _set_kernel_const(text: str) -> tuple[str, object]:
     return target, getattr(mod, name)
 
 
-def _replay_timing() -> tuple[list, callable]:
+def _replay_timing() -> tuple[list, Callable[[], None]]:
     """Record, around every CUDA graph replay, device events and the host time of the launch
     call; returns (records, restore)."""
     graph, orig = torch.cuda.CUDAGraph, torch.cuda.CUDAGraph.replay
