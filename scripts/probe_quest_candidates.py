@@ -25,7 +25,7 @@ from profile_decode_step import engine_kwargs, prompts_of  # noqa: E402
 
 from sparseengine import LLM, SamplingParams, kernels  # noqa: E402
 from sparseengine.kernels._common import cdiv, next_pow2  # noqa: E402
-from sparseengine.kernels.quest_select import MAX_GROUPS  # noqa: E402
+from sparseengine.kernels.quest_select import shortlist_groups  # noqa: E402
 
 
 def keys_of(scores: torch.Tensor) -> torch.Tensor:
@@ -38,8 +38,10 @@ def keys_of(scores: torch.Tensor) -> torch.Tensor:
 def candidate_counts(scores, kv_lens, page_size, sink, recent, budget, bits_list) -> dict[int, list[int]]:
     """Per L_BITS, every searched row's candidate count (the kernel's shortlist rule)."""
     B, H, P = scores.shape
-    group = max(2, next_pow2(cdiv(P, MAX_GROUPS)))
     top, sink_pages = max(3, budget // page_size), cdiv(sink, page_size)
+    group = shortlist_groups(P, top)
+    if group is None:  # no shortlist: the full search alone
+        return {b: [] for b in bits_list}
     keys = keys_of(scores)
     out: dict[int, list[int]] = {b: [] for b in bits_list}
     for b, n in enumerate(kv_lens.tolist()):

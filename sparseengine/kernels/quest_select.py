@@ -16,7 +16,8 @@ How: a score's fp32 bits map to an int32 key with the same order (negative float
 their low 31 bits; -0.0 counts as +0.0).
 
 Shortlist first (the default): the middle pages are cut into groups of `group` pages
-(`next_pow2(P / 512)`, at least 2); a lower bound L of the m-th largest of the groups'
+(`next_pow2(P / 512)`, at least 2, smaller where that leaves under two groups a page to take:
+`shortlist_groups`); a lower bound L of the m-th largest of the groups'
 maxima (its top `L_BITS` bits) is found in registers. At least m middle keys are >= L, so
 every key the choice takes (ties included) is >= L: one pass over the row writes those
 candidates, in page order, to a per-row scratch of `cap` slots, and the same search (all
@@ -51,7 +52,14 @@ import torch
 
 from ._common import cdiv, check_launch, check_lens, check_scores, int_arg, lazy_jit, next_pow2
 
-MAX_GROUPS = 512  # shortlist: the most page groups a row is cut into (group = next_pow2(P / this))
+MAX_GROUPS = 512  # shortlist: the page groups a row is cut into at most (group = next_pow2(P / this)) ...
+# ... unless that leaves fewer than GROUPS_PER_PICK groups a page to take: then smaller groups,
+# down to MAX_BLOCK_G groups a row. With fewer groups than pages to take, L is the minimum and
+# every middle page a candidate, so the shortlist would always fall back (Quest at total 8192
+# on a 128K table: 260 groups of 32 for 476 pages); where even MAX_BLOCK_G groups are fewer
+# than the pages to take, the full search runs alone. 0: the group from P alone (before session 23).
+GROUPS_PER_PICK = 2
+MAX_BLOCK_G = 1024  # ptxas, sm_90, 8 warps: 2048 group maxima spill ~0.8 KB in L's search; 1024 none
 # Shortlist: the key bits of L (the m-th largest group maximum) its search settles, a multiple
 # of 4. H200, 128K shape, us a launch (results/quest_select_stages_h200.jsonl, 4eabe02): 32
 # bits 20.3-20.5; 16 bits 17.5; 12 bits 16.7; the maxima read back as a plain vector, 32
@@ -65,6 +73,18 @@ if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing need
     import triton.language as tl
 
 
+def shortlist_groups(P: int, top: int, max_groups: int = MAX_GROUPS) -> int | None:
+    """The shortlist's pages a group for a `P`-page table and `top` pages to take, or None
+    when the shortlist cannot help (fewer groups than pages to take)."""
+    group = max(2, next_pow2(cdiv(P, max_groups)))
+    if not GROUPS_PER_PICK:
+        return group
+    fit = P // (GROUPS_PER_PICK * top)  # the largest group size leaving GROUPS_PER_PICK groups a pick
+    fit = 1 << (fit.bit_length() - 1) if fit else 1
+    group = max(2, next_pow2(cdiv(P, MAX_BLOCK_G)), min(group, fit))
+    return group if cdiv(P, group) >= top else None
+
+
 def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_tokens, budget, *,
                               block_p: int = 4096, num_warps: int | None = None, radix_bits: int | None = None,
                               shortlist: bool = True, shortlist_cap: int | None = None,
@@ -73,7 +93,9 @@ def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_to
     one warp per 512 pages of the block, 1 to 16; `radix_bits`: key bits the searches settle
     per pass (1, 2 or 4: 32, 16 or 8 passes of 2, 4 or 16 counts; default 4 on the
     shortlist, 2 in the full search, the fastest of each at the 128K shape). `shortlist`: search a
-    shortlist of candidates first (below), the row cut into at most `max_groups` groups;
+    shortlist of candidates first (below), the row cut into at most `max_groups` groups (fewer
+    pages a group where that leaves under `GROUPS_PER_PICK` groups a page to take, none where
+    even `MAX_BLOCK_G` groups are too few: the full search alone, `shortlist_groups`);
     `shortlist_cap`: its room (a power of two; default `next_pow2(4 * top)` within [16,
     4096]), a row with more candidates runs the full search."""
     # methods.quest imports this package: read its width rule at call time
@@ -103,7 +125,8 @@ def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_to
         return pages, counts
     block_p = min(block_p, max(16, next_pow2(P)))
     top = max(3, budget // ps)
-    group = max(2, next_pow2(cdiv(P, int_arg("max_groups", max_groups, 1))))
+    group = shortlist_groups(P, top, int_arg("max_groups", max_groups, 1)) if shortlist else None
+    shortlist, group = group is not None, group or 2
     cap = shortlist_cap or min(4096, max(16, next_pow2(4 * top)))
     if cap & (cap - 1) or cap < 16:
         raise ValueError(f"shortlist_cap must be a power of two >= 16, got {cap}")

@@ -95,6 +95,36 @@ def test_shortlist_with_few_groups(gen, device):
                 assert torch.equal(got, w), (sink, search)
 
 
+def test_shortlist_groups_leave_two_groups_a_pick(monkeypatch):
+    """The 128K table (8320 pages): total 2048 (top 92) keeps groups of 32; totals 4096 and
+    8192 (top 220, 476) take groups of 16 (under 2 groups a pick at 32, and 1024 maxima at
+    most); total 16384 (top 988) has fewer groups than picks even so: no shortlist. With
+    GROUPS_PER_PICK 0 the group comes from P alone, as before."""
+    from sparseengine.kernels import quest_select
+
+    assert [quest_select.shortlist_groups(8320, top) for top in (92, 220, 476, 988)] == [32, 16, 16, None]
+    assert quest_select.shortlist_groups(1032, 24) == 4  # test_shortlist_with_few_groups's table
+    monkeypatch.setattr(quest_select, "GROUPS_PER_PICK", 0)
+    assert [quest_select.shortlist_groups(8320, top) for top in (92, 476, 988)] == [32, 32, 32]
+
+
+@pytest.mark.parametrize("budget", [200, 600])
+def test_many_pages_to_take(budget, gen, device):
+    """Against the torch path where the pages to take outnumber the groups P alone would
+    give (258 groups of 4): 200 picks take groups of 2 (516 maxima); 600 picks are more
+    than even those, so the full search runs alone."""
+    from sparseengine.kernels.quest_select import shortlist_groups
+
+    P, ps, lens = 1032, 1, [1032, 900, 700]
+    assert shortlist_groups(P, budget) == (2 if budget == 200 else None)
+    scores = _scores(torch.randn(len(lens), 2, P, generator=gen), lens, ps).to(device)
+    args = (scores, torch.tensor(lens, dtype=torch.int32, device=device), ps, 4, 8, budget)
+    pages, counts = quest_select_pages_triton(*args, block_p=512)
+    want_pages, want_counts = select_pages_batched(*args)
+    assert torch.equal(counts, want_counts)
+    assert torch.equal(pages, want_pages)
+
+
 @pytest.mark.parametrize("search", ["shortlist", "default"])
 def test_clustered_scores_above_the_settled_bound(search, gen, device):
     """The shortlist's bound L keeps only its top `L_BITS` key bits: scores within 2^-7 of
