@@ -16,7 +16,7 @@ How: a score's fp32 bits map to an int32 key with the same order (negative float
 their low 31 bits; -0.0 counts as +0.0).
 
 Shortlist first (the default): the middle pages are cut into groups of `group` pages
-(`next_pow2(P / 512)`, at least 2, smaller where that leaves under two groups a page to take:
+(`next_pow2(P / 512)`, at least 2, smaller where that leaves about one group a page to take:
 `shortlist_groups`); a lower bound L of the m-th largest of the groups'
 maxima (its top `L_BITS` bits) is found in registers. At least m middle keys are >= L, so
 every key the choice takes (ties included) is >= L: one pass over the row writes those
@@ -53,11 +53,16 @@ import torch
 from ._common import cdiv, check_launch, check_lens, check_scores, int_arg, lazy_jit, next_pow2
 
 MAX_GROUPS = 512  # shortlist: the page groups a row is cut into at most (group = next_pow2(P / this)) ...
-# ... unless that leaves fewer than GROUPS_PER_PICK groups a page to take: then smaller groups,
-# down to MAX_BLOCK_G groups a row. With fewer groups than pages to take, L is the minimum and
-# every middle page a candidate, so the shortlist would always fall back (Quest at total 8192
-# on a 128K table: 260 groups of 32 for 476 pages); where even MAX_BLOCK_G groups are fewer
-# than the pages to take, the full search runs alone. 0: the group from P alone (before session 23).
+# ... unless that leaves fewer than SHRINK_BELOW groups a page to take: then groups small
+# enough for GROUPS_PER_PICK a page, down to MAX_BLOCK_G groups a row. With about as many
+# groups as pages to take, L is near the minimum and nearly every middle page a candidate, so
+# the shortlist falls back (Quest at total 8192 on a 128K table: 260 groups of 32 for 476
+# pages); where even MAX_BLOCK_G groups are fewer than the pages to take, the full search
+# runs alone. H200, Quest b=6 at 128K (session 23, results/quest_groups_h200.jsonl): total 8192
+# 12.57 -> 10.45 ms a step (selection 3100 -> 990 us); total 4096 (260 groups for 220 pages)
+# 9.02 ms with groups of 32 against 9.18 with 16, hence the shrink only below 1.1.
+# GROUPS_PER_PICK 0: the group from P alone (before session 23).
+SHRINK_BELOW = 1.1
 GROUPS_PER_PICK = 2
 MAX_BLOCK_G = 1024  # ptxas, sm_90, 8 warps: 2048 group maxima spill ~0.8 KB in L's search; 1024 none
 # Shortlist: the key bits of L (the m-th largest group maximum) its search settles, a multiple
@@ -77,7 +82,7 @@ def shortlist_groups(P: int, top: int, max_groups: int = MAX_GROUPS) -> int | No
     """The shortlist's pages a group for a `P`-page table and `top` pages to take, or None
     when the shortlist cannot help (fewer groups than pages to take)."""
     group = max(2, next_pow2(cdiv(P, max_groups)))
-    if not GROUPS_PER_PICK:
+    if not GROUPS_PER_PICK or cdiv(P, group) >= SHRINK_BELOW * top:
         return group
     fit = P // (GROUPS_PER_PICK * top)  # the largest group size leaving GROUPS_PER_PICK groups a pick
     fit = 1 << (fit.bit_length() - 1) if fit else 1
@@ -94,7 +99,7 @@ def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_to
     per pass (1, 2 or 4: 32, 16 or 8 passes of 2, 4 or 16 counts; default 4 on the
     shortlist, 2 in the full search, the fastest of each at the 128K shape). `shortlist`: search a
     shortlist of candidates first (below), the row cut into at most `max_groups` groups (fewer
-    pages a group where that leaves under `GROUPS_PER_PICK` groups a page to take, none where
+    pages a group where that leaves under `SHRINK_BELOW` groups a page to take, none where
     even `MAX_BLOCK_G` groups are too few: the full search alone, `shortlist_groups`);
     `shortlist_cap`: its room (a power of two; default `next_pow2(4 * top)` within [16,
     4096]), a row with more candidates runs the full search."""

@@ -95,28 +95,28 @@ def test_shortlist_with_few_groups(gen, device):
                 assert torch.equal(got, w), (sink, search)
 
 
-def test_shortlist_groups_leave_two_groups_a_pick(monkeypatch):
-    """The 128K table (8320 pages): total 2048 (top 92) keeps groups of 32; totals 4096 and
-    8192 (top 220, 476) take groups of 16 (under 2 groups a pick at 32, and 1024 maxima at
-    most); total 16384 (top 988) has fewer groups than picks even so: no shortlist. With
-    GROUPS_PER_PICK 0 the group comes from P alone, as before."""
+def test_shortlist_groups_when_picks_near_the_groups(monkeypatch):
+    """The 128K table (8320 pages): totals 2048 and 4096 (top 92, 220) keep groups of 32
+    (260 groups, over 1.1 a pick); total 8192 (top 476) takes groups of 16 (2 a pick would
+    be 8, past 1024 maxima); total 16384 (top 988) has fewer groups than picks even so: no
+    shortlist. With GROUPS_PER_PICK 0 the group comes from P alone, as before."""
     from sparseengine.kernels import quest_select
 
-    assert [quest_select.shortlist_groups(8320, top) for top in (92, 220, 476, 988)] == [32, 16, 16, None]
+    assert [quest_select.shortlist_groups(8320, top) for top in (92, 220, 476, 988)] == [32, 32, 16, None]
     assert quest_select.shortlist_groups(1032, 24) == 4  # test_shortlist_with_few_groups's table
     monkeypatch.setattr(quest_select, "GROUPS_PER_PICK", 0)
     assert [quest_select.shortlist_groups(8320, top) for top in (92, 476, 988)] == [32, 32, 32]
 
 
-@pytest.mark.parametrize("budget", [200, 600])
+@pytest.mark.parametrize("budget", [240, 600])
 def test_many_pages_to_take(budget, gen, device):
-    """Against the torch path where the pages to take outnumber the groups P alone would
-    give (258 groups of 4): 200 picks take groups of 2 (516 maxima); 600 picks are more
+    """Against the torch path where the pages to take come near the groups P alone would
+    give (258 groups of 4): 240 picks take groups of 2 (516 maxima); 600 picks are more
     than even those, so the full search runs alone."""
     from sparseengine.kernels.quest_select import shortlist_groups
 
     P, ps, lens = 1032, 1, [1032, 900, 700]
-    assert shortlist_groups(P, budget) == (2 if budget == 200 else None)
+    assert shortlist_groups(P, budget) == (2 if budget == 240 else None)
     scores = _scores(torch.randn(len(lens), 2, P, generator=gen), lens, ps).to(device)
     args = (scores, torch.tensor(lens, dtype=torch.int32, device=device), ps, 4, 8, budget)
     pages, counts = quest_select_pages_triton(*args, block_p=512)
@@ -201,6 +201,17 @@ def test_bad_inputs_name_the_value(device):
         quest_select_pages_triton(scores, lens, 4, 4, 4, 8, radix_bits=3)
     with pytest.raises(ValueError, match="shortlist_cap must be a power of two >= 16, got 24"):
         quest_select_pages_triton(scores, lens, 4, 4, 4, 8, shortlist_cap=24)
+
+
+@pytest.mark.gpu
+def test_gpu_128k_total8192(gen):
+    """Quest at total 8192 as the engine launches it (an 8320-page table, top 476: groups of
+    16), against the torch path."""
+    lens, hkv, P, ps, sink, budget, recent = [131072, 130000, 90000, 4097, 9000, 0], 8, 8320, 16, 64, 7616, 512
+    scores = _scores(torch.randn(len(lens), hkv, P, generator=gen), lens, ps).cuda()
+    args = (scores, torch.tensor(lens, dtype=torch.int32, device="cuda"), ps, sink, recent, budget)
+    for g, w in zip(quest_select_pages_triton(*args), select_pages_batched(*args)):
+        assert torch.equal(g, w)
 
 
 @pytest.mark.gpu
