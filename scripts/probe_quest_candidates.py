@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_decode_step import engine_kwargs, prompts_of  # noqa: E402
 
 from sparseengine import LLM, SamplingParams, kernels  # noqa: E402
-from sparseengine.kernels._common import cdiv, next_pow2  # noqa: E402
-from sparseengine.kernels.quest_select import shortlist_groups  # noqa: E402
+from sparseengine.kernels._common import cdiv  # noqa: E402
+from sparseengine.kernels.quest_select import shortlist_groups, shortlist_room  # noqa: E402
 
 
 def keys_of(scores: torch.Tensor) -> torch.Tensor:
@@ -77,7 +77,7 @@ def main() -> None:
         cap = [0]
 
         def hook(scores, kv_lens, page_size, sink, recent, budget, **kw):
-            cap[0] = min(4096, max(16, next_pow2(4 * max(3, budget // page_size))))
+            cap[0] = shortlist_room(max(3, budget // page_size))
             for lb, c in candidate_counts(scores, kv_lens, page_size, sink, recent, budget, bits_list).items():
                 counts[lb].extend(c)
             return orig(scores, kv_lens, page_size, sink, recent, budget, **kw)

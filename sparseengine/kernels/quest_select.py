@@ -90,6 +90,11 @@ def shortlist_groups(P: int, top: int, max_groups: int = MAX_GROUPS) -> int | No
     return group if cdiv(P, group) >= top else None
 
 
+def shortlist_room(top: int) -> int:
+    """The shortlist's default room for `top` pages to take: `next_pow2(4 * top)` within [16, 4096]."""
+    return min(4096, max(16, next_pow2(4 * top)))
+
+
 def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_tokens, budget, *,
                               block_p: int = 4096, num_warps: int | None = None, radix_bits: int | None = None,
                               shortlist: bool = True, shortlist_cap: int | None = None,
@@ -101,8 +106,8 @@ def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_to
     shortlist of candidates first (below), the row cut into at most `max_groups` groups (fewer
     pages a group where that leaves under `SHRINK_BELOW` groups a page to take, none where
     even `MAX_BLOCK_G` groups are too few: the full search alone, `shortlist_groups`);
-    `shortlist_cap`: its room (a power of two; default `next_pow2(4 * top)` within [16,
-    4096]), a row with more candidates runs the full search."""
+    `shortlist_cap`: its room (a power of two; default `shortlist_room(top)`), a row with
+    more candidates runs the full search."""
     # methods.quest imports this package: read its width rule at call time
     from sparseengine.methods.quest import selection_width
 
@@ -132,7 +137,7 @@ def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_to
     top = max(3, budget // ps)
     group = shortlist_groups(P, top, int_arg("max_groups", max_groups, 1)) if shortlist else None
     shortlist, group = group is not None, group or 2
-    cap = shortlist_cap or min(4096, max(16, next_pow2(4 * top)))
+    cap = shortlist_cap or shortlist_room(top)
     if cap & (cap - 1) or cap < 16:
         raise ValueError(f"shortlist_cap must be a power of two >= 16, got {cap}")
     block_g = max(16, next_pow2(cdiv(P, group)))
