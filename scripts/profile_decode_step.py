@@ -225,7 +225,8 @@ def main() -> None:
                          "capture makes every later graph kernel ~0.18 us slower on the H200 (results/README.md, "
                          "session 23); a lane's engine captures one graph per bucket (1, 2, 4, 8 up to batch 6), so "
                          "the default 3 profiles in the lane's state; 0: as profiles before session 23")
-    ap.add_argument("--graph-only", action="store_true", help="only the graph window: no kernel tables, no eager engine")
+    ap.add_argument("--graph-only", action="store_true",
+                    help="only the graph window: no kernel tables, no eager engine")
     ap.add_argument("--host-profile", action="store_true",
                     help="also cProfile the eager steps: where their host time goes")
     ap.add_argument("--commit", default="")
