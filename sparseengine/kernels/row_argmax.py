@@ -7,7 +7,10 @@ step at 6 rows x 128256 on the H200 (its reduce kernel in profile_quest_b6). Her
 cut into chunks of `block` values, one program each (first index of the chunk's maximum,
 or of its first NaN); the last program of a row to finish (an atomic count per row, left
 at zero for the next launch) reduces the row's chunks in index order. One launch, no host
-sync: CUDA-graph capturable. In the Quest b=6 decode step on the H200 it took 5.4 us a
+sync: CUDA-graph capturable. The counters are the caller's (`counters`, int32 zeros, at
+least B; each launch leaves them at zero) or else one buffer per device: launches that
+share counters must not run at once on two streams (two engines, each replaying its own
+graph on its own stream, each pass their own: the sampler owns one). In the Quest b=6 decode step on the H200 it took 5.4 us a
 step against torch's 27.2 (session 21, `ab_switches_h200.jsonl`); the sampler takes it
 with SAMPLER_USES_KERNEL.
 """
@@ -34,8 +37,11 @@ def row_argmax_ref(x: torch.Tensor) -> torch.Tensor:
     return torch.argmax(x, dim=-1)
 
 
-def row_argmax_triton(x: torch.Tensor, *, block: int = 4096, num_warps: int = 4) -> torch.Tensor:
-    """`x [B, V]` floating -> int64 `[B]`. `block`: values a program (a power of two >= 16)."""
+def row_argmax_triton(x: torch.Tensor, *, block: int = 4096, num_warps: int = 4,
+                      counters: torch.Tensor | None = None) -> torch.Tensor:
+    """`x [B, V]` floating -> int64 `[B]`. `block`: values a program (a power of two >= 16);
+    `counters`: the per-row arrival counters to use (int32 zeros on x's device, at least B),
+    default the device's shared buffer."""
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
         raise ValueError(f"x must be a floating [B, V] tensor, got "
                          f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
@@ -48,6 +54,12 @@ def row_argmax_triton(x: torch.Tensor, *, block: int = 4096, num_warps: int = 4)
     if int_arg("block", block, 16) & (block - 1):
         raise ValueError(f"block must be a power of two >= 16, got {block}")
     device = check_launch(x)
+    if counters is None:
+        counters = _common.zeroed_counters("row_argmax", MAX_ROWS, device)
+    elif (not isinstance(counters, torch.Tensor) or counters.dtype != torch.int32 or counters.dim() != 1
+          or counters.numel() < B or counters.device != device or counters.stride(0) != 1):
+        raise ValueError(f"counters must be a contiguous int32 vector of at least {B} on {device}, got "
+                         f"{_describe(counters)}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty((B,), dtype=torch.int64, device=device)
@@ -59,10 +71,16 @@ def row_argmax_triton(x: torch.Tensor, *, block: int = 4096, num_warps: int = 4)
     part_idx = torch.empty((B, chunks), dtype=torch.int64, device=device)
     part_nan = torch.empty((B, chunks), dtype=torch.int32, device=device)
     _row_argmax_kernel[(chunks, B)](
-        x, out, part_val, part_idx, part_nan, _common.zeroed_counters("row_argmax", MAX_ROWS, device), V,
+        x, out, part_val, part_idx, part_nan, counters, V,
         x.stride(0), chunks,
         BLOCK=block, BLOCK_C=max(16, next_pow2(chunks)), num_warps=num_warps)
     return out
+
+
+def _describe(t) -> str:
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return f"{tuple(t.shape)} {t.dtype} on {t.device}"
 
 
 def _first_max(val, idx, nan, ok):

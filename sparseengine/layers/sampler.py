@@ -8,19 +8,30 @@ from sparseengine.kernels import row_argmax
 from sparseengine.sampling_params import SamplingParams
 
 
-def greedy(logits: torch.Tensor) -> torch.Tensor:
+def greedy(logits: torch.Tensor, counters: torch.Tensor | None = None) -> torch.Tensor:
     """`logits.argmax(-1)`: on a GPU with `row_argmax.SAMPLER_USES_KERNEL` the row-split
-    kernel (5.4 us a step at 6 x 128256 on the H200 against torch's 27.2), torch's
-    otherwise and past the kernel's rows a launch."""
+    kernel (5.4 us a step at 6 x 128256 on the H200 against torch's 27.2; `counters`: its
+    arrival counters, default the device's), torch's otherwise and past the kernel's rows a
+    launch."""
     if (logits.is_cuda and row_argmax.SAMPLER_USES_KERNEL and logits.shape[0] <= row_argmax.MAX_ROWS
             and logits.shape[-1] > 0):
-        return row_argmax.row_argmax_triton(logits)
+        return row_argmax.row_argmax_triton(logits, counters=counters)
     return logits.argmax(dim=-1)
 
 
 class Sampler:
+    """Per engine: its seeded generators, and the greedy kernel's arrival counters, so that
+    two engines replaying their graphs on two streams of one GPU never share them."""
+
     def __init__(self) -> None:
         self._generators: dict[int, torch.Generator] = {}
+        self._argmax_counters: dict[torch.device, torch.Tensor] = {}
+
+    def argmax_counters(self, device: torch.device) -> torch.Tensor:
+        """This sampler's row-argmax counters on `device` (zeroed once; each launch leaves them at zero)."""
+        if device not in self._argmax_counters:
+            self._argmax_counters[device] = torch.zeros(row_argmax.MAX_ROWS, dtype=torch.int32, device=device)
+        return self._argmax_counters[device]
 
     def generator(self, seq_id: int, seed: int | None, device: torch.device) -> torch.Generator | None:
         if seed is None:
@@ -42,7 +53,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], seq_ids: list[int]) -> torch.Tensor:
         """logits [B, V] (float32) -> one token per row, int64 on logits' device; nothing
         waits for the device (the engine reads the tokens a step later)."""
-        out = greedy(logits)
+        out = greedy(logits, self.argmax_counters(logits.device) if logits.is_cuda else None)
         if all(p.greedy for p in params):
             return out
         for i, p in enumerate(params):

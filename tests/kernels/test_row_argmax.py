@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from sparseengine.kernels import row_argmax_ref, row_argmax_triton
+from sparseengine.sampling_params import SamplingParams
 
 
 def _rows(gen, B, V, palette=None):
@@ -40,6 +41,15 @@ def test_dtypes_and_strided_rows(gen, device, dtype):
     assert torch.equal(row_argmax_triton(x, block=128), row_argmax_ref(x))
 
 
+def test_callers_counters(gen, device):
+    """A launch with its own counters: the same choice, the counters left at zero for the next."""
+    counters = torch.zeros(8, dtype=torch.int32, device=device)
+    x = torch.randn(5, 1000, generator=gen).to(device)
+    for _ in range(2):
+        assert torch.equal(row_argmax_triton(x, block=64, counters=counters), row_argmax_ref(x))
+        assert not counters.any()
+
+
 def test_bad_input(device):
     with pytest.raises(ValueError, match=r"x must be a floating \[B, V\] tensor, got \(3,\)"):
         row_argmax_triton(torch.zeros(3, device=device))
@@ -51,6 +61,11 @@ def test_bad_input(device):
         row_argmax_triton(torch.zeros(2, 3, device=device), block=48)
     with pytest.raises(ValueError, match="at most 1024 rows"):
         row_argmax_triton(torch.zeros(1025, 3, device=device))
+    x = torch.zeros(4, 3, device=device)
+    for bad in (torch.zeros(3, dtype=torch.int32, device=device), torch.zeros(8, device=device),
+                torch.zeros(2, 8, dtype=torch.int32, device=device), [0] * 8):
+        with pytest.raises(ValueError, match="counters must be a contiguous int32 vector of at least 4"):
+            row_argmax_triton(x, counters=bad)
 
 
 @pytest.mark.gpu
@@ -66,6 +81,37 @@ def test_gpu_vocab_shape_and_cuda_graph(gen):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, row_argmax_ref(x))
+
+
+@pytest.mark.gpu
+def test_gpu_two_samplers_replay_at_once(gen):
+    """Two engines' samplers, each greedy launch captured in its own graph and the two
+    replayed at once on two streams, many times: each has its own counters, so neither
+    reads the other's chunks (with one shared buffer the last-arriving program of a row
+    could be the other launch's)."""
+    from sparseengine.layers.sampler import Sampler
+
+    samplers = [Sampler(), Sampler()]
+    xs = [torch.randn(6, 128256, generator=gen).cuda() for _ in samplers]
+    assert samplers[0].argmax_counters(xs[0].device).data_ptr() != samplers[1].argmax_counters(xs[1].device).data_ptr()
+    graphs, outs = [], []
+    for sampler, x in zip(samplers, xs):
+        graphs.append(torch.cuda.CUDAGraph())
+        with torch.cuda.graph(graphs[-1]):
+            outs.append(sampler.sample(x, [SamplingParams(temperature=0.0)] * 6, list(range(6))))
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    want = [row_argmax_ref(x) for x in xs]
+    for _ in range(200):
+        for graph, stream in zip(graphs, streams):
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                graph.replay()
+        for stream in streams:
+            torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        assert all(torch.equal(o, w) for o, w in zip(outs, want))
+    for sampler, x in zip(samplers, xs):
+        assert not sampler.argmax_counters(x.device).any()
 
 
 @pytest.mark.gpu
