@@ -105,7 +105,10 @@ def accuracy_table(df: pd.DataFrame) -> pd.DataFrame:
 def throughput_table(df: pd.DataFrame) -> pd.DataFrame:
     """Long form: one row per (throughput record, measured batch size), plus the Hugging Face
     ``generate`` lane (``hf/bs<B>/``) where a record has one. A lane measured again (a later
-    record with the same lane, model, context and batch) replaces the earlier row."""
+    record with the same lane, model, context and batch) replaces the earlier row, and an
+    earlier row at a batch the latest record found does not fit (above its largest batch,
+    where it searched one: ``first_unfit_batch``) goes: a stale largest batch would stand
+    in for the lane's largest."""
     out = []
     tp = df[df["task"] == "throughput"]
     if "end_time" in tp.columns:
@@ -133,6 +136,10 @@ def throughput_table(df: pd.DataFrame) -> pd.DataFrame:
     if table.empty:
         return table
     keys = ["lane", "model", "context_length", "length_mix", "batch"]
+    latest = table.groupby(keys[:-1], dropna=False)[["max_batch", "first_unfit_batch"]].transform(
+        lambda col: col.iloc[-1])  # the latest record's (rows are in record order)
+    unfit = latest["first_unfit_batch"].notna() & (table["batch"] > latest["max_batch"])
+    table = table[~unfit]
     return table.drop_duplicates(keys, keep="last").sort_values(keys).reset_index(drop=True)
 
 

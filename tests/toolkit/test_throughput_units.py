@@ -84,6 +84,29 @@ def test_throughput_table_keeps_the_latest_measurement_and_the_hf_lane() -> None
     assert len(tp) == 3
 
 
+def test_throughput_table_drops_a_stale_largest_batch() -> None:
+    """A later run of a lane whose largest batch came out one smaller: the earlier record's
+    row at the batch that no longer fits goes, so the lane's largest is the later one."""
+    import pandas as pd
+
+    from experiments.aggregate import improvement_over_vanilla, throughput_table
+
+    base = {"task": "throughput", "model": "m", "context_length": 1024, "sink_tokens": 4, "budget": 8,
+            "recent_tokens": 4, "prefill_sparse_method": "none"}
+    rows = [dict(base, sparse_method="snapkv", end_time="1", **{"decode/max_batch": 5, "decode/first_unfit_batch": 6,
+                                                              "decode/bs1/output_tok_s": 9.0,
+                                                              "decode/bs5/output_tok_s": 50.0}),
+            dict(base, sparse_method="vanilla", end_time="1", **{"decode/max_batch": 1, "decode/first_unfit_batch": 2,
+                                                               "decode/bs1/output_tok_s": 10.0}),
+            dict(base, sparse_method="snapkv", end_time="2", **{"decode/max_batch": 4, "decode/first_unfit_batch": 5,
+                                                              "decode/bs4/output_tok_s": 44.0})]
+    tp = throughput_table(pd.DataFrame(rows))
+    snap = tp[tp["lane"] == "snapkv (total 16)"].set_index("batch")["output_tok_s"]
+    assert snap.to_dict() == {1: 9.0, 4: 44.0}  # batch 1 not measured again: kept; 5 no longer fits
+    largest = improvement_over_vanilla(tp).set_index("lane").loc["snapkv (total 16)"]
+    assert (largest["largest_batch"], largest["output_tok_s_at_largest"]) == (4, 44.0)
+
+
 def test_hf_lane_times_generate_on_the_same_shape(tiny_llama) -> None:
     import torch
 
