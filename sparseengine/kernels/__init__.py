@@ -18,8 +18,8 @@ from .omnikv_scores import (decode_max_logits_ref, decode_max_logits_triton, omn
 from .paged_decode import paged_decode_ref, paged_decode_triton
 from .paged_kv_write import paged_kv_write_ref, paged_kv_write_triton
 from .paged_prefill import paged_prefill_ref, paged_prefill_triton
-from .quest import (quest_page_scores_ref, quest_page_scores_triton, update_page_minmax_ref,
-                    update_page_minmax_triton)
+from .quest import (middle_group_maxima_ref, quest_page_scores_and_maxima_triton, quest_page_scores_ref,
+                    quest_page_scores_triton, update_page_minmax_ref, update_page_minmax_triton)
 from .omnikv_select import omnikv_select_triton
 from .quest_select import quest_select_pages_triton
 from .row_argmax import row_argmax_ref, row_argmax_triton
@@ -45,6 +45,7 @@ __all__ = [
     "h2o_scores_accumulate_triton",
     "h2o_victim_ref",
     "h2o_victim_triton",
+    "middle_group_maxima_ref",
     "omnikv_scores_ref",
     "omnikv_scores_triton",
     "omnikv_select_triton",
@@ -56,16 +57,17 @@ __all__ = [
     "paged_prefill_triton",
     "prefill_window_colsum_ref",
     "prefill_window_colsum_triton",
+    "quest_page_scores_and_maxima_triton",
     "quest_page_scores_ref",
     "quest_page_scores_triton",
     "quest_select_pages_triton",
-    "row_argmax_ref",
-    "row_argmax_triton",
     "rms_norm_ref",
     "rms_norm_triton",
-    "rotary_qk_ref",
     "rotary_kv_write_triton",
+    "rotary_qk_ref",
     "rotary_qk_triton",
+    "row_argmax_ref",
+    "row_argmax_triton",
     "silu_mul_ref",
     "silu_mul_triton",
     "skinny_linear_ref",

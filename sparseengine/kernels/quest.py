@@ -118,8 +118,47 @@ def quest_page_scores_torch(q, kmax, kmin, page_table, kv_lens, page_size):
     return upper.amax(2).masked_fill(~valid[:, None, :], float("-inf"))
 
 
+SCORE_BLOCK_P = 64  # pages a tile, the default (results/quest_kernels_h200.jsonl, quest_scores_*_h200.jsonl)
+
+
 def quest_page_scores_triton(q, kmax, kmin, page_table, kv_lens, page_size, *, k_cache=None, new_slots=None,
-                             block_p=64, iters=2, num_warps=4, num_stages=2):
+                             block_p=SCORE_BLOCK_P, iters=2, num_warps=4, num_stages=2):
+    return _page_scores(q, kmax, kmin, page_table, kv_lens, page_size, k_cache, new_slots, block_p, iters,
+                        num_warps, num_stages, None)[0]
+
+
+def quest_page_scores_and_maxima_triton(q, kmax, kmin, page_table, kv_lens, page_size, *, group, sink_pages,
+                                        recent_tokens, k_cache=None, new_slots=None, block_p=SCORE_BLOCK_P, iters=2,
+                                        num_warps=4, num_stages=2):
+    """`quest_page_scores_triton`, and from the same launch the maxima `[B, Hkv, ceil(P /
+    group)]` fp32 of each group of `group` pages over the request's middle pages (from
+    `sink_pages` on, before the page holding its first recent token: `(n - recent_tokens) //
+    page_size`, every page when `recent_tokens` is 0), -inf for a group with none: the
+    shortlist's first stage (`quest_select_pages_triton(group_maxima=)`). Only the groups up
+    to the request's last page are written. `group` must divide `block_p`."""
+    if not isinstance(group, int) or group < 1 or block_p % group:
+        raise ValueError(f"group must be a positive divisor of block_p={block_p}, got {group!r}")
+    if not isinstance(sink_pages, int) or sink_pages < 0 or not isinstance(recent_tokens, int) or recent_tokens < 0:
+        raise ValueError(f"sink_pages and recent_tokens must be ints >= 0, got {sink_pages!r}, {recent_tokens!r}")
+    return _page_scores(q, kmax, kmin, page_table, kv_lens, page_size, k_cache, new_slots, block_p, iters,
+                        num_warps, num_stages, (group, sink_pages, recent_tokens))
+
+
+def middle_group_maxima_ref(scores, kv_lens, page_size, group, sink_pages, recent_tokens):
+    """The torch twin of the maxima above, from `scores [B, Hkv, P]`."""
+    B, H, P = scores.shape
+    n = kv_lens.to(scores.device).long()
+    recent_first = ((n - recent_tokens).clamp(min=0) // page_size) if recent_tokens else (n + page_size - 1) // page_size
+    p = torch.arange(P, device=scores.device)
+    middle = (p[None, :] >= sink_pages) & (p[None, :] < recent_first[:, None])  # [B, P]
+    masked = scores.float().masked_fill(~middle[:, None, :], float("-inf"))
+    pad = cdiv(P, group) * group - P
+    masked = torch.nn.functional.pad(masked, (0, pad), value=float("-inf"))
+    return masked.view(B, H, -1, group).amax(-1)
+
+
+def _page_scores(q, kmax, kmin, page_table, kv_lens, page_size, k_cache, new_slots, block_p, iters, num_warps,
+                 num_stages, middle):
     """`block_p` pages per tile, `iters` tiles per program (a loop the compiler pipelines),
     `num_warps`, `num_stages`: launch tuning (`bench_gpu --quest-select` sweeps them; at the
     128K benchmark's shape two tiles of 64 in two stages took 52.6 us a launch against 57.4
@@ -140,17 +179,20 @@ def quest_page_scores_triton(q, kmax, kmin, page_table, kv_lens, page_size, *, k
         raise ValueError("kmax/kmin must share strides with a contiguous last dim")
     g, P = Hq // Hkv, page_table.shape[1]
     scores = _common.empty((B, Hkv, P), torch.float32, device)
+    group, sink_pages, recent = middle or (0, 0, 0)
+    n_groups = cdiv(P, group) if group else 1
+    maxima = _common.empty((B, Hkv, n_groups) if group else (1,), torch.float32, device)
     tuning = {} if num_stages is None else {"num_stages": num_stages}
     k_src = k_cache if fold else kmax  # unread unless folding
     _page_scores_kernel[(B * Hkv, cdiv(P, block_p * iters))](
-        q, kmax, kmin, page_table, kv_lens, scores, k_src, new_slots if fold else kv_lens,
+        q, kmax, kmin, page_table, kv_lens, scores, k_src, new_slots if fold else kv_lens, maxima,
         q.stride(0), q.stride(1), kmax.stride(0), kmax.stride(1), page_table.stride(0),
-        k_src.stride(0), k_src.stride(1) if fold else 0, k_src.stride(2) if fold else 0, P, Hkv, FOLD_NEW=fold,
-        GROUP=g, BLOCK_H=max(16, next_pow2(g)), PAGE_SIZE=page_size, HEAD_DIM=d,
+        k_src.stride(0), k_src.stride(1) if fold else 0, k_src.stride(2) if fold else 0, P, Hkv, n_groups,
+        FOLD_NEW=fold, GROUP=g, BLOCK_H=max(16, next_pow2(g)), PAGE_SIZE=page_size, HEAD_DIM=d,
         BLOCK_D=max(16, next_pow2(d)), BLOCK_P=block_p, ITERS=iters, DOT_PREC=_common.dot_precision(kmax.dtype),
-        num_warps=num_warps, **tuning,
+        MAX_GROUP=group, SINK_PAGES=sink_pages, RECENT=recent, num_warps=num_warps, **tuning,
     )
-    return scores
+    return scores, (maxima if group else None)
 
 
 def _new_keys(k_cache, new_slots, kmax, B: int) -> bool:
@@ -209,11 +251,11 @@ def _minmax_kernel(
 
 @lazy_jit
 def _page_scores_kernel(
-    q_ptr, kmax_ptr, kmin_ptr, page_table_ptr, kv_lens_ptr, scores_ptr, k_ptr, slot_ptr,
-    stride_qb, stride_qh, stride_mp, stride_mh, stride_pt, stride_kp, stride_ko, stride_kh, P, HKV,
+    q_ptr, kmax_ptr, kmin_ptr, page_table_ptr, kv_lens_ptr, scores_ptr, k_ptr, slot_ptr, maxima_ptr,
+    stride_qb, stride_qh, stride_mp, stride_mh, stride_pt, stride_kp, stride_ko, stride_kh, P, HKV, N_GROUPS,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, ITERS: tl.constexpr, DOT_PREC: tl.constexpr,
-    FOLD_NEW: tl.constexpr,
+    FOLD_NEW: tl.constexpr, MAX_GROUP: tl.constexpr, SINK_PAGES: tl.constexpr, RECENT: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     b = pid_bh // HKV
@@ -222,7 +264,8 @@ def _page_scores_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     h_ok = offs_h < GROUP
     d_ok = offs_d < HEAD_DIM
-    n_pages = (tl.load(kv_lens_ptr + b) + PAGE_SIZE - 1) // PAGE_SIZE
+    n = tl.load(kv_lens_ptr + b)
+    n_pages = (n + PAGE_SIZE - 1) // PAGE_SIZE
     if tl.program_id(1) * (ITERS * BLOCK_P) >= n_pages:
         return  # past the request's pages: nothing to score (a short request in a wide table)
     if FOLD_NEW:  # the step's key into its page's bounds, by the program that reads that page
@@ -254,3 +297,12 @@ def _page_scores_kernel(
         upper = tl.where(h_ok[:, None], upper, float("-inf"))
         best = tl.where(p_ok, tl.max(upper, 0), float("-inf"))
         tl.store(scores_ptr + pid_bh * P + offs_p, best, mask=offs_p < P)
+        if MAX_GROUP > 0:  # the middle pages' maxima, MAX_GROUP pages a group (it divides BLOCK_P)
+            if RECENT > 0:
+                mid_end = tl.maximum(n - RECENT, 0) // PAGE_SIZE
+            else:
+                mid_end = n_pages
+            mid = tl.where((offs_p >= SINK_PAGES) & (offs_p < mid_end), best, float("-inf"))
+            gmax = tl.max(tl.reshape(mid, [BLOCK_P // MAX_GROUP, MAX_GROUP]), 1)
+            offs_g = (tl.program_id(1) * ITERS + it) * (BLOCK_P // MAX_GROUP) + tl.arange(0, BLOCK_P // MAX_GROUP)
+            tl.store(maxima_ptr + pid_bh * N_GROUPS + offs_g, gmax, mask=offs_g < N_GROUPS)

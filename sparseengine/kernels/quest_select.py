@@ -74,6 +74,11 @@ MAX_BLOCK_G = 1024  # ptxas, sm_90, 8 warps: 2048 group maxima spill ~0.8 KB in 
 # candidates (more than the room: the full search, still exact).
 L_BITS = 16
 
+# Whether Quest's decode step takes the shortlist's group maxima from the page scores' launch
+# (`maxima_group`; the method reads it at each call, so profile_decode_step.py --kernel-const
+# can A/B it).
+MAXIMA_FROM_SCORES = True
+
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
 
@@ -90,6 +95,14 @@ def shortlist_groups(P: int, top: int, max_groups: int = MAX_GROUPS) -> int | No
     return group if cdiv(P, group) >= top else None
 
 
+def maxima_group(P: int, page_size: int, budget: int, block_p: int) -> int | None:
+    """The shortlist's group for a `P`-page table (`quest_select_pages_triton`'s default
+    choice), when `MAXIMA_FROM_SCORES` has the page scores' launch (tiles of `block_p` pages)
+    take its maxima: None when off, with no shortlist, or a group that does not divide a tile."""
+    group = shortlist_groups(P, max(3, budget // page_size)) if MAXIMA_FROM_SCORES else None
+    return group if group is not None and block_p % group == 0 else None
+
+
 def shortlist_room(top: int) -> int:
     """The shortlist's default room for `top` pages to take: `next_pow2(4 * top)` within [16, 4096]."""
     return min(4096, max(16, next_pow2(4 * top)))
@@ -98,7 +111,7 @@ def shortlist_room(top: int) -> int:
 def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_tokens, budget, *,
                               block_p: int = 4096, num_warps: int | None = None, radix_bits: int | None = None,
                               shortlist: bool = True, shortlist_cap: int | None = None,
-                              max_groups: int = MAX_GROUPS):
+                              max_groups: int = MAX_GROUPS, group_maxima=None):
     """`block_p`: pages per block (a power of two; capped at P's); `num_warps`: default
     one warp per 512 pages of the block, 1 to 16; `radix_bits`: key bits the searches settle
     per pass (1, 2 or 4: 32, 16 or 8 passes of 2, 4 or 16 counts; default 4 on the
@@ -107,7 +120,10 @@ def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_to
     pages a group where that leaves under `SHRINK_BELOW` groups a page to take, none where
     even `MAX_BLOCK_G` groups are too few: the full search alone, `shortlist_groups`);
     `shortlist_cap`: its room (a power of two; default `shortlist_room(top)`), a row with
-    more candidates runs the full search."""
+    more candidates runs the full search. `group_maxima`: the shortlist's group maxima
+    `[B, Hkv, ceil(P / group)]` already taken over the middle pages (the page scores' launch
+    gives them: `quest.quest_page_scores_and_maxima_triton` with `shortlist_group`'s
+    group), so the shortlist starts from them instead of reading the row in groups."""
     # methods.quest imports this package: read its width rule at call time
     from sparseengine.methods.quest import selection_width
 
@@ -140,15 +156,24 @@ def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_to
     cap = shortlist_cap or shortlist_room(top)
     if cap & (cap - 1) or cap < 16:
         raise ValueError(f"shortlist_cap must be a power of two >= 16, got {cap}")
+    given = group_maxima is not None
+    if given and (not shortlist or not isinstance(group_maxima, torch.Tensor)
+                  or tuple(group_maxima.shape) != (B, H, cdiv(P, group)) or not group_maxima.is_floating_point()
+                  or not group_maxima.is_contiguous() or group_maxima.device != scores.device):
+        want = f"[{B}, {H}, {cdiv(P, group)}] floating (groups of {group})" if shortlist else "none (no shortlist here)"
+        got = (f"{tuple(group_maxima.shape)} {group_maxima.dtype}" if isinstance(group_maxima, torch.Tensor)
+               else type(group_maxima).__name__)
+        raise ValueError(f"group_maxima must be {want}, contiguous on the scores' device, got {got}")
     block_g = max(16, next_pow2(cdiv(P, group)))
     row_scratch = max(2 * cap, block_g)  # the groups' maxima, then the candidates' keys and pages
     scratch = torch.empty((B * H, row_scratch) if shortlist else (1, 1), dtype=torch.int32, device=device)
     _select_kernel[(B * H,)](
-        scores, kv_lens, pages, counts, scratch, scores.stride(0), scores.stride(1), H, P, K,
+        scores, kv_lens, pages, counts, scratch, group_maxima if given else scores, scores.stride(0),
+        scores.stride(1), H, P, K, cdiv(P, group),
         PAGE_SIZE=ps, SINK_PAGES=cdiv(sink, ps), RECENT=recent, TOTAL=sink + budget + recent,
         TOP=top, BLOCK_P=block_p, BLOCK_K=min(1024, max(16, next_pow2(K))),
         RADIX_BITS=radix_bits or 2, SHORT_RADIX=radix_bits or 4, SHORTLIST=shortlist, GROUP=group,
-        BLOCK_G=block_g, CAP=cap, L_BITS=L_BITS, SCRATCH=row_scratch,
+        BLOCK_G=block_g, CAP=cap, L_BITS=L_BITS, SCRATCH=row_scratch, GIVEN_MAXIMA=given,
         num_warps=num_warps or min(16, max(1, block_p // 512)),
     )
     return pages, counts
@@ -180,9 +205,9 @@ def _kth_largest(keys, ok, m, RADIX_BITS: tl.constexpr, BITS: tl.constexpr = 32)
     return lo.to(tl.int32, bitcast=True) ^ -2147483648
 
 
-def _shortlist_select(row, out, keys_out, P, K, mid_end, m, active, SINK_PAGES: tl.constexpr, GROUP: tl.constexpr,
-                      BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, CAP: tl.constexpr, RADIX_BITS: tl.constexpr,
-                      L_BITS: tl.constexpr):
+def _shortlist_select(row, maxima_row, n_groups, out, keys_out, P, K, mid_end, m, active, SINK_PAGES: tl.constexpr,
+                      GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, CAP: tl.constexpr,
+                      RADIX_BITS: tl.constexpr, L_BITS: tl.constexpr, GIVEN_MAXIMA: tl.constexpr):
     """Where `active`, choose the m middle pages through a shortlist of candidates (kept in
     this row's scratch `keys_out`: first the groups' maxima, then CAP keys and CAP pages) and write them at slots
     SINK_PAGES.. ascending. Returns whether the row still needs the full search: it is
@@ -195,17 +220,20 @@ def _shortlist_select(row, out, keys_out, P, K, mid_end, m, active, SINK_PAGES: 
         # choice takes (ties at t included) is a candidate >= L. At most GROUP * m of them
         # when the groups' maxima are distinct; typically about m.
         g = tl.arange(0, BLOCK_G)
-        grid = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # one load of the row, a group a row
-        in_mid = (grid >= SINK_PAGES) & (grid < mid_end)
-        gmax = tl.max(tl.where(in_mid, _page_keys(row, grid, P), -2147483648), 1)
-        # Through scratch and back: the max over the groups' axis leaves the maxima in a
-        # sliced register layout, where each search pass took ~0.7 us against ~0.45 read
-        # back as a plain vector (H200, results/quest_select_stages_h200.jsonl).
-        tl.store(keys_out + g, gmax)
-        tl.debug_barrier()
-        gmax = tl.load(keys_out + g)
-        tl.debug_barrier()  # every read back before the candidates overwrite the slots
         g_ok = ((g + 1) * GROUP > SINK_PAGES) & (g * GROUP < mid_end)
+        if GIVEN_MAXIMA:  # the page scores' launch took them over the middle pages
+            gmax = _page_keys(maxima_row, g, n_groups)
+        else:
+            grid = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # one load of the row, a group a row
+            in_mid = (grid >= SINK_PAGES) & (grid < mid_end)
+            gmax = tl.max(tl.where(in_mid, _page_keys(row, grid, P), -2147483648), 1)
+            # Through scratch and back: the max over the groups' axis leaves the maxima in a
+            # sliced register layout, where each search pass took ~0.7 us against ~0.45 read
+            # back as a plain vector (H200, results/quest_select_stages_h200.jsonl).
+            tl.store(keys_out + g, gmax)
+            tl.debug_barrier()
+            gmax = tl.load(keys_out + g)
+            tl.debug_barrier()  # every read back before the candidates overwrite the slots
         # L's top L_BITS bits only: a lower bound of the m-th largest maximum, so the choice
         # stays exact; it lets in the few keys within 2^-7 below it as extra candidates.
         low = _kth_largest(gmax, g_ok, m, RADIX_BITS, L_BITS)
@@ -237,12 +265,13 @@ def _shortlist_select(row, out, keys_out, P, K, mid_end, m, active, SINK_PAGES: 
 
 @lazy_jit
 def _select_kernel(
-    scores_ptr, kv_lens_ptr, pages_ptr, counts_ptr, scratch_ptr, stride_sb, stride_sh, HKV, P, K,
+    scores_ptr, kv_lens_ptr, pages_ptr, counts_ptr, scratch_ptr, maxima_ptr, stride_sb, stride_sh, HKV, P, K,
+    N_GROUPS,
     PAGE_SIZE: tl.constexpr, SINK_PAGES: tl.constexpr, RECENT: tl.constexpr, TOTAL: tl.constexpr,
     TOP: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, RADIX_BITS: tl.constexpr,
     SHORT_RADIX: tl.constexpr,
     SHORTLIST: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, CAP: tl.constexpr, L_BITS: tl.constexpr,
-    SCRATCH: tl.constexpr,
+    SCRATCH: tl.constexpr, GIVEN_MAXIMA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // HKV
@@ -272,9 +301,9 @@ def _select_kernel(
     full_search = partial
     if SHORTLIST:
         full_search = partial & _shortlist_select(
-            row, out, scratch_ptr + pid.to(tl.int64) * SCRATCH, P, K, mid_end, m,
-            partial & (recent_first - SINK_PAGES > TOP), SINK_PAGES, GROUP, BLOCK_G, BLOCK_P, CAP, SHORT_RADIX,
-            L_BITS)
+            row, maxima_ptr + pid.to(tl.int64) * N_GROUPS, N_GROUPS, out, scratch_ptr + pid.to(tl.int64) * SCRATCH,
+            P, K, mid_end, m, partial & (recent_first - SINK_PAGES > TOP), SINK_PAGES, GROUP, BLOCK_G, BLOCK_P,
+            CAP, SHORT_RADIX, L_BITS, GIVEN_MAXIMA)
     if full_search:
         # The middle pages are [SINK_PAGES, mid_end). Blocks start at multiples of BLOCK_P,
         # so the loads stay aligned (vectorised); `ok` masks the sink pages of block 0.

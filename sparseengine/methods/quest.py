@@ -23,6 +23,8 @@ import torch
 from sparseengine import kernels
 from sparseengine.config import ConfigError
 from sparseengine.engine.step_context import Selection
+from sparseengine.kernels import quest as quest_kernels
+from sparseengine.kernels import quest_select
 from sparseengine.kernels.quest import quest_page_scores_torch, update_page_minmax_torch
 from sparseengine.method_registry import MethodSpec
 from sparseengine.methods.base import SparseMethodRuntime
@@ -109,14 +111,20 @@ class Quest(SparseMethodRuntime):
         if all(dense):
             return None
         q_last = q if ctx.is_decode else q[ctx.cu_q_lens[1:].long() - 1]
-        if fold:
-            scores = kernels.quest_page_scores_triton(q_last, kmax, kmin, view.page_table, view.kv_lens, self.page,
-                                                      k_cache=k_cache, new_slots=view.slot_mapping)
-        else:
-            score = kernels.quest_page_scores_triton if triton else quest_page_scores_torch
-            scores = score(q_last, kmax, kmin, view.page_table, view.kv_lens, self.page)
-        choose = kernels.quest_select_pages_triton if triton else select_pages_batched
-        pages, counts = choose(scores, view.kv_lens, self.page, cfg.sink_tokens, cfg.recent_tokens, cfg.budget)
+        args = (q_last, kmax, kmin, view.page_table, view.kv_lens, self.page)
+        new_keys = {"k_cache": k_cache, "new_slots": view.slot_mapping} if fold else {}
+        choice = (view.kv_lens, self.page, cfg.sink_tokens, cfg.recent_tokens, cfg.budget)
+        if not triton:
+            return Selection(*select_pages_batched(quest_page_scores_torch(*args), *choice), dense,
+                             page_size=self.page)
+        group = quest_select.maxima_group(view.page_table.shape[1], self.page, cfg.budget, quest_kernels.SCORE_BLOCK_P)
+        if group is None:
+            scores, maxima = kernels.quest_page_scores_triton(*args, **new_keys), None
+        else:  # the shortlist's group maxima from the same launch
+            scores, maxima = kernels.quest_page_scores_and_maxima_triton(
+                *args, group=group, sink_pages=_cdiv(cfg.sink_tokens, self.page), recent_tokens=cfg.recent_tokens,
+                **new_keys)
+        pages, counts = kernels.quest_select_pages_triton(scores, *choice, group_maxima=maxima)
         return Selection(pages, counts, dense, page_size=self.page)
 
     def _prefill_rows(self, ctx) -> tuple[bool, ...]:

@@ -19,7 +19,8 @@ pytest.importorskip("triton")
 from sparseengine.kernels.testing import record_launches  # noqa: E402
 
 SELECT_TYPES = dict(scores_ptr="*fp32", kv_lens_ptr="*i32", pages_ptr="*i64", counts_ptr="*i32",
-                    scratch_ptr="*i32", stride_sb="i32", stride_sh="i32", HKV="i32", P="i32", K="i32")
+                    scratch_ptr="*i32", maxima_ptr="*fp32", stride_sb="i32", stride_sh="i32", HKV="i32", P="i32",
+                    K="i32", N_GROUPS="i32")
 SPLIT_TYPES = {name: "*bf16" for name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
 SPLIT_TYPES.update({name: "*i32" for name in ("page_table_ptr", "kv_lens_ptr", "num_sel_ptr", "counter_ptr",
                                                "meta_ptr")})
@@ -38,12 +39,19 @@ for shortlist in (True, False):  # the 128K benchmark's launch: 8320-page table,
             "quest_select", "_select_kernel", ["_page_keys", "_kth_largest", "_shortlist_select"], SELECT_TYPES,
             dict(PAGE_SIZE=16, SINK_PAGES=4, RECENT=512, TOTAL=2048, TOP=92, BLOCK_P=8192, BLOCK_K=256,
                  RADIX_BITS=radix, SHORT_RADIX=radix, SHORTLIST=shortlist, GROUP=32, BLOCK_G=512, CAP=512,
-                 L_BITS=16, SCRATCH=1024), 16)
+                 L_BITS=16, SCRATCH=1024, GIVEN_MAXIMA=False), 16)
+# ... as the engine launches it: blocks of 4096, 8 warps, the group maxima from the page scores
+BUILDS["quest_select-given-maxima"] = (
+    "quest_select", "_select_kernel", ["_page_keys", "_kth_largest", "_shortlist_select"], SELECT_TYPES,
+    dict(PAGE_SIZE=16, SINK_PAGES=4, RECENT=512, TOTAL=2048, TOP=92, BLOCK_P=4096, BLOCK_K=256, RADIX_BITS=2,
+         SHORT_RADIX=4, SHORTLIST=True, GROUP=32, BLOCK_G=512, CAP=512, L_BITS=16, SCRATCH=1024, GIVEN_MAXIMA=True),
+    8)
 # Quest at total 8192 on the same table (top 476): groups of 16, 1024 maxima, room 2048, as launched
 BUILDS["quest_select-total8192"] = (
     "quest_select", "_select_kernel", ["_page_keys", "_kth_largest", "_shortlist_select"], SELECT_TYPES,
     dict(PAGE_SIZE=16, SINK_PAGES=4, RECENT=512, TOTAL=8192, TOP=476, BLOCK_P=4096, BLOCK_K=1024, RADIX_BITS=2,
-         SHORT_RADIX=4, SHORTLIST=True, GROUP=16, BLOCK_G=1024, CAP=2048, L_BITS=16, SCRATCH=4096), 8)
+         SHORT_RADIX=4, SHORTLIST=True, GROUP=16, BLOCK_G=1024, CAP=2048, L_BITS=16, SCRATCH=4096,
+         GIVEN_MAXIMA=False), 8)
 # dense split-K decode, GQA 4, d 128, bf16: plain, every head's logits (H2O), the group's max
 # logit (OmniKV); partials merged by the second kernel, by the last program, or one split
 # (the merge kernel or the last program); the balanced plan's flat grid over 520 rows, dense
@@ -235,6 +243,10 @@ def launch_every_kernel(device):
                                new_slots=slots[:2])  # a decode step's keys folded in
     K.quest_select_pages_triton(scores, kv.kv_lens, ps, 4, 8, 32)
     K.quest_select_pages_triton(scores, kv.kv_lens, ps, 4, 8, 32, shortlist=False)
+    scores, maxima = K.quest_page_scores_and_maxima_triton(  # the shortlist's maxima from the scores' launch
+        q, kmax, kmax.clone(), kv.page_table, kv.kv_lens, ps, group=2, sink_pages=1, recent_tokens=8,
+        k_cache=kv.k_cache, new_slots=slots[:2])
+    K.quest_select_pages_triton(scores, kv.kv_lens, ps, 4, 8, 32, group_maxima=maxima)
     cu = torch.tensor([0, 20, 31], dtype=torch.int32, device=device)
     qp = randn(31, hq, d, generator=gen, dtype=bf, device=device)
     K.paged_prefill_triton(qp, *base, cu, max_q_len=20)

@@ -1,8 +1,9 @@
 import pytest
 import torch
 
-from sparseengine.kernels import (paged_kv_write_ref, quest_page_scores_ref, quest_page_scores_triton,
-                                  update_page_minmax_ref, update_page_minmax_triton)
+from sparseengine.kernels import (middle_group_maxima_ref, paged_kv_write_ref, quest_page_scores_and_maxima_triton,
+                                  quest_page_scores_ref, quest_page_scores_triton, update_page_minmax_ref,
+                                  update_page_minmax_triton)
 from sparseengine.kernels.testing import CASES, assert_close, case_id, random_paged_kv, randn
 
 
@@ -158,6 +159,55 @@ def test_page_scores_fold_needs_cache_and_slots(gen, device):
                                                                                    device=device))
     with pytest.raises(ValueError, match="k_cache must be"):
         quest_page_scores_triton(*args, k_cache=kv.v_cache[:1], new_slots=kv.kv_lens.long())
+
+
+def _written_groups(maxima, kv_lens, ps, group):
+    """The maxima as the selection reads them: the groups up to a request's last page
+    (the tiles wholly past it are not written); -inf past them, as the reference."""
+    n_groups = -(-((kv_lens.long() + ps - 1) // ps) // group)
+    past = torch.arange(maxima.shape[-1], device=maxima.device)[None, :] >= n_groups[:, None]
+    return maxima.masked_fill(past[:, None, :], float("-inf"))
+
+
+@pytest.mark.parametrize("group,sink_pages,recent", [(2, 1, 5), (4, 0, 0), (8, 3, 16), (16, 2, 9), (1, 1, 4)])
+@pytest.mark.parametrize("fold", [False, True])
+def test_scores_and_middle_group_maxima(group, sink_pages, recent, fold, gen, device):
+    """One launch gives the scores, equal to the scores' launch alone, and each group's
+    maximum over the request's middle pages (sink pages and the pages from the first
+    recent token's on excluded; -inf for a group with none), as the torch twin takes them
+    from those scores: requests of 300, 150, 9 and 1 tokens in pages of 4, tiles of 16."""
+    hq, hkv, d, ps, lens = 8, 2, 32, 4, [300, 150, 9, 1]
+    kv = random_paged_kv(lens, hkv, d, ps, generator=gen, device=device)
+    (hi, lo), _, last = _decode_step(kv, gen, device)
+    if not fold:
+        update_page_minmax_ref(kv.k_cache, last, hi, lo)
+    new_keys = {"k_cache": kv.k_cache, "new_slots": last} if fold else {}
+    q = randn(len(lens), hq, d, generator=gen, device=device)
+    args = (q, hi, lo, kv.page_table, kv.kv_lens, ps)
+    tiling = {"block_p": 16, "iters": 2}
+    scores, maxima = quest_page_scores_and_maxima_triton(
+        *args, group=group, sink_pages=sink_pages, recent_tokens=recent, **new_keys, **tiling)
+    assert maxima.shape == (len(lens), hkv, -(-kv.page_table.shape[1] // group)) and maxima.dtype == torch.float32
+    want = middle_group_maxima_ref(_read(scores, kv.kv_lens, ps), kv.kv_lens, ps, group, sink_pages, recent)
+    assert torch.equal(_written_groups(maxima, kv.kv_lens, ps, group), _written_groups(want, kv.kv_lens, ps, group))
+    alone = quest_page_scores_triton(*args, **tiling)  # the bounds are folded by now: the same scores
+    assert torch.equal(_read(scores, kv.kv_lens, ps), _read(alone, kv.kv_lens, ps))
+    assert torch.isfinite(maxima[0, :, 1]).all()  # the 300-token request's second group: middle pages
+
+
+def test_middle_group_maxima_ref_by_hand():
+    scores = torch.tensor([[[5.0, 1.0, 7.0, 2.0, 3.0, 9.0, 4.0, 0.5]]])  # one request, 8 pages of 2 tokens
+    # 15 tokens: 8 pages; sink page 0 and the pages from (15 - 4) // 2 = 5 on are not middle
+    got = middle_group_maxima_ref(scores, torch.tensor([15]), 2, 3, 1, 4)
+    assert got.tolist() == [[[7.0, 3.0, float("-inf")]]]  # groups [0, 3), [3, 6), [6, 8) + padding
+
+
+def test_scores_and_maxima_bad_group(gen, device):
+    _, args = _scored_cache(CASES[1], gen, device)
+    with pytest.raises(ValueError, match="group must be a positive divisor of block_p=16, got 3"):
+        quest_page_scores_and_maxima_triton(*args, group=3, sink_pages=1, recent_tokens=4, block_p=16)
+    with pytest.raises(ValueError, match="sink_pages and recent_tokens must be ints >= 0"):
+        quest_page_scores_and_maxima_triton(*args, group=4, sink_pages=-1, recent_tokens=4, block_p=16)
 
 
 @pytest.mark.gpu

@@ -182,6 +182,58 @@ def test_ties_go_to_the_earlier_page(dtype, gen, device):
                 assert (pages[b, h, count:] == -1).all(), where
 
 
+def _maxima(scores, kv_lens, ps, sink, budget, recent):
+    """The shortlist's group maxima as the page scores' launch gives them (torch twin), for
+    the group the selection takes at this table's width."""
+    from sparseengine.kernels import middle_group_maxima_ref
+    from sparseengine.kernels.quest_select import shortlist_groups
+
+    group = shortlist_groups(scores.shape[-1], max(3, budget // ps))
+    return middle_group_maxima_ref(scores, torch.as_tensor(kv_lens), ps, group, -(-sink // ps), recent)
+
+
+@pytest.mark.parametrize("search", ["shortlist", "fallback", "default"])
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_given_group_maxima_choose_the_same_pages(case, search, gen, device):
+    """With the group maxima given (the page scores' launch took them), the choice is the
+    torch path's, through the shortlist, its fallback and the default room."""
+    lens, hkv, P, ps, sink, budget, recent, block = case
+    scores = _scores(torch.randn(len(lens), hkv, P, generator=gen), lens, ps).to(device)
+    args = (scores, torch.tensor(lens, dtype=torch.int32, device=device), ps, sink, recent, budget)
+    maxima = _maxima(scores, lens, ps, sink, budget, recent)
+    got = quest_select_pages_triton(*args, block_p=block, group_maxima=maxima, **SEARCHES[search])
+    for g, w in zip(got, select_pages_batched(*args)):
+        assert torch.equal(g, w)
+
+
+def test_given_group_maxima_with_ties(gen, device):
+    """Scores from a handful of values: the definition's choice (ties to the earlier page)."""
+    lens, hkv, P, ps, sink, budget, recent = [16 * 90 + 3, 300, 1000, 40, 0], 3, 95, 16, 20, 160, 30
+    palette = torch.tensor([-1.5, -0.0, 0.0, 0.25, 0.25, 2.0, float("-inf"), float("inf")])
+    scores = _scores(palette[torch.randint(0, 8, (len(lens), hkv, P), generator=gen)], lens, ps).to(device)
+    kv_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    maxima = _maxima(scores, lens, ps, sink, budget, recent)
+    for search in ("shortlist", "fallback"):
+        pages, counts = quest_select_pages_triton(scores, kv_lens, ps, sink, recent, budget, block_p=16,
+                                                  group_maxima=maxima, **SEARCHES[search])
+        for b, n in enumerate(lens):
+            want = quest_select_pages(scores[b, :, : -(-n // ps)].cpu(), n, ps, sink, recent, budget)
+            for h in range(hkv):
+                assert pages[b, h, : int(counts[b, h])].tolist() == want[h].tolist(), (search, b, h)
+
+
+def test_bad_group_maxima(device):
+    lens = torch.tensor([40], dtype=torch.int32, device=device)
+    scores = torch.zeros(1, 2, 10, device=device)
+    with pytest.raises(ValueError, match=r"group_maxima must be \[1, 2, 5\] floating \(groups of 2\), contiguous "
+                                         r"on the scores' device, got \(1, 2, 4\)"):
+        quest_select_pages_triton(scores, lens, 4, 4, 4, 8, group_maxima=torch.zeros(1, 2, 4, device=device))
+    with pytest.raises(ValueError, match="got list"):
+        quest_select_pages_triton(scores, lens, 4, 4, 4, 8, group_maxima=[0.0] * 10)
+    with pytest.raises(ValueError, match=r"group_maxima must be none \(no shortlist here\)"):
+        quest_select_pages_triton(scores, lens, 4, 4, 4, 8, shortlist=False, group_maxima=torch.zeros(1, 2, 5))
+
+
 def test_bad_inputs_name_the_value(device):
     lens = torch.tensor([40], dtype=torch.int32, device=device)
     scores = torch.zeros(1, 2, 10, device=device)

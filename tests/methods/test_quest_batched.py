@@ -339,3 +339,31 @@ def test_triton_page_decode_equals_torch_provider():
         assert int(sel.num_selected[2].max()) < -(-lens[2] // ps)  # really sparse
         outs[name], _ = provider.attend(q, kv.k_cache, kv.v_cache, ctx, ctx.views[1], sel, None)
     torch.testing.assert_close(outs["triton"], outs["torch"], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("fold", [False, True])
+def test_triton_selection_takes_the_same_pages_with_maxima_from_the_scores(monkeypatch, fold):
+    """The decode step's shortlist from group maxima the page scores' launch took
+    (`quest_select.MAXIMA_FROM_SCORES`) chooses exactly the pages it chose reading the scores
+    in groups itself; with the step's keys folded into the bounds in that launch too."""
+    pytest.importorskip("triton")
+    from sparseengine.kernels import quest_select
+
+    gen = torch.Generator().manual_seed(11)
+    ps, lens, hq, hkv = 4, [3, 22, 41, 64], 8, 2
+    kv = random_paged_kv(lens, hkv, 16, ps, generator=gen, extra_cols=1)
+    q = randn(len(lens), hq, 16, generator=gen)
+    newest = torch.tensor([int(kv.slots(b)[-1]) for b in range(len(lens))])  # each request's last token
+    every = torch.cat([kv.slots(b) for b in range(len(lens))])
+    assert quest_select.maxima_group(kv.page_table.shape[1], ps, 8, 64) == 2  # the path runs here
+    picks = {}
+    for on in (True, False):
+        monkeypatch.setattr(quest_select, "MAXIMA_FROM_SCORES", on)
+        rt = runtime(hkv, ps, sink=2, budget=8, recent=5)
+        sel = rt.select(1, q, graph_context(rt, kv, every, provider="triton"))  # the bounds' update, then scores
+        if fold:  # a decode step: the newest keys fold into the bounds in the scores' launch
+            sel = rt.select(1, q, graph_context(rt, kv, newest, provider="triton"))
+        n = sel.num_selected
+        picks[on] = [sel.token_indices[b, h, : int(n[b, h])].tolist() for b in range(len(lens)) for h in range(hkv)]
+    assert picks[True] == picks[False]
+    assert max(len(p) for p in picks[True]) < -(-lens[3] // ps)  # a real choice among middle pages
