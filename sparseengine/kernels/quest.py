@@ -14,7 +14,8 @@ kernel leaves the tiles wholly past them unwritten: its programs there exit at o
 short request in a batch with a 128K page table costs no more than its pages; the
 consumers never read past a request's pages); on a decode
 step the Triton scoring can fold the step's new keys into their pages' bounds first (one
-launch instead of the update's and the scores'). Top-k is left to `torch.topk`. The Triton kernel casts q to the metadata dtype and computes the bound as
+launch instead of the update's and the scores'), and can give the selection's shortlist
+its group maxima from the same launch (`quest_page_scores_and_maxima_triton`). Top-k is left to `torch.topk`. The Triton kernel casts q to the metadata dtype and computes the bound as
 `max(q, 0) . M + min(q, 0) . m` (equal since M >= m): two tensor-core dots per page tile.
 
 Triton update: tokens are appended in order, so a page's metadata after this step is

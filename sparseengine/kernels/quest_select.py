@@ -26,6 +26,11 @@ against 2 + 32 / radix_bits. There are at most `group * m` candidates, usually f
 than m (random scores, m = 92 of 8192 pages in groups of 32: about 110 expected); a row
 with more than `cap` (many equal scores) runs the full search below.
 
+The groups' maxima may come with the scores (`group_maxima`: the page scores' launch takes
+them over the middle pages, `quest.quest_page_scores_and_maxima_triton`): the shortlist then
+starts from them instead of its grouped load of the row (Quest's decode step: ~0.5 us a
+launch, `MAXIMA_FROM_SCORES`).
+
 Full search: a radix search over the 32 key bits, `radix_bits`
 at a time, finds the m-th largest key t: each pass counts the middle keys `>= lo + j *
 step` for every digit j at once (one block reduction of 2^radix_bits counts) and keeps the
@@ -76,7 +81,8 @@ L_BITS = 16
 
 # Whether Quest's decode step takes the shortlist's group maxima from the page scores' launch
 # (`maxima_group`; the method reads it at each call, so profile_decode_step.py --kernel-const
-# can A/B it).
+# can A/B it). H200, Quest b=6 at 128K, graph step (session 24, 1ab13fd, four alternating
+# pairs, results/quest_maxima_from_scores_h200.jsonl): 8.313-8.316 ms against 8.327-8.329.
 MAXIMA_FROM_SCORES = True
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
