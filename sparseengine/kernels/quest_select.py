@@ -82,7 +82,7 @@ L_BITS = 16
 # Whether Quest's decode step takes the shortlist's group maxima from the page scores' launch
 # (`maxima_group`; the method reads it at each call, so profile_decode_step.py --kernel-const
 # can A/B it). H200, Quest b=6 at 128K, graph step (session 24, 1ab13fd, four alternating
-# pairs, results/quest_maxima_from_scores_h200.jsonl): 8.313-8.316 ms against 8.327-8.329.
+# pairs, results/quest_maxima_from_scores_h200.jsonl): 8.312-8.316 ms against 8.327-8.329.
 MAXIMA_FROM_SCORES = True
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
