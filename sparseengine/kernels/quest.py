@@ -15,8 +15,10 @@ short request in a batch with a 128K page table costs no more than its pages; th
 consumers never read past a request's pages); on a decode
 step the Triton scoring can fold the step's new keys into their pages' bounds first (one
 launch instead of the update's and the scores'), and can give the selection's shortlist
-its group maxima from the same launch (`quest_page_scores_and_maxima_triton`). Top-k is left to `torch.topk`. The Triton kernel casts q to the metadata dtype and computes the bound as
-`max(q, 0) . M + min(q, 0) . m` (equal since M >= m): two tensor-core dots per page tile.
+its group maxima from the same launch (`quest_page_scores_and_maxima_triton`). Top-k is
+left to `torch.topk`. The Triton kernel casts q to the metadata dtype and computes the
+bound as `max(q, 0) . M + min(q, 0) . m` (equal since M >= m): two tensor-core dots per
+page tile.
 
 Triton update: tokens are appended in order, so a page's metadata after this step is
 the max/min over its cached offsets 0..o, o = the largest offset written to it now. One
@@ -149,7 +151,10 @@ def middle_group_maxima_ref(scores, kv_lens, page_size, group, sink_pages, recen
     """The torch twin of the maxima above, from `scores [B, Hkv, P]`."""
     B, H, P = scores.shape
     n = kv_lens.to(scores.device).long()
-    recent_first = ((n - recent_tokens).clamp(min=0) // page_size) if recent_tokens else (n + page_size - 1) // page_size
+    if recent_tokens:
+        recent_first = (n - recent_tokens).clamp(min=0) // page_size
+    else:
+        recent_first = (n + page_size - 1) // page_size
     p = torch.arange(P, device=scores.device)
     middle = (p[None, :] >= sink_pages) & (p[None, :] < recent_first[:, None])  # [B, P]
     masked = scores.float().masked_fill(~middle[:, None, :], float("-inf"))

@@ -105,8 +105,13 @@ def maxima_group(P: int, page_size: int, budget: int, block_p: int) -> int | Non
     """The shortlist's group for a `P`-page table (`quest_select_pages_triton`'s default
     choice), when `MAXIMA_FROM_SCORES` has the page scores' launch (tiles of `block_p` pages)
     take its maxima: None when off, with no shortlist, or a group that does not divide a tile."""
-    group = shortlist_groups(P, max(3, budget // page_size)) if MAXIMA_FROM_SCORES else None
+    group = shortlist_groups(P, top_pages(budget, page_size)) if MAXIMA_FROM_SCORES else None
     return group if group is not None and block_p % group == 0 else None
+
+
+def top_pages(budget: int, page_size: int) -> int:
+    """The middle pages Quest takes at most: `max(3, budget // page_size)` (METHODS.md)."""
+    return max(3, budget // page_size)
 
 
 def shortlist_room(top: int) -> int:
@@ -128,7 +133,7 @@ def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_to
     `shortlist_cap`: its room (a power of two; default `shortlist_room(top)`), a row with
     more candidates runs the full search. `group_maxima`: the shortlist's group maxima
     `[B, Hkv, ceil(P / group)]` already taken over the middle pages (the page scores' launch
-    gives them: `quest.quest_page_scores_and_maxima_triton` with `shortlist_group`'s
+    gives them: `quest.quest_page_scores_and_maxima_triton` with `maxima_group`'s
     group), so the shortlist starts from them instead of reading the row in groups."""
     # methods.quest imports this package: read its width rule at call time
     from sparseengine.methods.quest import selection_width
@@ -156,7 +161,7 @@ def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_to
     if B * H == 0:
         return pages, counts
     block_p = min(block_p, max(16, next_pow2(P)))
-    top = max(3, budget // ps)
+    top = top_pages(budget, ps)
     group = shortlist_groups(P, top, int_arg("max_groups", max_groups, 1)) if shortlist else None
     shortlist, group = group is not None, group or 2
     cap = shortlist_cap or shortlist_room(top)
@@ -171,7 +176,7 @@ def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_to
                else type(group_maxima).__name__)
         raise ValueError(f"group_maxima must be {want}, contiguous on the scores' device, got {got}")
     block_g = max(16, next_pow2(cdiv(P, group)))
-    row_scratch = max(2 * cap, block_g)  # the groups' maxima, then the candidates' keys and pages
+    row_scratch = 2 * cap if given else max(2 * cap, block_g)  # the groups' maxima, then the candidates' keys and pages
     scratch = torch.empty((B * H, row_scratch) if shortlist else (1, 1), dtype=torch.int32, device=device)
     _select_kernel[(B * H,)](
         scores, kv_lens, pages, counts, scratch, group_maxima if given else scores, scores.stride(0),

@@ -10,9 +10,9 @@ at zero for the next launch) reduces the row's chunks in index order. One launch
 sync: CUDA-graph capturable. The counters are the caller's (`counters`, int32 zeros, at
 least B; each launch leaves them at zero) or else one buffer per device: launches that
 share counters must not run at once on two streams (two engines, each replaying its own
-graph on its own stream, each pass their own: the sampler owns one). In the Quest b=6 decode step on the H200 it took 5.4 us a
-step against torch's 27.2 (session 21, `ab_switches_h200.jsonl`); the sampler takes it
-with SAMPLER_USES_KERNEL.
+graph on its own stream, each pass their own: the sampler owns one). In the Quest b=6
+decode step on the H200 it took 5.4 us a step against torch's 27.2 (session 21,
+`ab_switches_h200.jsonl`); the sampler takes it with SAMPLER_USES_KERNEL.
 """
 from __future__ import annotations
 
@@ -43,9 +43,7 @@ def row_argmax_triton(x: torch.Tensor, *, block: int = 4096, num_warps: int = 4,
     `counters`: the per-row arrival counters to use (int32 zeros on x's device, at least B),
     default the device's shared buffer."""
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
-        raise ValueError(f"x must be a floating [B, V] tensor, got "
-                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
-                         f"{'' if not isinstance(x, torch.Tensor) else ' ' + str(x.dtype)}")
+        raise ValueError(f"x must be a floating [B, V] tensor, got {_describe(x)}")
     B, V = x.shape
     if V == 0:
         raise ValueError("x must have at least one column (argmax of an empty row)")
