@@ -64,3 +64,20 @@ def test_hugging_face_lane_needs_one_length(tmp_path) -> None:
         run_job(cfg)
     (rec,) = read_records(tmp_path / "r.jsonl")
     assert rec["status"] == "failed" and "task.hf_batches=[]" in rec["error"]
+
+
+def test_the_time_budget_never_skips_the_largest_batch(tmp_path) -> None:
+    """A lane that ran out of its time budget on the ladder still measures its largest batch
+    (the headline's number): only the batches between are skipped."""
+    records = tmp_path / "r.jsonl"
+    cfg = compose(["debug=tiny", f"records_path={records}", "task=throughput", "task.batch_sizes=[1,2,max]",
+                   "task.max_batch_limit=4", "task.time_budget_s=1e-6", "task.output_len=24",
+                   "task.warmup_steps=2", "task.timed_steps=4", "engine.max_num_seqs=8"])
+    run_job(cfg)
+    (rec,) = read_records(records)
+    assert rec["status"] == "ok", rec.get("error")
+    m = rec["metrics"]
+    assert m["decode/max_batch"] == 4
+    assert m["decode/bs1/status"] == "ok"  # the first batch: nothing to predict from
+    assert m["decode/bs2/status"].startswith("skipped: predicted")
+    assert m["decode/bs4/status"] == "ok" and m["decode/max_batch_output_tok_s"] > 0
