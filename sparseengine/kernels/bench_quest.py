@@ -197,3 +197,33 @@ def bench_quest_overlap(out_path, B=6, P=8320, n=131072, layers=30):
         emit(out_path, {"kind": "quest_overlap", "variant": name, "batch": B, "hkv": HKV, "pages": P, "kv_len": n,
                         "layers": layers, "us_per_layer": per_launch_us(fn, launches=layers),
                         "equals_whole_batch": same})
+
+
+def bench_quest_select_warps(out_path, B=6, P=8320, n=131072):
+    """Quest's page choice as the engine launches it (the group maxima from the page scores'
+    launch, scores of random bounds and queries at the 128K shape), per launch in a CUDA
+    graph of 30: pages a block x warps, each checked against the default launch."""
+    from sparseengine.kernels import quest as quest_kernels
+    from sparseengine.kernels import quest_select
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    pool = B * P
+    kmax = torch.randn(pool, HKV, D, generator=gen, device="cuda").to(BF16)
+    kmin = kmax - torch.rand(pool, HKV, D, generator=gen, device="cuda").to(BF16)
+    table = torch.randperm(pool, generator=gen, device="cuda").int().view(B, P)
+    kv_lens = torch.full((B,), n, dtype=torch.int32, device="cuda")
+    q = torch.randn(B, HQ, D, generator=gen, device="cuda").to(BF16)
+    sink, recent, budget = 64, 512, 1472
+    group = quest_select.maxima_group(P, PS, budget, quest_kernels.SCORE_BLOCK_P)
+    scores, maxima = quest_kernels.quest_page_scores_and_maxima_triton(
+        q, kmax, kmin, table, kv_lens, PS, group=group, sink_pages=sink // PS, recent_tokens=recent)
+    args = (scores, kv_lens, PS, sink, recent, budget)
+    want = quest_select.quest_select_pages_triton(*args, group_maxima=maxima)
+    for block_p in (2048, 4096, 8192):
+        for warps in (4, 8, 16):
+            fn = lambda block_p=block_p, warps=warps: quest_select.quest_select_pages_triton(  # noqa: E731
+                *args, group_maxima=maxima, block_p=block_p, num_warps=warps)
+            same = all(torch.equal(g, w) for g, w in zip(fn(), want))
+            emit(out_path, {"kind": "quest_select_warps", "batch": B, "hkv": HKV, "pages": P, "kv_len": n,
+                            "block_p": block_p, "num_warps": warps, "us_per_launch": per_launch_us(fn),
+                            "equals_default": same})

@@ -79,6 +79,13 @@ MAX_BLOCK_G = 1024  # ptxas, sm_90, 8 warps: 2048 group maxima spill ~0.8 KB in 
 # candidates (more than the room: the full search, still exact).
 L_BITS = 16
 
+# The launch's pages a block and warps (None: one warp per 512 pages of the block), read at each
+# call (profile_decode_step.py --kernel-const sets them for A/Bs). H200, the engine's launch with the
+# group maxima given (session 25, results/quest_select_warps_h200.jsonl): blocks of 2048 / 4096 /
+# 8192 pages at 8 warps 15.5 / 14.8 / 14.7 us a launch, at 16 warps 18.1 / 17.4 / 17.7, at 4 warps
+# 17.5 / 20.2 / 20.4; Quest b=6 graph step 8.387 ms with 16 warps against 8.314 with 8.
+BLOCK_P = 4096
+NUM_WARPS: int | None = None
 # Whether Quest's decode step takes the shortlist's group maxima from the page scores' launch
 # (`maxima_group`; the method reads it at each call, so profile_decode_step.py --kernel-const
 # can A/B it). H200, Quest b=6 at 128K, graph step (session 24, 1ab13fd, four alternating
@@ -120,11 +127,11 @@ def shortlist_room(top: int) -> int:
 
 
 def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_tokens, budget, *,
-                              block_p: int = 4096, num_warps: int | None = None, radix_bits: int | None = None,
+                              block_p: int | None = None, num_warps: int | None = None, radix_bits: int | None = None,
                               shortlist: bool = True, shortlist_cap: int | None = None,
                               max_groups: int = MAX_GROUPS, group_maxima=None):
-    """`block_p`: pages per block (a power of two; capped at P's); `num_warps`: default
-    one warp per 512 pages of the block, 1 to 16; `radix_bits`: key bits the searches settle
+    """`block_p`: pages per block (a power of two; capped at P's; default `BLOCK_P`);
+    `num_warps`: default `NUM_WARPS`, else one warp per 512 pages of the block, 1 to 16; `radix_bits`: key bits the searches settle
     per pass (1, 2 or 4: 32, 16 or 8 passes of 2, 4 or 16 counts; default 4 on the
     shortlist, 2 in the full search, the fastest of each at the 128K shape). `shortlist`: search a
     shortlist of candidates first (below), the row cut into at most `max_groups` groups (fewer
@@ -145,7 +152,8 @@ def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_to
     sink = int_arg("sink_tokens", sink_tokens, 0)
     recent = int_arg("recent_tokens", recent_tokens, 0)
     budget = int_arg("budget", budget, 0)
-    block_p = int_arg("block_p", block_p, 16)
+    block_p = int_arg("block_p", BLOCK_P if block_p is None else block_p, 16)
+    num_warps = num_warps or NUM_WARPS
     if block_p & (block_p - 1):
         raise ValueError(f"block_p must be a power of two, got {block_p}")
     if radix_bits not in (None, 1, 2, 4):

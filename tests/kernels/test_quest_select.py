@@ -74,6 +74,25 @@ def test_equals_torch_path_on_distinct_scores(case, radix_bits, search, gen, dev
     assert torch.equal(pages, want_pages)
 
 
+def test_the_launch_constants_are_read_at_each_call(monkeypatch, gen, device):
+    """quest_select.BLOCK_P (what the engine launches with, A/B-able) is read at each call:
+    blocks of 16 pages over a 40-page row take the same pages as the torch path, and a
+    block that is not a power of two is refused by name."""
+    from sparseengine.kernels import quest_select
+
+    lens = [150, 9, 97, 0]
+    scores = _scores(torch.randn(4, 2, 40, generator=gen), lens, 4).to(device)
+    kv_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    args = (scores, kv_lens, 4, 4, 8, 16)
+    monkeypatch.setattr(quest_select, "BLOCK_P", 16)
+    pages, counts = quest_select_pages_triton(*args, shortlist=False)
+    want_pages, want_counts = select_pages_batched(*args)
+    assert torch.equal(pages, want_pages) and torch.equal(counts, want_counts)
+    monkeypatch.setattr(quest_select, "BLOCK_P", 24)
+    with pytest.raises(ValueError, match="block_p must be a power of two, got 24"):
+        quest_select_pages_triton(*args)
+
+
 def test_shortlist_with_few_groups(gen, device):
     """Pages in groups of 4 (P past 2 * MAX_GROUPS): with fewer middle groups than pages to
     take, every middle page is a candidate; with more, the groups' maxima bound them."""
