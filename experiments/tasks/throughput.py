@@ -46,7 +46,7 @@ class ThroughputTask(Task):
     batch_sizes: list[Any] = field(default_factory=lambda: [1, "max"])
     prefill: str = "real"
     hf_batches: list[int] = field(default_factory=list)
-    time_budget_s: float | None = None  # per job: skip ladder batches predicted to overrun it ('max', 'dense_max' always run)
+    time_budget_s: float | None = None  # per job: skip batches predicted to overrun it ('max', 'dense_max' always run)
     hf_new_tokens: int = 17  # the prefill's token + hf_warmup_steps + the timed steps
     hf_warmup_steps: int = 0
     hf_warmup_calls: int = 0  # whole generate calls before the timed one (recorded as hf/bs*/cold_*)
@@ -55,15 +55,15 @@ class ThroughputTask(Task):
     matmul_tflops: float | None = None  # None: measured in this run by a matmul
     length_mix: list[Any] | None = None  # [[prompt tokens, count], ...]: ragged batches (above)
 
-    def _batches(self, largest: int, dense_largest: int, ladder: bool = True) -> list[int]:
-        """The batches to measure, ascending; `ladder` False: only those named 'max' and 'dense_max'."""
+    def _batches(self, largest: int, dense_largest: int, named_only: bool = False) -> list[int]:
+        """The batches to measure, ascending; `named_only`: only those named 'max' and 'dense_max'."""
         out = []
         for b in self.batch_sizes:
             if b == "max":
                 out.append(largest)
             elif b == "dense_max":
                 out.append(min(dense_largest, largest))
-            elif not ladder:
+            elif named_only:
                 continue
             elif b == "ladder":
                 out.extend(1 << i for i in range(max(largest, 1).bit_length()) if 1 << i < largest)
@@ -112,7 +112,7 @@ class ThroughputTask(Task):
             started, last = time.perf_counter(), None
             # The budget bounds the ladder only: the lane's largest batch and vanilla's (the
             # comparisons the protocol asks for) are measured however long the ladder took.
-            required = self._batches(search.largest, dense_largest, ladder=False)
+            required = self._batches(search.largest, dense_largest, named_only=True)
             for batch in tqdm(self._batches(search.largest, dense_largest), desc="batch sizes"):
                 if not cap.fits(batch):
                     env.log({f"decode/bs{batch}/status": f"does not fit: {cap.reason(batch)}"})

@@ -131,9 +131,10 @@ def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_to
                               shortlist: bool = True, shortlist_cap: int | None = None,
                               max_groups: int = MAX_GROUPS, group_maxima=None):
     """`block_p`: pages per block (a power of two; capped at P's; default `BLOCK_P`);
-    `num_warps`: default `NUM_WARPS`, else one warp per 512 pages of the block, 1 to 16; `radix_bits`: key bits the searches settle
-    per pass (1, 2 or 4: 32, 16 or 8 passes of 2, 4 or 16 counts; default 4 on the
-    shortlist, 2 in the full search, the fastest of each at the 128K shape). `shortlist`: search a
+    `num_warps`: default `NUM_WARPS`, else one warp per 512 pages of the block, 1 to 16;
+    `radix_bits`: key bits the searches settle per pass (1, 2 or 4: 32, 16 or 8 passes of 2,
+    4 or 16 counts; default 4 on the shortlist, 2 in the full search, the fastest of each at
+    the 128K shape). `shortlist`: search a
     shortlist of candidates first (below), the row cut into at most `max_groups` groups (fewer
     pages a group where that leaves under `SHRINK_BELOW` groups a page to take, none where
     even `MAX_BLOCK_G` groups are too few: the full search alone, `shortlist_groups`);
