@@ -23,6 +23,7 @@ import argparse
 import ast
 import itertools
 import json
+import os
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -229,7 +230,9 @@ def main() -> None:
                     help="only the graph window: no kernel tables, no eager engine")
     ap.add_argument("--host-profile", action="store_true",
                     help="also cProfile the eager steps: where their host time goes")
-    ap.add_argument("--commit", default="")
+    ap.add_argument("--commit", default=os.environ.get("SPARSEENGINE_GIT_COMMIT", ""),
+                    help="the commit the record names (default: SPARSEENGINE_GIT_COMMIT, as scripts/gpu_session.sh "
+                         "sets it; the device copy's .git can name an older one)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     from experiments.throughput import roofline
