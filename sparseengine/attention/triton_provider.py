@@ -10,6 +10,7 @@ from sparseengine import kernels
 from sparseengine.attention.provider import AttentionProvider, check_prefill_scores, padded_colsum_width
 from sparseengine.engine.step_context import LayerView, ScoreRows, Selection, StepContext
 from sparseengine.kernels import fused_ops
+from sparseengine.kernels.paged_decode import MAX_SPLIT_COUNTERS
 
 # decode_split_plan -> split_k_decode's `balanced` (None: its auto choice)
 SPLIT_PLANS = {"auto": None, "per_row": False}
@@ -25,7 +26,16 @@ class TritonAttentionProvider(AttentionProvider):
         if split_plan not in SPLIT_PLANS:
             raise ValueError(f"split_plan must be one of {', '.join(SPLIT_PLANS)}, got {split_plan!r}")
         self.split_plan = split_plan
-        self._split_kw = {"balanced": SPLIT_PLANS[split_plan]}  # split_k_decode's keyword
+        self._counters: dict[torch.device, torch.Tensor] = {}
+
+    def split_kw(self, device: torch.device) -> dict:
+        """`split_k_decode`'s keywords for this provider's decode ops: the split plan, and
+        this provider's own arrival counters on `device` (zeroed once; each launch leaves
+        them at zero), so that two engines replaying on two streams of one GPU do not
+        share them."""
+        if device not in self._counters:
+            self._counters[device] = torch.zeros(MAX_SPLIT_COUNTERS, dtype=torch.int32, device=device)
+        return {"balanced": SPLIT_PLANS[self.split_plan], "counters": self._counters[device]}
 
     def write_kv(self, k_cache, v_cache, k, v, slot_mapping):
         kernels.paged_kv_write_triton(k, v, k_cache, v_cache, slot_mapping)
@@ -44,13 +54,14 @@ class TritonAttentionProvider(AttentionProvider):
         table, lens = view.page_table, view.kv_lens
         max_len = max(view.kv_lens_list)
         if ctx.is_decode:
+            split = self.split_kw(q.device)
             if score_rows is not None and score_rows.kind == "max_logits":
                 out, colsums = kernels.decode_max_logits_triton(q, k_cache, v_cache, table, lens,
-                                                                padded_colsum_width(score_rows, view), **self._split_kw)
+                                                                padded_colsum_width(score_rows, view), **split)
             elif score_rows is not None:
                 bound = padded_colsum_width(score_rows, view)
                 out, colsum = kernels.decode_colsum_triton(q, k_cache, v_cache, table, lens,
-                                                           max_kv_len=bound or max_len, **self._split_kw)
+                                                           max_kv_len=bound or max_len, **split)
                 colsums = colsum if bound else [colsum[b, :, :n] for b, n in enumerate(view.kv_lens_list)]
             else:
                 out, colsums = None, None
@@ -60,11 +71,11 @@ class TritonAttentionProvider(AttentionProvider):
                     out = sparse
                 else:
                     if out is None:
-                        out = kernels.paged_decode_triton(q, k_cache, v_cache, table, lens, **self._split_kw)
+                        out = kernels.paged_decode_triton(q, k_cache, v_cache, table, lens, **split)
                     dense_rows = torch.tensor(selection.dense, device=q.device)[:, None, None]
                     out = torch.where(dense_rows, out, sparse)
             elif out is None:
-                out = kernels.paged_decode_triton(q, k_cache, v_cache, table, lens, **self._split_kw)
+                out = kernels.paged_decode_triton(q, k_cache, v_cache, table, lens, **split)
             return out, colsums
         check_prefill_scores(score_rows)
         out = kernels.paged_prefill_triton(q, k_cache, v_cache, table, lens, ctx.cu_q_lens,
@@ -90,14 +101,15 @@ class TritonAttentionProvider(AttentionProvider):
 
     def _sparse_decode(self, q, k_cache, v_cache, table, lens, selection: Selection) -> torch.Tensor:
         """Decode rows ``q [B, Hq, d]`` over their selected tokens or pages."""
+        split = self.split_kw(q.device)
         if not selection.page_size:
             return kernels.sparse_decode_triton(q, k_cache, v_cache, table, lens, selection.token_indices,
-                                                selection.num_selected, **self._split_kw)
+                                                selection.num_selected, **split)
         if selection.page_size != k_cache.shape[1]:
             raise ValueError(f"a page selection of page_size={selection.page_size} needs a KV cache of that "
                              f"page size, got {k_cache.shape[1]}")
         return kernels.sparse_page_decode_triton(q, k_cache, v_cache, table, lens, selection.token_indices,
-                                                 selection.num_selected, **self._split_kw)
+                                                 selection.num_selected, **split)
 
     @staticmethod
     def _pick(by_window, window, b, length, hkv):

@@ -54,7 +54,7 @@ def decode_colsum_ref(q, k_cache, v_cache, page_table, kv_lens, max_kv_len=None,
 
 
 def decode_colsum_triton(q, k_cache, v_cache, page_table, kv_lens, max_kv_len=None, scale=None,
-                         *, kv_chunk=None, balanced=None):
+                         *, kv_chunk=None, balanced=None, counters=None):
     B, Hq, d = q.shape
     page_size, Hkv = check_cache(k_cache, Hq, d)
     device = check_launch(q, k_cache, v_cache, page_table, kv_lens)
@@ -63,7 +63,7 @@ def decode_colsum_triton(q, k_cache, v_cache, page_table, kv_lens, max_kv_len=No
     capacity = min(page_table.shape[1] * page_size, max(L, 1))  # L bounds every row: no empty splits
     out, lse = split_k_decode(q, k_cache, v_cache, page_table, kv_lens, mode=MODE_DENSE,
                               capacity=capacity, scale=scale, return_lse=True,
-                              kv_chunk=kv_chunk, logits=logits, balanced=balanced)
+                              kv_chunk=kv_chunk, logits=logits, balanced=balanced, counters=counters)
     colsum = _common.empty((B, Hkv, L), torch.float32, device)
     g = Hq // Hkv
     block_n = 128

@@ -109,7 +109,7 @@ def group_max_logits_torch(q, k_cache, page_table, kv_lens, max_kv_len=None, sca
 
 
 def decode_max_logits_triton(q, k_cache, v_cache, page_table, kv_lens, max_kv_len=None, scale=None,
-                             *, kv_chunk=None, balanced=None):
+                             *, kv_chunk=None, balanced=None, counters=None):
     """`decode_max_logits_ref` in one pass: the split-K decode stores each token's group
     max as it computes the logits (4 bytes per token and KV head written, against the
     2 * d * 2 bytes of K+V it reads anyway), so no second read of K scores the tokens."""
@@ -121,7 +121,7 @@ def decode_max_logits_triton(q, k_cache, v_cache, page_table, kv_lens, max_kv_le
     capacity = min(page_table.shape[1] * page_size, max(L, 1))  # L bounds every row: no empty splits
     out = split_k_decode(q, k_cache, v_cache, page_table, kv_lens, mode=MODE_DENSE, capacity=capacity,
                          scale=scale, kv_chunk=kv_chunk, logits=scores, logits_group_max=True,
-                         balanced=balanced)
+                         balanced=balanced, counters=counters)
     return out, scores[..., :L]
 
 

@@ -8,9 +8,10 @@ are merged per (request, query head) (`split_merge.py`) by a second kernel (the 
 see `MERGE_IN_SPLIT_KERNEL`) or by the last program of the row to finish: each program with
 items counts itself in on the row's int32 counter (an acq_rel atomic, after a barrier so
 that all of its partial stores come first); the one that sees `n_active - 1` merges and
-zeros the counter for the next launch. The counters live in one buffer per device,
-allocated once (a fixed address that CUDA-graph replays reuse), so such launches must not
-run concurrently on two streams of one device.
+zeros the counter for the next launch. The counters are the caller's (`counters`: the
+Triton provider keeps one buffer per engine and device, at a fixed address that CUDA-graph
+replays reuse), else one shared buffer per device, which launches running at once on two
+streams of one device must not share.
 
 The grid depends only on static shapes, so the launch is CUDA-graph safe. The plan
 (`split_plan.py`) takes fixed chunks (the grid covers the page table's capacity) for few
@@ -89,18 +90,19 @@ def paged_decode_ref(q, k_cache, v_cache, page_table, kv_lens, scale=None, retur
 
 
 def paged_decode_triton(q, k_cache, v_cache, page_table, kv_lens, scale=None, return_lse=False,
-                        *, kv_chunk=None, balanced=None):
+                        *, kv_chunk=None, balanced=None, counters=None):
     """Same contract as `paged_decode_ref`; `kv_chunk` (power of two) overrides the split
-    size; `balanced`: `split_k_decode`'s."""
+    size; `balanced`, `counters`: `split_k_decode`'s."""
     capacity = page_table.shape[1] * k_cache.shape[1]
     return split_k_decode(q, k_cache, v_cache, page_table, kv_lens, mode=MODE_DENSE, capacity=capacity,
-                          scale=scale, return_lse=return_lse, kv_chunk=kv_chunk, balanced=balanced)
+                          scale=scale, return_lse=return_lse, kv_chunk=kv_chunk, balanced=balanced,
+                          counters=counters)
 
 
 def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, sel=None, num_sel=None,
                    scale=None, return_lse=False, kv_chunk=None, logits=None, logits_group_max=False, block_n=64,
                    num_warps=None, num_stages=2, fused_combine=None, row_splits=None, fine_splits=None,
-                   min_chunk=None, balanced=None, plan_out=None):
+                   min_chunk=None, balanced=None, plan_out=None, counters=None):
     """Launch the split kernel (+ merge). `capacity` = static upper bound of items per row.
 
     mode DENSE: items are tokens 0..kv_len-1. TOKENS: `sel [B, Hkv, K]` token ids, `num_sel
@@ -122,6 +124,10 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
     `min_chunk`: with per-row chunks, no chunk shorter than this many items (a short row
     takes fewer of the splits; `min_chunk_for`); default on in the auto plan for rows that
     fill the GPU, 0 turns it off.
+    `counters`: the per-row arrival counters of a launch that merges in the split kernel
+    (int32 zeros on q's device, at least B * Hkv; each launch leaves them at zero): the
+    caller's own, so that two engines replaying on two streams of one device do not share
+    them; default the device's shared buffer (`MAX_SPLIT_COUNTERS`).
     `balanced`: True runs the balanced plan over `B * Hkv * (num_splits + 1)` programs
     (`balanced_plan.py`: one chunk length for the batch, so a row far longer than the
     others takes more chunks, not longer ones); None (auto): where the auto plan cuts each
@@ -151,8 +157,17 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
     meta = balanced_plan.plan_buffer(plan_out, rows, device) if balanced else balanced_plan.no_plan(plan_out, kv_lens)
     out = _common.empty((B, Hq, d), q.dtype, device)
     lse = _common.empty((B, Hq), torch.float32, device) if return_lse else part_lse
-    counters = _common.zeroed_counters("split_k_decode", MAX_SPLIT_COUNTERS, device) if combine == _LAST_MERGES \
-        else kv_lens
+    if counters is not None and (not isinstance(counters, torch.Tensor) or counters.dtype != torch.int32
+                                 or counters.dim() != 1 or counters.numel() < rows or counters.stride(0) != 1
+                                 or counters.device != device):
+        got = (f"{tuple(counters.shape)} {counters.dtype} on {counters.device}" if isinstance(counters, torch.Tensor)
+               else type(counters).__name__)
+        raise ValueError(f"counters must be a contiguous int32 vector of at least B * Hkv = {rows} on {device}, "
+                         f"got {got}")
+    if combine != _LAST_MERGES:
+        counters = kv_lens  # unread
+    elif counters is None:
+        counters = _common.zeroed_counters("split_k_decode", MAX_SPLIT_COUNTERS, device)
     has_sel = sel is not None
     sel_t = sel if has_sel else kv_lens
     num_sel_t = num_sel if has_sel else kv_lens

@@ -47,11 +47,11 @@ def sparse_decode_ref(q, k_cache, v_cache, page_table, kv_lens, indices, num_sel
 
 
 def sparse_decode_triton(q, k_cache, v_cache, page_table, kv_lens, indices, num_selected, scale=None,
-                         return_lse=False, *, kv_chunk=None, balanced=None):
+                         return_lse=False, *, kv_chunk=None, balanced=None, counters=None):
     _check_selection(q, k_cache, indices, num_selected)
     return split_k_decode(q, k_cache, v_cache, page_table, kv_lens, mode=MODE_TOKENS,
                           capacity=indices.shape[2], sel=indices, num_sel=num_selected, scale=scale,
-                          return_lse=return_lse, kv_chunk=kv_chunk, balanced=balanced)
+                          return_lse=return_lse, kv_chunk=kv_chunk, balanced=balanced, counters=counters)
 
 
 def sparse_page_decode_ref(q, k_cache, v_cache, page_table, kv_lens, page_indices, num_pages_selected,

@@ -58,3 +58,36 @@ def test_bad_split_plans_are_config_errors(tiny_llama):
     assert make_provider("triton", torch.device("cuda"), "per_row").split_plan == "per_row"  # needs no GPU
     with pytest.raises(ValueError, match="split_plan must be one of auto, per_row"):
         make_provider("triton", torch.device("cuda"), "fixed")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the Triton kernels on CPU tensors: the interpreter, "
+                    "which tests/conftest.py sets only on a machine without CUDA")
+def test_each_engine_merges_with_its_own_counters(tiny_llama, monkeypatch):
+    """Decode launches that merge their splits in the split kernel count arrivals in their
+    engine's provider's counters, never in the device's shared buffer (two engines replaying
+    on two streams of one GPU would share that), and still give the torch tokens."""
+    from sparseengine.kernels import _common, paged_decode
+
+    want = _tokens(tiny_llama[0], attention_provider="triton")
+
+    def shared(*args):
+        raise AssertionError("a decode launch used the device's shared counters")
+
+    monkeypatch.setattr(_common, "zeroed_counters", shared)
+    monkeypatch.setattr(paged_decode, "MERGE_IN_SPLIT_KERNEL", True)
+    used: list[torch.Tensor] = []
+    split_k = paged_decode.split_k_decode
+
+    def spy(*args, **kw):
+        used.append(kw.get("counters"))
+        return split_k(*args, **kw)
+
+    monkeypatch.setattr(paged_decode, "split_k_decode", spy)
+    with LLM(str(tiny_llama[0]), attention_provider="triton", **CPU) as a, \
+            LLM(str(tiny_llama[0]), attention_provider="triton", **CPU) as b:
+        mine = a.provider.split_kw(torch.device("cpu"))["counters"]
+        theirs = b.provider.split_kw(torch.device("cpu"))["counters"]
+        assert mine is not theirs and mine is a.provider.split_kw(torch.device("cpu"))["counters"]
+        assert [o.token_ids for o in a.generate(PROMPTS, GREEDY)] == want
+        assert used and all(c is mine for c in used)
+    assert int(mine.abs().sum()) == 0

@@ -75,6 +75,37 @@ def _split_k(q, kv, kv_chunk, fused_combine):
                           fused_combine=fused_combine)
 
 
+def test_callers_counters(gen, device, monkeypatch):
+    """A launch that merges in the split kernel takes its arrival counters from the caller
+    (the device's shared buffer is never asked for) and leaves them at zero; bad counters
+    are refused by name."""
+    from sparseengine.kernels import _common
+
+    q, kv = _inputs(MERGE_CASE, gen, device)
+    want = _split_k(q, kv, 16, fused_combine=True)
+
+    def shared(*args):
+        raise AssertionError("the shared counters were used")
+
+    monkeypatch.setattr(_common, "zeroed_counters", shared)
+    rows = q.shape[0] * kv.k_cache.shape[2]
+    counters = torch.zeros(rows, dtype=torch.int32, device=device)
+    for _ in range(2):  # the second launch finds them at zero again
+        got = split_k_decode(q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, mode=MODE_DENSE,
+                             capacity=kv.page_table.shape[1] * kv.page_size, return_lse=True, kv_chunk=16,
+                             fused_combine=True, counters=counters)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        assert int(counters.abs().sum()) == 0
+    for bad in (torch.zeros(rows, dtype=torch.int64, device=device), torch.zeros(rows - 1, dtype=torch.int32,
+                                                                                  device=device), "zeros"):
+        with pytest.raises(ValueError, match=f"counters must be a contiguous int32 vector of at least B \\* Hkv = "
+                                             f"{rows}"):
+            split_k_decode(q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, mode=MODE_DENSE,
+                           capacity=kv.page_table.shape[1] * kv.page_size, kv_chunk=16, fused_combine=True,
+                           counters=bad)
+
+
 @pytest.mark.parametrize("kv_chunk", [16, 128], ids=["5-splits", "1-split"])
 def test_fused_combine_matches_ref_and_two_kernel_path(kv_chunk, gen, device):
     q, kv = _inputs(MERGE_CASE, gen, device)
