@@ -10,6 +10,7 @@ from sparseengine import kernels
 from sparseengine.attention.provider import AttentionProvider, check_prefill_scores, padded_colsum_width
 from sparseengine.engine.step_context import LayerView, ScoreRows, Selection, StepContext
 from sparseengine.kernels import fused_ops
+from sparseengine.kernels._common import ArrivalCounters
 from sparseengine.kernels.paged_decode import MAX_SPLIT_COUNTERS
 
 # decode_split_plan -> split_k_decode's `balanced` (None: its auto choice)
@@ -26,16 +27,12 @@ class TritonAttentionProvider(AttentionProvider):
         if split_plan not in SPLIT_PLANS:
             raise ValueError(f"split_plan must be one of {', '.join(SPLIT_PLANS)}, got {split_plan!r}")
         self.split_plan = split_plan
-        self._counters: dict[torch.device, torch.Tensor] = {}
+        self._counters = ArrivalCounters(MAX_SPLIT_COUNTERS)
 
     def split_kw(self, device: torch.device) -> dict:
         """`split_k_decode`'s keywords for this provider's decode ops: the split plan, and
-        this provider's own arrival counters on `device` (zeroed once; each launch leaves
-        them at zero), so that two engines replaying on two streams of one GPU do not
-        share them."""
-        if device not in self._counters:
-            self._counters[device] = torch.zeros(MAX_SPLIT_COUNTERS, dtype=torch.int32, device=device)
-        return {"balanced": SPLIT_PLANS[self.split_plan], "counters": self._counters[device]}
+        this provider's own arrival counters on `device` (`ArrivalCounters`)."""
+        return {"balanced": SPLIT_PLANS[self.split_plan], "counters": self._counters.on(device)}
 
     def write_kv(self, k_cache, v_cache, k, v, slot_mapping):
         kernels.paged_kv_write_triton(k, v, k_cache, v_cache, slot_mapping)

@@ -185,16 +185,33 @@ def default_scale(head_dim: int, scale: float | None) -> float:
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
-_zeroed_counters: dict[tuple[str, torch.device], torch.Tensor] = {}
+class ArrivalCounters:
+    """One owner's int32 arrival counters (a kernel whose last program to arrive finishes
+    the work), `size` of them a device: zeroed once, at a fixed address that CUDA-graph
+    replays reuse, each launch leaving them at zero again. An engine keeps its own (the
+    sampler's, the attention provider's), so that two engines replaying on two streams of
+    one GPU never share them."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._by_device: dict[torch.device, torch.Tensor] = {}
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        if device not in self._by_device:
+            self._by_device[device] = torch.zeros(self.size, dtype=torch.int32, device=device)
+        return self._by_device[device]
+
+
+_shared_counters: dict[str, ArrivalCounters] = {}
 
 
 def zeroed_counters(owner: str, size: int, device: torch.device) -> torch.Tensor:
-    """`owner`'s int32 arrival counters on `device` (a kernel whose last program to arrive
-    finishes the work): zeroed once, each launch leaving them at zero again."""
-    key = (owner, device)
-    if key not in _zeroed_counters:
-        _zeroed_counters[key] = torch.zeros(size, dtype=torch.int32, device=device)
-    return _zeroed_counters[key]
+    """The counters shared by every caller of kernel `owner` that passes none of its own
+    (`ArrivalCounters`): launches running at once on two streams of one device must not
+    use them."""
+    if owner not in _shared_counters:
+        _shared_counters[owner] = ArrivalCounters(size)
+    return _shared_counters[owner].on(device)
 
 
 def num_sms(device: torch.device) -> int:

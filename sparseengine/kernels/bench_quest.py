@@ -35,12 +35,9 @@ def bench_quest_select(out_path, B=6, P=8320, n=131072):
                         **kw, "us_per_launch": per_launch_us(fn), "equals_torch_path": same})
 
 
-def bench_quest_scores(out_path, B=6, P=8320, n=131072):
-    """Quest's page scores at the 128K decode benchmark's shape (pages scattered over a
-    pool of B * P pages), per launch in a CUDA graph of 30 launches: pages per program x
-    warps."""
-    from sparseengine.kernels import quest_page_scores_triton
-
+def _score_inputs(B, P, n):
+    """q and random page bounds (min below max) over a pool of B * P pages, B page tables
+    scattered over it, kv_lens all n: the page scores' inputs at the 128K shape (seeded)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     pool = B * P
     kmax = torch.randn(pool, HKV, D, generator=gen, device="cuda").to(BF16)
@@ -48,6 +45,16 @@ def bench_quest_scores(out_path, B=6, P=8320, n=131072):
     table = torch.randperm(pool, generator=gen, device="cuda").int().view(B, P)
     kv_lens = torch.full((B,), n, dtype=torch.int32, device="cuda")
     q = torch.randn(B, HQ, D, generator=gen, device="cuda").to(BF16)
+    return q, kmax, kmin, table, kv_lens
+
+
+def bench_quest_scores(out_path, B=6, P=8320, n=131072):
+    """Quest's page scores at the 128K decode benchmark's shape (pages scattered over a
+    pool of B * P pages), per launch in a CUDA graph of 30 launches: pages per program x
+    warps."""
+    from sparseengine.kernels import quest_page_scores_triton
+
+    q, kmax, kmin, table, kv_lens = _score_inputs(B, P, n)
     args = (q, kmax, kmin, table, kv_lens, PS)
     want = quest_page_scores_triton(*args)
     nbytes = 2 * B * (n // PS) * HKV * D * 2
@@ -206,13 +213,7 @@ def bench_quest_select_warps(out_path, B=6, P=8320, n=131072):
     from sparseengine.kernels import quest as quest_kernels
     from sparseengine.kernels import quest_select
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    pool = B * P
-    kmax = torch.randn(pool, HKV, D, generator=gen, device="cuda").to(BF16)
-    kmin = kmax - torch.rand(pool, HKV, D, generator=gen, device="cuda").to(BF16)
-    table = torch.randperm(pool, generator=gen, device="cuda").int().view(B, P)
-    kv_lens = torch.full((B,), n, dtype=torch.int32, device="cuda")
-    q = torch.randn(B, HQ, D, generator=gen, device="cuda").to(BF16)
+    q, kmax, kmin, table, kv_lens = _score_inputs(B, P, n)
     sink, recent, budget = 64, 512, 1472
     group = quest_select.maxima_group(P, PS, budget, quest_kernels.SCORE_BLOCK_P)
     scores, maxima = quest_kernels.quest_page_scores_and_maxima_triton(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from sparseengine.kernels import row_argmax
+from sparseengine.kernels._common import ArrivalCounters
 from sparseengine.sampling_params import SamplingParams
 
 
@@ -25,13 +26,11 @@ class Sampler:
 
     def __init__(self) -> None:
         self._generators: dict[int, torch.Generator] = {}
-        self._argmax_counters: dict[torch.device, torch.Tensor] = {}
+        self._argmax_counters = ArrivalCounters(row_argmax.MAX_ROWS)
 
     def argmax_counters(self, device: torch.device) -> torch.Tensor:
-        """This sampler's row-argmax counters on `device` (zeroed once; each launch leaves them at zero)."""
-        if device not in self._argmax_counters:
-            self._argmax_counters[device] = torch.zeros(row_argmax.MAX_ROWS, dtype=torch.int32, device=device)
-        return self._argmax_counters[device]
+        """This sampler's row-argmax counters on `device` (`ArrivalCounters`)."""
+        return self._argmax_counters.on(device)
 
     def generator(self, seq_id: int, seed: int | None, device: torch.device) -> torch.Generator | None:
         if seed is None:
