@@ -19,6 +19,13 @@ from . import _common
 from ._common import check_cache
 from .paged_decode import MODE_PAGES, MODE_TOKENS, split_k_decode
 
+# The page variant's launch when the rows are too few to fill the GPU alone (Quest's 128K
+# shape: 6 x 8 rows), read at each call (profile_decode_step.py --kernel-const sets them for
+# A/Bs): tokens a split, and whether the last split of a row merges the row's partials
+# (`split_k_decode`'s `fused_combine`; None: its auto choice, a merge launch).
+PAGE_CHUNK = 128
+PAGE_MERGE_IN_SPLIT: bool | None = None
+
 
 def _selected_attention_ref(q, k_cache, v_cache, page_table, kv_lens, tokens_of, scale, return_lse):
     B, Hq, d = q.shape
@@ -77,8 +84,9 @@ def sparse_page_decode_triton(q, k_cache, v_cache, page_table, kv_lens, page_ind
     default, and 25.3 in two (results/quest_kernels_h200.jsonl, commits 3b57167 and
     52e1017)."""
     if kv_chunk is None and q.shape[0] * k_cache.shape[2] < 4 * _common.num_sms(q.device):
-        kv_chunk = 128  # rows too few to fill the GPU alone (else the planner's one program a row)
+        kv_chunk = PAGE_CHUNK  # rows too few to fill the GPU alone (else the planner's one program a row)
         tuning.setdefault("block_n", 32)
+        tuning.setdefault("fused_combine", PAGE_MERGE_IN_SPLIT)
     tuning.setdefault("num_stages", 2 if kv_chunk == 128 else 3)
     _check_selection(q, k_cache, page_indices, num_pages_selected)
     return split_k_decode(q, k_cache, v_cache, page_table, kv_lens, mode=MODE_PAGES,
