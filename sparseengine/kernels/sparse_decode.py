@@ -22,7 +22,9 @@ from .paged_decode import MODE_PAGES, MODE_TOKENS, split_k_decode
 # The page variant's launch when the rows are too few to fill the GPU alone (Quest's 128K
 # shape: 6 x 8 rows), read at each call (profile_decode_step.py --kernel-const sets them for
 # A/Bs): tokens a split, and whether the last split of a row merges the row's partials
-# (`split_k_decode`'s `fused_combine`; None: its auto choice, a merge launch).
+# (`split_k_decode`'s `fused_combine`; None: its auto choice, a merge launch). H200, Quest
+# b=6 at 128K, graph step (session 26, results/quest_page_merge_h200.jsonl): the merge
+# launch 8.406 ms, merged in the split kernel 8.890 (chunks of 256: 8.725).
 PAGE_CHUNK = 128
 PAGE_MERGE_IN_SPLIT: bool | None = None
 

@@ -87,6 +87,29 @@ def test_pages(case, gen, device):
     assert_close(lse, lse_ref, 1e-4, "lse")
 
 
+@pytest.mark.parametrize("merge", [None, True, False])
+def test_the_page_launch_constants_are_read_at_each_call(merge, monkeypatch, gen, device):
+    """sparse_decode.PAGE_CHUNK and PAGE_MERGE_IN_SPLIT (the launch for rows too few to fill
+    the GPU, A/B-able) are read at each call: 16-token splits merged by the merge launch or
+    by each row's last split give the reference's attention, and a chunk that is not a power
+    of two is refused by name."""
+    from sparseengine.kernels import sparse_decode
+
+    hq, hkv, d, ps, lens = 8, 2, 32, 4, [70, 33]
+    q, kv = _inputs((hq, hkv, d, ps, lens), gen, device)
+    idx, num = _page_selection(lens, hkv, ps, 18, gen, device)
+    args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, idx, num)
+    out_ref, lse_ref = sparse_page_decode_ref(*args, return_lse=True)
+    monkeypatch.setattr(sparse_decode, "PAGE_CHUNK", 16)
+    monkeypatch.setattr(sparse_decode, "PAGE_MERGE_IN_SPLIT", merge)
+    out, lse = sparse_page_decode_triton(*args, return_lse=True)
+    assert_close(out, out_ref, 1e-4, "out")
+    assert_close(lse, lse_ref, 1e-4, "lse")
+    monkeypatch.setattr(sparse_decode, "PAGE_CHUNK", 24)
+    with pytest.raises(ValueError, match="kv_chunk must be a power of two >= 16, got 24"):
+        sparse_page_decode_triton(*args)
+
+
 def test_full_selection_is_dense(gen, device):
     from sparseengine.kernels import paged_decode_ref
 
