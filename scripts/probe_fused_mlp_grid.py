@@ -12,15 +12,16 @@ import json
 import subprocess
 import sys
 
-# (block_n, block_n2, block_k, num_stages, chunks, programs an SM)
-CONFIGS = [(64, 32, 256, 3, 2, 1), (32, 32, 256, 3, 2, 2), (32, 32, 256, 3, 2, 3), (32, 32, 256, 4, 2, 2),
-           (32, 32, 512, 2, 2, 2), (32, 32, 512, 2, 2, 3), (32, 32, 256, 2, 2, 3), (32, 32, 256, 3, 4, 2)]
+# (block_n, block_n2, block_k, num_stages, chunks, programs an SM, spin: 0 acquire atomics, 1 volatile loads,
+# 2 volatile loads and nanosleep)
+CONFIGS = [(32, 32, 256, 5, 2, 1, 1), (32, 32, 256, 5, 2, 1, 2), (64, 32, 256, 3, 2, 1, 1), (64, 32, 256, 3, 2, 1, 2),
+           (32, 32, 256, 3, 2, 2, 2), (32, 32, 256, 5, 1, 1, 2), (32, 32, 256, 5, 4, 1, 2), (32, 32, 256, 5, 2, 1, 0)]
 CHILD = """
 import json, sys, torch
 from sparseengine.kernels import bench_linear
 from sparseengine.kernels._common import num_sms
-bn, bn2, bk, st, ch, per_sm = json.loads(sys.argv[1])
-bench_linear.FUSED_MLP_CONFIGS = [dict(block_n=bn, block_n2=bn2, block_k=bk, num_stages=st, chunks=ch,
+bn, bn2, bk, st, ch, per_sm, spin = json.loads(sys.argv[1])
+bench_linear.FUSED_MLP_CONFIGS = [dict(block_n=bn, block_n2=bn2, block_k=bk, num_stages=st, chunks=ch, spin=spin,
                                        programs=per_sm * num_sms(torch.device("cuda")))]
 bench_linear.bench_fused_mlp(sys.argv[2], rows=(6,), with_unfused=sys.argv[3] == "1")
 """

@@ -73,7 +73,7 @@ FUSED_MLP_CONFIGS = [dict(block_n=bn, block_n2=bn2, chunks=c, num_stages=st)
                                             (16, 16, 2, 8), (64, 32, 2, 3))]
 
 
-def bench_fused_mlp(out_path, rows=(1, 6), copies=2):
+def bench_fused_mlp(out_path, rows=(1, 6), copies=2, with_unfused=True):
     """The Llama-3.1-8B MLP (gate_up with the folded norm, SiLU-and-multiply, down with the
     residual; 352 MB of weights) at a decode batch's rows, per launch in a CUDA graph that
     cycles over `copies` copies of the weights (none found in L2): the engine's three
@@ -99,7 +99,7 @@ def bench_fused_mlp(out_path, rows=(1, 6), copies=2):
     for M in rows:
         x = torch.randn(M, H, generator=gen, device="cuda", dtype=BF16)
         want = unfused(x, layers[0])
-        variants = [("unfused", {}, unfused)]
+        variants = [("unfused", {}, unfused)] if with_unfused else []
         variants += [("fused", kw, lambda a, w, kw=kw: fused_mlp_triton(a, w[0], w[1], rms_eps=1e-5, residual=a,
                                                                          counters=counters, tma=True, **kw))
                      for kw in FUSED_MLP_CONFIGS]

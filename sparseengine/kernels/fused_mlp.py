@@ -75,7 +75,7 @@ def fused_mlp_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Ten
                      rms_eps: float | None = None, residual: torch.Tensor | None = None,
                      counters: torch.Tensor | None = None, block_n: int = 32, block_n2: int = 32,
                      block_k: int = 256, chunks: int = 2, programs: int | None = None, tma: bool = False,
-                     num_warps: int = 4, num_stages: int = 5, return_hidden: bool = False):
+                     num_warps: int = 4, num_stages: int = 5, return_hidden: bool = False, spin: int = 0):
     """`x [..., H]`, `w_gate_up [2I, H]` (gate rows, then up rows), `w_down [H, I]` -> `[..., H]`
     in x's dtype. `rms_eps`: gate_up of RMSNorm(x) with a unit weight (the model folds the
     norm's weight into gate_up's); `residual [..., H]`: added to the result.
@@ -154,7 +154,7 @@ def fused_mlp_triton(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Ten
         w_down.stride(0), h.stride(0), r2.stride(0), y.stride(0), float(rms_eps or 0.0),
         NORM=rms_eps is not None, RESIDUAL=residual is not None, TMA=tma, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
         BLOCK_N2=block_n2, BLOCK_K=block_k, CHUNKS=chunks, INTERPRET=interpreting(),
-        DOT_PREC=dot_precision(x.dtype), num_warps=num_warps, num_stages=num_stages,
+        DOT_PREC=dot_precision(x.dtype), SPIN=spin, num_warps=num_warps, num_stages=num_stages,
         enable_fp_fusion=False, enable_reflect_ftz=False,  # the SiLU as fused_ops.silu_mul computes it
     )
     y = y.reshape(*lead, H)
@@ -166,7 +166,7 @@ def _fused_mlp_kernel(x_ptr, wgu_ptr, wgu_desc, wd_ptr, wd_desc, h_ptr, r_ptr, y
                       stride_xm, stride_wgu, stride_wd, stride_hm, stride_rm, stride_ym, eps,
                       NORM: tl.constexpr, RESIDUAL: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_N2: tl.constexpr, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr,
-                      INTERPRET: tl.constexpr, DOT_PREC: tl.constexpr):
+                      INTERPRET: tl.constexpr, DOT_PREC: tl.constexpr, SPIN: tl.constexpr = 0):
     DTYPE: tl.constexpr = y_ptr.dtype.element_ty
     pid = tl.program_id(0)
     G = tl.num_programs(0)
@@ -218,8 +218,15 @@ def _fused_mlp_kernel(x_ptr, wgu_ptr, wgu_desc, wd_ptr, wd_desc, h_ptr, r_ptr, y
         n0 = t * BLOCK_N2
         acc = tl.zeros([BLOCK_N2, BLOCK_M], dtype=tl.float32)
         for c in range(CHUNKS):
-            while tl.atomic_add(cnt_ptr + c, 0, sem="acquire", scope="gpu") < per_chunk:
-                pass
+            if SPIN == 0:  # acquire atomics in a loop
+                while tl.atomic_add(cnt_ptr + c, 0, sem="acquire", scope="gpu") < per_chunk:
+                    pass
+            else:  # plain volatile loads (SPIN 2: a pause between), then one acquire
+                while tl.load(cnt_ptr + c, volatile=True) < per_chunk:
+                    if SPIN == 2:
+                        tl.inline_asm_elementwise("nanosleep.u32 500; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                                  is_pure=False, pack=1)
+                tl.atomic_add(cnt_ptr + c, 0, sem="acquire", scope="gpu")
             for k0 in range(c * KC, (c + 1) * KC, BLOCK_K):
                 hk = tl.load(h_rows + (k0 + kk)[None, :], mask=m_ok[:, None], other=0.0, cache_modifier=".cg")
                 if TMA:
