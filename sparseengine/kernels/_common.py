@@ -90,10 +90,6 @@ def bind_shared_helpers(fn, compiled: bool, saved: dict | None = None) -> None:
         if name not in fn.__code__.co_names:
             continue
         helper.__globals__["tl"] = triton.language
-        if compiled and "libdevice" in helper.__code__.co_names:
-            from triton.language.extra.cuda import libdevice
-
-            helper.__globals__["libdevice"] = libdevice
         if compiled:
             module = fn.__globals__
             if saved is not None:

@@ -349,8 +349,6 @@ PARTS = {
                            "bench_quest", ("bench_quest_select_warps",)),
     "skinny-linear": ("the decode step's weight GEMMs, cuBLAS beside the skinny Triton linear's configurations",
                       "bench_linear", ("bench_skinny_linear",)),
-    "fused-mlp": ("the decode step's MLP as one launch beside the engine's three", "bench_linear",
-                  ("bench_fused_mlp",)),
     "pdl-chain": ("the decode step's GEMM chain: cuBLAS, the skinny Triton linear, and both with PDL", "bench_linear",
                   ("bench_pdl_chain",)),
     "omnikv-select": ("OmniKV's token pick, Triton variants beside the torch path", "bench_omnikv",

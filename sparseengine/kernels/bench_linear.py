@@ -1,7 +1,6 @@
 """The decode step's weight GEMMs at the Llama-3.1-8B shape, cuBLAS (`F.linear`) beside
 `skinny_linear_triton`'s launch configurations
-(`python -m sparseengine.kernels.bench_gpu --skinny-linear --out FILE`), and the MLP as one
-launch (`fused_mlp_triton`) beside the engine's three (`--fused-mlp`).
+(`python -m sparseengine.kernels.bench_gpu --skinny-linear --out FILE`).
 
 Each shape is timed per launch inside a CUDA graph of launches that cycle over enough
 copies of the weight (at least 512 MB) that no launch finds its weight in L2, as in a
@@ -65,55 +64,6 @@ def bench_skinny_linear(out_path, rows=(1, 6, 16), min_bytes=512 << 20):
                                 "weight_gbps": 2 * N * K / us / 1e3, "max_abs_err": err})
         del weights
         torch.cuda.empty_cache()
-
-
-FUSED_MLP_CONFIGS = [dict(block_n=bn, block_n2=bn2, chunks=c, num_stages=st)
-                     for bn, bn2, c, st in ((32, 32, 2, 5), (32, 32, 1, 5), (32, 32, 4, 5), (16, 16, 2, 5),
-                                            (16, 32, 2, 5), (32, 16, 2, 5), (16, 16, 4, 5), (32, 32, 2, 4),
-                                            (16, 16, 2, 8), (64, 32, 2, 3))]
-
-
-def bench_fused_mlp(out_path, rows=(1, 6), copies=2, with_unfused=True):
-    """The Llama-3.1-8B MLP (gate_up with the folded norm, SiLU-and-multiply, down with the
-    residual; 352 MB of weights) at a decode batch's rows, per launch in a CUDA graph that
-    cycles over `copies` copies of the weights (none found in L2): the engine's three
-    launches (`skinny_linear` with its tiles, TMA; the SiLU kernel) beside `fused_mlp_triton`
-    at each of FUSED_MLP_CONFIGS (TMA, one program an SM). Each fused output is compared
-    with the three launches' (max abs difference, and whether equal)."""
-    from sparseengine.kernels.fused_mlp import MAX_CHUNKS, fused_mlp_triton
-    from sparseengine.kernels.fused_ops import silu_mul_triton
-    from sparseengine.kernels.skinny_linear import engine_tiles, skinny_linear_triton
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    (I2, H), I = SHAPES["gate_up"], SHAPES["down"][1]
-    layers = [(torch.randn(I2, H, generator=gen, device="cuda", dtype=BF16) / H ** 0.5,
-               torch.randn(H, I, generator=gen, device="cuda", dtype=BF16) / I ** 0.5) for _ in range(copies)]
-    counters = torch.zeros(MAX_CHUNKS + 1, dtype=torch.int32, device="cuda")
-    nbytes = 2 * (I2 * H + H * I)
-    dev = torch.device("cuda")
-
-    def unfused(x, w):
-        gu = skinny_linear_triton(x, w[0], rms_eps=1e-5, **engine_tiles(I2, BF16, dev))
-        return skinny_linear_triton(silu_mul_triton(gu), w[1], residual=x, **engine_tiles(H, BF16, dev))
-
-    for M in rows:
-        x = torch.randn(M, H, generator=gen, device="cuda", dtype=BF16)
-        want = unfused(x, layers[0])
-        variants = [("unfused", {}, unfused)] if with_unfused else []
-        variants += [("fused", kw, lambda a, w, kw=kw: fused_mlp_triton(a, w[0], w[1], rms_eps=1e-5, residual=a,
-                                                                         counters=counters, tma=True, **kw))
-                     for kw in FUSED_MLP_CONFIGS]
-        for impl, kw, fn in variants:
-            base = {"kind": "fused_mlp", "rows": M, "hidden": H, "intermediate": I, "impl": impl, **kw}
-            try:
-                y = fn(x, layers[0])
-                us = per_launch_us(_cycling(fn, layers, x), launches=2 * copies)
-            except Exception as e:  # a configuration that does not compile is a result too
-                emit(out_path, {**base, "error": f"{type(e).__name__}: {e}"[:300]})
-                continue
-            emit(out_path, {**base, "us_per_launch": us, "weight_gbps": nbytes / us / 1e3,
-                            "max_abs_diff_vs_unfused": (y.float() - want.float()).abs().max().item(),
-                            "equals_unfused": bool(torch.equal(y, want)), "counters_zero": not counters.any().item()})
 
 
 def engine_variants(n: int) -> list[dict]:

@@ -13,11 +13,22 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ._common import lazy_jit
-from .tile_math import _round_to, _silu_mul_value
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
     from triton.language.extra.cuda import libdevice
+
+
+def _round_to(v, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """float32 v rounded (to nearest even) to DTYPE, as float32."""
+    if DTYPE == tl.float32:
+        return v
+    elif INTERPRET and DTYPE == tl.bfloat16:  # the interpreter truncates float32 -> bf16
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        return tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
+    else:
+        return v.to(DTYPE).to(tl.float32)
 
 
 def _load_h(x_row, r_row, offs, mask, HAS_RESIDUAL: tl.constexpr, INTERPRET: tl.constexpr):
@@ -210,5 +221,9 @@ def _silu_mul_kernel(gu_ptr, out_ptr, stride_t, I, BLOCK: tl.constexpr, INTERPRE
     DTYPE: tl.constexpr = gu_ptr.dtype.element_ty
     gate = tl.load(gu_ptr + t * stride_t + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gu_ptr + t * stride_t + I + offs, mask=mask, other=0.0).to(tl.float32)
-    y = _silu_mul_value(gate, up, DTYPE, INTERPRET)
+    if INTERPRET:
+        silu = tl.math.div_rn(gate, 1.0 + tl.exp(-gate))
+    else:  # torch: x / (1 + expf(-x)), IEEE division
+        silu = libdevice.div_rn(gate, 1.0 + libdevice.exp(-gate))
+    y = _round_to(_round_to(silu, DTYPE, INTERPRET) * up, DTYPE, INTERPRET)
     tl.store(out_ptr + t * I + offs, y.to(DTYPE), mask=mask)

@@ -40,7 +40,6 @@ import torch.nn.functional as F
 from . import _common
 from ._common import cdiv, check_launch, dot_precision, int_arg, interpreting, lazy_jit
 from .fused_ops import rms_norm_ref
-from .tile_math import _tile_dot
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
@@ -157,6 +156,13 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
             DOT_PREC=dot_precision(x.dtype), PDL=pdl, num_warps=num_warps, num_stages=num_stages,
             **({"launch_pdl": True} if pdl else {}))
     return y.reshape(*lead, N)
+
+
+def _tile_dot(w, x, acc, INTERPRET: tl.constexpr, DOT_PREC: tl.constexpr):
+    """acc + w @ x.T in float32."""
+    if INTERPRET:  # the interpreter's bf16 tl.dot is wrong; float32 products of bf16 are exact
+        w, x = w.to(tl.float32), x.to(tl.float32)
+    return tl.dot(w, tl.trans(x), acc, input_precision=DOT_PREC)
 
 
 @lazy_jit

@@ -7,8 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sparseengine.kernels import fused_mlp, skinny_linear
-from sparseengine.kernels._common import ArrivalCounters
+from sparseengine.kernels import skinny_linear
 from sparseengine.kernels.fused_ops import silu_mul
 from sparseengine.layers.attention import Attention
 from sparseengine.layers.layernorm import RMSNorm
@@ -46,19 +45,9 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-        self._counters = ArrivalCounters(fused_mlp.MAX_CHUNKS + 1)  # the fused launch's, this layer's own
-
     def forward(self, x: torch.Tensor, norm: nn.Module | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
-        """`norm`, `residual`: folded into the projections (`Linear`). A decode step's rows on a
-        GPU run as one launch where `fused_mlp.ENGINE_FUSED_MLP` allows it (`fused_mlp.fits`)."""
-        gate_up, down = self.gate_up_proj, self.down_proj
-        if (fused_mlp.ENGINE_FUSED_MLP and skinny_linear.streams(x) and gate_up.bias is None and down.bias is None
-                and fused_mlp.fits(x, gate_up.weight, down.weight, **fused_mlp.ENGINE_TILES)):
-            return fused_mlp.fused_mlp_triton(
-                x, gate_up.weight, down.weight, rms_eps=None if norm is None else norm.eps, residual=residual,
-                counters=self._counters.on(x.device), tma=skinny_linear.TMA_LOADS, **fused_mlp.ENGINE_TILES)
-        return down(silu_mul(gate_up(x, norm)), residual=residual)
+        return self.down_proj(silu_mul(self.gate_up_proj(x, norm)), residual=residual)
 
 
 class DecoderLayer(nn.Module):

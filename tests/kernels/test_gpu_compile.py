@@ -279,12 +279,6 @@ def launch_every_kernel(device):
                            residual=randn(5, 64, generator=gen, dtype=bf, device=device))
     for pdl in (False, True):
         K.skinny_linear_triton(x, wl, block_n=32, block_k=64, num_stages=5, rms_eps=1e-5, tma=True, pdl=pdl)
-    from sparseengine.kernels.fused_mlp import ENGINE_TILES, fused_mlp_triton
-    xm = randn(6, 256, generator=gen, dtype=bf, device=device)
-    for tma in (False, True):  # the decode step's MLP as one launch, the engine's tiles
-        fused_mlp_triton(xm, randn(1024, 256, generator=gen, dtype=bf, device=device),
-                         randn(256, 512, generator=gen, dtype=bf, device=device), rms_eps=1e-5, residual=xm,
-                         tma=tma, **ENGINE_TILES)
     from sparseengine.methods.deltakv_store import CodecStore
     for bits in (4, 16):  # the engine's store: bf16 centers, int16 neighbours; float32 Up
         store = CodecStore(60, 10, bits, 4, 2 * hkv * d, 32, bf, device)
