@@ -349,8 +349,6 @@ PARTS = {
                            "bench_quest", ("bench_quest_select_warps",)),
     "skinny-linear": ("the decode step's weight GEMMs, cuBLAS beside the skinny Triton linear's configurations",
                       "bench_linear", ("bench_skinny_linear",)),
-    "streamk-linear": ("the decode step's weight GEMMs: the skinny linear beside stream-K shares", "bench_linear",
-                       ("bench_streamk_linear",)),
     "pdl-chain": ("the decode step's GEMM chain: cuBLAS, the skinny Triton linear, and both with PDL", "bench_linear",
                   ("bench_pdl_chain",)),
     "omnikv-select": ("OmniKV's token pick, Triton variants beside the torch path", "bench_omnikv",

@@ -66,48 +66,6 @@ def bench_skinny_linear(out_path, rows=(1, 6, 16), min_bytes=512 << 20):
         torch.cuda.empty_cache()
 
 
-STREAMK_CONFIGS = [dict(block_n=64, num_stages=5, per_sm=1), dict(block_n=64, num_stages=4, per_sm=1),
-                   dict(block_n=32, num_stages=5, per_sm=1), dict(block_n=32, num_stages=3, per_sm=2),
-                   dict(block_n=32, num_stages=5, per_sm=2)]
-
-
-def bench_streamk_linear(out_path, rows=(1, 6), min_bytes=512 << 20):
-    """Each of the Llama-3.1-8B shape's layers as the model launches it (`skinny_linear` with
-    `engine_tiles`, TMA) beside `streamk_linear_triton` (TMA) at each of STREAMK_CONFIGS
-    (`per_sm` programs an SM), per launch in a CUDA graph cycling over weight copies (none
-    found in L2), each output compared with the skinny linear's."""
-    from sparseengine.kernels._common import num_sms
-    from sparseengine.kernels.skinny_linear import engine_tiles, skinny_linear_triton
-    from sparseengine.kernels.streamk_linear import MAX_PROGRAMS, streamk_linear_triton
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    dev = torch.device("cuda")
-    flags = torch.zeros(MAX_PROGRAMS, dtype=torch.int32, device=dev)
-    for name, (N, K) in SHAPES.items():
-        copies = max(2, -(-min_bytes // (2 * N * K)))
-        weights = [torch.randn(N, K, generator=gen, device="cuda", dtype=BF16) / K ** 0.5 for _ in range(copies)]
-        for M in rows:
-            x = torch.randn(M, K, generator=gen, device="cuda", dtype=BF16)
-            want = skinny_linear_triton(x, weights[0], **engine_tiles(N, BF16, dev))
-            variants = [("skinny", {}, lambda a, w: skinny_linear_triton(a, w, **engine_tiles(N, BF16, dev)))]
-            variants += [("streamk", kw, lambda a, w, kw=kw: streamk_linear_triton(
-                a, w, block_n=kw["block_n"], num_stages=kw["num_stages"], programs=kw["per_sm"] * num_sms(dev),
-                flags=flags, tma=True)) for kw in STREAMK_CONFIGS]
-            for impl, kw, fn in variants:
-                base = {"kind": "streamk_linear", "layer": name, "n": N, "k": K, "rows": M, "impl": impl, **kw}
-                try:
-                    y = fn(x, weights[0])
-                    us = per_launch_us(_cycling(fn, weights, x), launches=2 * copies)
-                except Exception as e:  # a configuration that does not compile is a result too
-                    emit(out_path, {**base, "error": f"{type(e).__name__}: {e}"[:300]})
-                    continue
-                emit(out_path, {**base, "us_per_launch": us, "weight_gbps": 2 * N * K / us / 1e3,
-                                "max_abs_diff_vs_skinny": (y.float() - want.float()).abs().max().item(),
-                                "flags_zero": not flags.any().item()})
-        del weights
-        torch.cuda.empty_cache()
-
-
 def engine_variants(n: int) -> list[dict]:
     """The model's launch of an N-feature layer (`engine_tiles`), its weight tiles through
     TMA or not."""

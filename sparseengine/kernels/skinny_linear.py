@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _common
-from ._common import cdiv, check_launch, dot_precision, int_arg, interpreting, lazy_jit, shared_helper
+from ._common import cdiv, check_launch, dot_precision, int_arg, interpreting, lazy_jit
 from .fused_ops import rms_norm_ref
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
@@ -158,9 +158,8 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return y.reshape(*lead, N)
 
 
-@shared_helper
 def _tile_dot(w, x, acc, INTERPRET: tl.constexpr, DOT_PREC: tl.constexpr):
-    """acc + w @ x.T in float32 (`streamk_linear` calls it too)."""
+    """acc + w @ x.T in float32."""
     if INTERPRET:  # the interpreter's bf16 tl.dot is wrong; float32 products of bf16 are exact
         w, x = w.to(tl.float32), x.to(tl.float32)
     return tl.dot(w, tl.trans(x), acc, input_precision=DOT_PREC)

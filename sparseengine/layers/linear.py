@@ -12,8 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparseengine.kernels import skinny_linear, streamk_linear
-from sparseengine.kernels._common import ArrivalCounters
+from sparseengine.kernels import skinny_linear
 
 
 class Linear(nn.Linear):
@@ -21,13 +20,6 @@ class Linear(nn.Linear):
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """`norm`: an RMSNorm of unit weight (`eps`) applied to x first; `residual`: added to the result."""
         if skinny_linear.streams(x):
-            launch = streamk_linear.engine_launch(x, self.weight)
-            if launch is not None:
-                if not hasattr(self, "_flags"):
-                    self._flags = ArrivalCounters(streamk_linear.MAX_PROGRAMS)
-                return streamk_linear.streamk_linear_triton(
-                    x, self.weight, self.bias, rms_eps=None if norm is None else norm.eps, residual=residual,
-                    flags=self._flags.on(x.device), tma=skinny_linear.TMA_LOADS, **launch)
             return skinny_linear.skinny_linear_triton(
                 x, self.weight, self.bias, rms_eps=None if norm is None else norm.eps, residual=residual,
                 **skinny_linear.engine_tiles(self.out_features, x.dtype, x.device))
