@@ -18,7 +18,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from experiments import provenance
+from experiments import deltakv_checkpoint, provenance
 from experiments.loggers.base import Logger
 from experiments.records import Record, read_records
 from experiments.tasks.base import TaskEnv
@@ -122,6 +122,8 @@ def run_job(cfg: DictConfig) -> float | None:
             loggers.append(instantiate(logger_cfg))
             loggers[-1].start(record)
         engine = resolve_engine(cfg)
+        if deltakv_checkpoint.wanted(engine):  # deltakv_checkpoint=auto: the cached fit (made first if missing)
+            engine = deltakv_checkpoint.resolve(engine, cfg.deltakv_cache_dir, cfg.deltakv_auto_tokens)
         from sparseengine import Config
 
         record.engine = Config.from_kwargs(**engine).to_dict()
