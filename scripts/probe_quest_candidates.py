@@ -136,6 +136,18 @@ class HintStats:
         return out
 
 
+def generate_hooked(llm, hook, args) -> None:
+    """The probe's batch (``args.batch`` prompts of ``args.prompt_len``) for ``args.steps``
+    decode steps, with ``hook`` called in place of the Triton page choice (restored after)."""
+    orig = kernels.quest_select_pages_triton
+    kernels.quest_select_pages_triton = hook
+    try:
+        llm.generate(prompts_of([args.prompt_len] * args.batch),
+                     SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True), prefill="synthesized")
+    finally:
+        kernels.quest_select_pages_triton = orig
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=6)
@@ -158,13 +170,7 @@ def main() -> None:
                 stats(scores, kv_lens, page_size, sink, recent, budget)
                 return orig(scores, kv_lens, page_size, sink, recent, budget, **kw)
 
-            kernels.quest_select_pages_triton = hint_hook
-            try:
-                llm.generate(prompts_of([args.prompt_len] * args.batch),
-                             SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True),
-                             prefill="synthesized")
-            finally:
-                kernels.quest_select_pages_triton = orig
+            generate_hooked(llm, hint_hook, args)
         for row in stats.rows():
             row.update(device=torch.cuda.get_device_name(), commit=os.environ.get("SPARSEENGINE_GIT_COMMIT", "unknown"),
                        batch=args.batch, steps=args.steps)
@@ -185,13 +191,7 @@ def main() -> None:
             for b in [int(x) for x in before.split(",") if x and before != "none"]:
                 llm.generate(prompts_of([args.prompt_len] * b, salt=11),
                              SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), prefill="synthesized")
-            kernels.quest_select_pages_triton = hook
-            try:
-                llm.generate(prompts_of([args.prompt_len] * args.batch),
-                             SamplingParams(temperature=0, max_tokens=args.steps, ignore_eos=True),
-                             prefill="synthesized")
-            finally:
-                kernels.quest_select_pages_triton = orig
+            generate_hooked(llm, hook, args)
         for lb, c in counts.items():
             c = sorted(c)
             print(json.dumps({"kind": "quest_candidates", "before": before, "l_bits": lb, "cap": cap[0],
