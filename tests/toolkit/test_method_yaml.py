@@ -39,5 +39,5 @@ def test_yaml_knobs_are_registry_defaults(group, kind, path) -> None:
         if isinstance(value, str) and value.startswith("${") and value.endswith("}"):
             value = top[value[2:-1]]  # a top-level option a sweep sets once (e.g. deltakv_checkpoint)
             if key == "deltakv_checkpoint_path" and value == AUTO:
-                continue  # the toolkit's default, replaced before the engine sees it (experiments/deltakv_checkpoint.py)
+                continue  # the toolkit's default, replaced before the engine sees it (deltakv_checkpoint.py)
         assert value == defaults[key], f"{path.name}: {key}={value!r}, the registry default is {defaults[key]!r}"
