@@ -5,7 +5,7 @@ deltakv_calibrate``). With ``auto`` (the toolkit's default) a job fits one the f
 needs it, on the offline corpus (the module docstrings of Python's standard library,
 `experiments.corpus`; seeded random token ids for a model without a tokenizer, such as the
 dummy-weight benchmark shapes), and keeps it in ``deltakv_cache_dir`` under a name made of
-everything the fit depends on (model, weights, dtype, latent dim, center ratio,
+everything the fit depends on (model, weights, device type, dtype, latent dim, center ratio,
 neighbours, corpus and its token count), so later jobs and sweeps reuse it. Jobs running
 at once wait on a lock file for the one that fits it. The job's record names the file it
 used (``engine.deltakv_checkpoint_path``), and the file's metadata says what it was fitted
@@ -39,8 +39,14 @@ def resolve(engine: dict[str, Any], cache_dir: str | Path, tokens: int = 8192) -
         return engine
     if int(tokens) < 1:
         raise ValueError(f"deltakv_auto_tokens must be a positive number of tokens, got {tokens!r}")
+    device = str(engine.get("device", "auto"))
+    if device == "auto":  # the engine's own rule, so that a CPU fit and a GPU fit keep apart
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     knobs = {"model": str(engine.get("model")), "load_format": str(engine.get("load_format", "auto")),
-             "dtype": str(engine.get("dtype", "auto")), "latent_dim": int(engine.get("deltakv_latent_dim", 256)),
+             "device": device.split(":")[0], "dtype": str(engine.get("dtype", "auto")),
+             "latent_dim": int(engine.get("deltakv_latent_dim", 256)),
              "center_ratio": float(engine.get("deltakv_center_ratio", 0.1)),
              "neighbors": int(engine.get("deltakv_neighbors", 4)), "tokens": int(tokens)}
     path = Path(cache_dir) / f"{_name(knobs)}.safetensors"
@@ -49,14 +55,14 @@ def resolve(engine: dict[str, Any], cache_dir: str | Path, tokens: int = 8192) -
         with open(path.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # another job may be fitting it: wait, then find it there
             if not path.exists():
-                _fit(knobs, str(engine.get("device", "auto")), path)
+                _fit(knobs, device, path)
     return {**engine, "deltakv_checkpoint_path": str(path)}
 
 
 def _name(knobs: dict[str, Any]) -> str:
     model = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(knobs["model"]).name or knobs["model"])
     digest = hashlib.sha1(repr(sorted(knobs.items())).encode()).hexdigest()[:10]
-    return (f"deltakv_{model}_{knobs['load_format']}_{knobs['dtype']}_r{knobs['latent_dim']}_"
+    return (f"deltakv_{model}_{knobs['load_format']}_{knobs['device']}_{knobs['dtype']}_r{knobs['latent_dim']}_"
             f"c{knobs['center_ratio']:g}_n{knobs['neighbors']}_{knobs['tokens']}tok_{digest}")
 
 
