@@ -39,13 +39,11 @@ def resolve(engine: dict[str, Any], cache_dir: str | Path, tokens: int = 8192) -
         return engine
     if int(tokens) < 1:
         raise ValueError(f"deltakv_auto_tokens must be a positive number of tokens, got {tokens!r}")
-    device = str(engine.get("device", "auto"))
-    if device == "auto":  # the engine's own rule, so that a CPU fit and a GPU fit keep apart
-        import torch
+    from sparseengine.config import resolve_device
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(str(engine.get("device", "auto"))).type  # a CPU fit and a GPU fit keep apart
     knobs = {"model": str(engine.get("model")), "load_format": str(engine.get("load_format", "auto")),
-             "device": device.split(":")[0], "dtype": str(engine.get("dtype", "auto")),
+             "device": device, "dtype": str(engine.get("dtype", "auto")),
              "latent_dim": int(engine.get("deltakv_latent_dim", 256)),
              "center_ratio": float(engine.get("deltakv_center_ratio", 0.1)),
              "neighbors": int(engine.get("deltakv_neighbors", 4)), "tokens": int(tokens)}
@@ -55,7 +53,7 @@ def resolve(engine: dict[str, Any], cache_dir: str | Path, tokens: int = 8192) -
         with open(path.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # another job may be fitting it: wait, then find it there
             if not path.exists():
-                _fit(knobs, device, path)
+                _fit(knobs, path)
     return {**engine, "deltakv_checkpoint_path": str(path)}
 
 
@@ -66,27 +64,21 @@ def _name(knobs: dict[str, Any]) -> str:
             f"c{knobs['center_ratio']:g}_n{knobs['neighbors']}_{knobs['tokens']}tok_{digest}")
 
 
-def _fit(knobs: dict[str, Any], device: str, path: Path) -> None:
+def _fit(knobs: dict[str, Any], path: Path) -> None:
     """Fit on the corpus and write ``path`` (through a temporary file, so a reader never sees
     half of one)."""
-    import torch
-
-    from sparseengine.methods.deltakv_calibrate import calibrate
+    from sparseengine.methods.deltakv_calibrate import calibrate, random_tokens
     from sparseengine.models.loader import resolve as resolve_model
 
-    source = resolve_model(knobs["model"], knobs["load_format"])
-    if knobs["load_format"] == "dummy" or source.folder is None:  # random weights: their own KV of random ids
-        vocab = source.model_config.vocab_size
-        gen = torch.Generator().manual_seed(0)
-        corpus = dict(token_ids=torch.randint(3, vocab, (knobs["tokens"],), generator=gen).tolist(),
-                      sources=f"random token ids (seed 0, vocab {vocab})")
+    if knobs["load_format"] == "dummy" or resolve_model(knobs["model"], knobs["load_format"]).folder is None:
+        corpus = random_tokens(knobs["model"], knobs["load_format"], knobs["tokens"])  # random weights, no tokenizer
     else:
         corpus = dict(text=stdlib_docstrings(CORPUS_CHARS_PER_TOKEN * knobs["tokens"]), sources=STDLIB_CORPUS)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         calibrate(knobs["model"], out=tmp, latent_dim=knobs["latent_dim"], center_ratio=knobs["center_ratio"],
                   neighbors=knobs["neighbors"], max_tokens=knobs["tokens"], load_format=knobs["load_format"],
-                  dtype=knobs["dtype"], device=device, progress=False, **corpus)
+                  dtype=knobs["dtype"], device=knobs["device"], progress=False, **corpus)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -17,6 +17,16 @@ class ConfigError(ValueError):
     """A configuration value or name is invalid. The message names it and the valid ones."""
 
 
+def resolve_device(device: str):
+    """The torch device an engine of ``device`` (a Config value) runs on: ``auto`` is CUDA
+    when available, else the CPU."""
+    import torch
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
 def suggest(name: str, valid: list[str]) -> str:
     close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
     return f" Did you mean {close[0]!r}?" if close else ""

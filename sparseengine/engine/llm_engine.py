@@ -9,7 +9,7 @@ from typing import Any, Sequence as Seq
 import torch
 
 from sparseengine.attention.provider import make_provider
-from sparseengine.config import Config, ConfigError
+from sparseengine.config import Config, ConfigError, resolve_device
 from sparseengine.engine.cache_manager import CacheManager
 from sparseengine.engine.cuda_graphs import DecodeGraphs, table_pages
 from sparseengine.engine.inflight import NEEDS_TOKENS, PLACEHOLDER, Inflight
@@ -33,8 +33,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class LLM:
     def __init__(self, model: str = loader.EMBEDDED_MODEL, **kwargs: Any) -> None:
         self.config = cfg = Config.from_kwargs(model=model, **kwargs)
-        self.device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available()
-                                   else ("cpu" if cfg.device == "auto" else cfg.device))
+        self.device = resolve_device(cfg.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device='cuda' but no CUDA device is available")
         self.dtype = _DTYPES.get(cfg.dtype) or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)

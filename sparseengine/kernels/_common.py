@@ -202,6 +202,22 @@ class ArrivalCounters:
         return self._by_device[device]
 
 
+def check_counters(counters, at_least: int, device: torch.device, what: str) -> None:
+    """A ValueError unless caller-given arrival `counters` are a contiguous int32 vector of
+    at least `at_least` entries on `device` (`what`: how the message names that count)."""
+    if (not isinstance(counters, torch.Tensor) or counters.dtype != torch.int32 or counters.dim() != 1
+            or counters.numel() < at_least or counters.stride(0) != 1 or counters.device != device):
+        raise ValueError(f"counters must be a contiguous int32 vector of at least {what} on {device}, got "
+                         f"{describe(counters)}")
+
+
+def describe(t) -> str:
+    """A value for an error message: a tensor's shape, dtype and device, else its type."""
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return f"{tuple(t.shape)} {t.dtype} on {t.device}"
+
+
 _shared_counters: dict[str, ArrivalCounters] = {}
 
 

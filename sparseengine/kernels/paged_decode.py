@@ -157,13 +157,8 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
     meta = balanced_plan.plan_buffer(plan_out, rows, device) if balanced else balanced_plan.no_plan(plan_out, kv_lens)
     out = _common.empty((B, Hq, d), q.dtype, device)
     lse = _common.empty((B, Hq), torch.float32, device) if return_lse else part_lse
-    if counters is not None and (not isinstance(counters, torch.Tensor) or counters.dtype != torch.int32
-                                 or counters.dim() != 1 or counters.numel() < rows or counters.stride(0) != 1
-                                 or counters.device != device):
-        got = (f"{tuple(counters.shape)} {counters.dtype} on {counters.device}" if isinstance(counters, torch.Tensor)
-               else type(counters).__name__)
-        raise ValueError(f"counters must be a contiguous int32 vector of at least B * Hkv = {rows} on {device}, "
-                         f"got {got}")
+    if counters is not None:
+        _common.check_counters(counters, rows, device, f"B * Hkv = {rows}")
     if combine != _LAST_MERGES:
         counters = kv_lens  # unread
     elif counters is None:

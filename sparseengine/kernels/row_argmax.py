@@ -43,7 +43,7 @@ def row_argmax_triton(x: torch.Tensor, *, block: int = 4096, num_warps: int = 4,
     `counters`: the per-row arrival counters to use (int32 zeros on x's device, at least B),
     default the device's shared buffer."""
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
-        raise ValueError(f"x must be a floating [B, V] tensor, got {_describe(x)}")
+        raise ValueError(f"x must be a floating [B, V] tensor, got {_common.describe(x)}")
     B, V = x.shape
     if V == 0:
         raise ValueError("x must have at least one column (argmax of an empty row)")
@@ -54,10 +54,8 @@ def row_argmax_triton(x: torch.Tensor, *, block: int = 4096, num_warps: int = 4,
     device = check_launch(x)
     if counters is None:
         counters = _common.zeroed_counters("row_argmax", MAX_ROWS, device)
-    elif (not isinstance(counters, torch.Tensor) or counters.dtype != torch.int32 or counters.dim() != 1
-          or counters.numel() < B or counters.device != device or counters.stride(0) != 1):
-        raise ValueError(f"counters must be a contiguous int32 vector of at least {B} on {device}, got "
-                         f"{_describe(counters)}")
+    else:
+        _common.check_counters(counters, B, device, str(B))
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty((B,), dtype=torch.int64, device=device)
@@ -73,12 +71,6 @@ def row_argmax_triton(x: torch.Tensor, *, block: int = 4096, num_warps: int = 4,
         x.stride(0), chunks,
         BLOCK=block, BLOCK_C=max(16, next_pow2(chunks)), num_warps=num_warps)
     return out
-
-
-def _describe(t) -> str:
-    if not isinstance(t, torch.Tensor):
-        return type(t).__name__
-    return f"{tuple(t.shape)} {t.dtype} on {t.device}"
 
 
 def _first_max(val, idx, nan, ok):

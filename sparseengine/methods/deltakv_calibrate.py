@@ -143,6 +143,17 @@ def calibrate(model: str, *, text: str | None = None, token_ids: list[int] | Non
     return CalibrationResult(out, layers, meta, meta["tokens"], rows, kept, time.perf_counter() - t0)
 
 
+def random_tokens(model: str, load_format: str, n: int, seed: int = 0) -> dict:
+    """``calibrate``'s source for a model whose KV no text makes more real (dummy weights):
+    ``n`` seeded random token ids over its vocabulary (ids from 3, past the usual specials)."""
+    from sparseengine.models.loader import resolve
+
+    vocab = resolve(model, load_format).model_config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    return dict(token_ids=torch.randint(3, vocab, (n,), generator=gen).tolist(),
+                sources=f"random token ids (seed {seed}, vocab {vocab})")
+
+
 def main(argv: list[str] | None = None) -> CalibrationResult:
     ap = argparse.ArgumentParser(description="Fit DeltaKV Down/Up on a model's own KV and write the checkpoint "
                                              "(deltakv_checkpoint_path).")
@@ -171,12 +182,7 @@ def main(argv: list[str] | None = None) -> CalibrationResult:
     else:
         if args.random_tokens < 1:
             ap.error(f"--random-tokens must be positive, got {args.random_tokens}")
-        from sparseengine.models.loader import resolve
-
-        vocab = resolve(args.model, args.load_format).model_config.vocab_size
-        gen = torch.Generator().manual_seed(args.seed)
-        ids = torch.randint(3, vocab, (args.random_tokens,), generator=gen).tolist()
-        source = dict(token_ids=ids, sources=f"random token ids (seed {args.seed}, vocab {vocab})")
+        source = random_tokens(args.model, args.load_format, args.random_tokens, args.seed)
     result = calibrate(args.model, out=args.out, latent_dim=args.latent_dim, center_ratio=args.center_ratio,
                        neighbors=args.neighbors, sink_tokens=args.sink_tokens, max_tokens=args.max_tokens or None,
                        segment_tokens=args.segment_tokens, device=args.device, dtype=args.dtype,
