@@ -28,8 +28,9 @@ CORPUS_CHARS_PER_TOKEN = 6  # characters of docstrings taken per token wanted (E
 
 
 def wanted(engine: dict[str, Any]) -> bool:
-    """Whether ``engine`` (LLM keywords) asks for the automatic checkpoint."""
-    return engine.get("sparse_method") == "deltakv" and engine.get("deltakv_checkpoint_path") == AUTO
+    """Whether ``engine`` (LLM keywords) asks for the automatic checkpoint: its knob (which only
+    DeltaKV's YAML sets, conf/sparse_method/deltakv.yaml) is ``auto``."""
+    return engine.get("deltakv_checkpoint_path") == AUTO
 
 
 def resolve(engine: dict[str, Any], cache_dir: str | Path, tokens: int = 8192) -> dict[str, Any]:

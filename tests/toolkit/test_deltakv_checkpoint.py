@@ -50,7 +50,8 @@ def test_a_model_with_a_tokenizer_fits_on_the_stdlib_corpus(tmp_path) -> None:
 
 
 def test_other_engines_and_given_paths_pass_through(tmp_path) -> None:
-    for engine in ({**TINY, "sparse_method": "quest"}, {**TINY, "deltakv_checkpoint_path": "/some/file.safetensors"},
+    quest = {k: v for k, v in TINY.items() if not k.startswith("deltakv")} | {"sparse_method": "quest"}
+    for engine in (quest, {**TINY, "deltakv_checkpoint_path": "/some/file.safetensors"},
                    {**TINY, "deltakv_checkpoint_path": ""}):
         assert deltakv_checkpoint.resolve(dict(engine), tmp_path) == engine
     assert not any(tmp_path.iterdir())
