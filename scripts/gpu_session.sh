@@ -2,6 +2,7 @@
 # GPU runs, one device call per phase; every output lands in $OUT (or ./gpu_out).
 #   bash scripts/gpu_session.sh check        # GPU tests, kernels (+FlashInfer side by side), TTFT, profiles
 #   bash scripts/gpu_session.sh profiles     # GPU tests (no FlashInfer), per-kernel decode profiles (vanilla b1, quest b6, omnikv b6, snapkv b183, h2o b128, deltakv b1 and b6), DeltaKV's flush times
+#   bash scripts/gpu_session.sh deltakv      # DeltaKV's GPU tests, its rebuild a launch per layer against one per request
 #   bash scripts/gpu_session.sh ab           # GPU tests, then each decode-step switch (AB_CONSTS) on/off in alternating profiles
 #   bash scripts/gpu_session.sh pick         # GPU tests (kernels, methods), OmniKV's pick side by side, OmniKV b6 profile
 #   bash scripts/gpu_session.sh balanced     # split-K decode tests (all, compiled), the balanced plan beside the per-row one
@@ -22,7 +23,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 WANDB_MODE=offline
 # The device copy's .git can name an older commit: pass COMMIT=<sha> DIRTY=0|1 so records carry provenance.
 COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export SPARSEENGINE_GIT_COMMIT=$COMMIT SPARSEENGINE_GIT_DIRTY=${DIRTY:-}
-phase=${1:?phase: check, profiles, ab, pick, balanced, ragged, throughput or accuracy}; shift
+phase=${1:?phase: check, profiles, deltakv, ab, pick, balanced, ragged, throughput or accuracy}; shift
 FI_WHEELS=.whl/flashinfer; [ -d .whl/flashinfer_trim ] && FI_WHEELS=.whl/flashinfer_trim
 export FI_WHEELS
 
@@ -80,6 +81,19 @@ profiles)
   for b in 1 6; do  # DeltaKV's eager history flushes (outside the graphs the profiles time)
     timeout 120 python scripts/time_deltakv_flush.py --batch $b --commit "$COMMIT" \
       --engine-arg deltakv_checkpoint_path=$dk --out "$OUT/flush_deltakv_b$b.json" 2>&1 | tail -1
+  done
+  ;;
+deltakv)  # DeltaKV's rebuild: its GPU tests, one launch per layer beside a launch per request (kernel, then b=6 step)
+  timeout 240 python -m pytest tests/kernels/test_deltakv_rebuild.py tests/methods/test_graph_vs_eager_gpu.py -q -m gpu \
+    -k "deltakv or rebuild" -p no:cacheprovider -rs 2>&1 | tail -6 | tee "$OUT/gpu_tests.log"
+  timeout 120 python -m sparseengine.kernels.bench_gpu --deltakv-rebuild-batched \
+    --out "$OUT/deltakv_rebuild_batched.jsonl" 2>&1 | tail -10
+  deltakv_checkpoint
+  for spec in "True 1" "False 1" "True 2" "False 2"; do
+    set -- $spec; one=$1
+    timeout 150 python scripts/profile_decode_step.py --method deltakv --batch 6 --steps 8 --graph-only \
+      --commit "$COMMIT" --engine-arg deltakv_checkpoint_path=$dk --kernel-const deltakv_rebuild.ONE_LAUNCH_PER_LAYER=$one \
+      --out "$OUT/profile_deltakv_b6_one${one}_$2.json" 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -3
   done
   ;;
 ab)

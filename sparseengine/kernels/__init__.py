@@ -8,7 +8,8 @@ from .attention_colsum import (decode_colsum_ref, decode_colsum_triton, prefill_
 from . import block_sparse_paged_prefill
 from .block_sparse_paged_prefill import block_sparse_paged_prefill_ref, block_sparse_paged_prefill_triton
 from .block_sparse_prefill import block_sparse_prefill_ref, block_sparse_prefill_triton
-from .deltakv_rebuild import deltakv_rebuild_ref, deltakv_rebuild_triton
+from .deltakv_rebuild import (codec_addresses, deltakv_rebuild_batched_ref, deltakv_rebuild_batched_triton,
+                              deltakv_rebuild_ref, deltakv_rebuild_triton)
 from .fused_ops import (add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton, rotary_kv_write_triton,
                         rotary_qk_ref, rotary_qk_triton, silu_mul_ref, silu_mul_triton)
 from .h2o_scores import (h2o_scores_accumulate_ref, h2o_scores_accumulate_triton, h2o_victim_ref,
@@ -39,6 +40,9 @@ __all__ = [
     "decode_colsum_triton",
     "decode_max_logits_ref",
     "decode_max_logits_triton",
+    "codec_addresses",
+    "deltakv_rebuild_batched_ref",
+    "deltakv_rebuild_batched_triton",
     "deltakv_rebuild_ref",
     "deltakv_rebuild_triton",
     "h2o_scores_accumulate_ref",

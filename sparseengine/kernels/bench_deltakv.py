@@ -53,3 +53,53 @@ def bench_deltakv_rebuild(out_path, n=131072, sink=64, budget=1472, recent=512, 
         paged_kv_write_triton(codec.rotate_keys(k, tokens, inv_freq), v, k_cache, v_cache, slots)
 
     emit(out_path, {"kind": "deltakv_rebuild", "path": "torch", **shape, "us_per_launch": per_launch_us(torch_path)})
+
+
+def bench_deltakv_rebuild_batched(out_path, batch=6, n=131072, sink=64, budget=1472, recent=512, rank=256):
+    """The engine's batched step: ``batch`` requests' layer rebuilt as a launch per request
+    (the engine's path before) beside one launch for all (``deltakv_rebuild_batched_triton``,
+    its tile and warps), each request with its own codec, entries and scratch slots."""
+    from sparseengine.kernels import deltakv_rebuild_batched_ref, deltakv_rebuild_batched_triton, deltakv_rebuild_triton
+    from sparseengine.methods.deltakv_store import CodecStore
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    hist, width = n - sink - recent, sink + budget + recent
+    encs, tokens, slots = [], [], []
+    pages_per_row = (width + PS - 1) // PS
+    for b in range(batch):
+        store = CodecStore(hist, 10, 4, 4, 2 * HKV * D, rank, BF16, "cuda")
+        store.write_random(hist, gen)
+        encs.append(store.full())
+        tokens.append(torch.sort(torch.randperm(hist, generator=gen, device="cuda")[:width] + sink).values)
+        slot = b * pages_per_row * PS + torch.arange(width, device="cuda")
+        slots.append(torch.where((slot % (pages_per_row * PS) >= sink) & (slot % (pages_per_row * PS) < sink + budget),
+                                 slot, -1))
+    tokens, slots = torch.stack(tokens), torch.stack(slots)
+    up16 = torch.linalg.qr(torch.randn(2 * HKV * D, rank, generator=gen, device="cuda"))[0].T.contiguous().half()
+    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, D, 2, device="cuda").float() / D)
+    k_cache = torch.zeros(batch * pages_per_row, PS, HKV, D, dtype=BF16, device="cuda")
+    v_cache = torch.zeros_like(k_cache)
+    want = k_cache.clone(), v_cache.clone()
+    deltakv_rebuild_batched_ref(encs, up16.float(), inv_freq, tokens, slots, *want, sink)
+    shape = {"batch": batch, "history": hist, "entries": width, "rebuilt": budget, "hkv": HKV, "head_dim": D,
+             "rank": rank, "latent_bits": 4, "neighbors": 4}
+
+    def err():
+        return max((a.float() - b.float()).abs().max().item() for a, b in zip((k_cache, v_cache), want))
+
+    def per_request():
+        for b in range(batch):
+            deltakv_rebuild_triton(encs[b], up16, inv_freq, tokens[b], slots[b], k_cache, v_cache, sink)
+
+    per_request()
+    emit(out_path, {"kind": "deltakv_rebuild_batched", "path": "launch per request", **shape,
+                    "us_per_layer": per_launch_us(per_request), "max_abs_diff_vs_ref": err()})
+    addresses = torch.tensor([[getattr(e, f).data_ptr() for f in ("centers", "neighbors", "latents", "scales", "zeros")]
+                              for e in encs], dtype=torch.int64, device="cuda")
+    for block_m, warps in ((16, 4), (32, 4), (64, 4), (16, 2), (32, 8), (64, 8)):
+        k_cache.zero_(), v_cache.zero_()
+        fn = lambda: deltakv_rebuild_batched_triton(encs, up16, inv_freq, tokens, slots, k_cache, v_cache,  # noqa: E731
+                                                    sink, addresses=addresses, block_m=block_m, num_warps=warps)
+        fn()
+        emit(out_path, {"kind": "deltakv_rebuild_batched", "path": "one launch", "block_m": block_m,
+                        "num_warps": warps, **shape, "us_per_layer": per_launch_us(fn), "max_abs_diff_vs_ref": err()})

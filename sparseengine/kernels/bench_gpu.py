@@ -339,6 +339,8 @@ PARTS = {
                                  "bench_splits", ("bench_ragged_flashinfer",)),
     "deltakv-rebuild": ("DeltaKV's fused rebuild (tiles, warps) beside its torch path", "bench_deltakv",
                         ("bench_deltakv_rebuild",)),
+    "deltakv-rebuild-batched": ("DeltaKV's rebuild of a batch's layer: a launch per request against one launch",
+                                "bench_deltakv", ("bench_deltakv_rebuild_batched",)),
     "quest-select": ("Quest's page selection, page score and sparse-page attention variants side by side",
                      "bench_quest", ("bench_quest_select", "bench_quest_scores", "bench_quest_attention")),
     "quest-attention-widths": ("Quest's sparse-page attention at 1 to 512 chosen pages: its fixed and per-byte time",

@@ -18,6 +18,13 @@ caches at `slot = page * page_size + offset`, cast to the cache dtype. Entries w
 `slots[i] < 0` are skipped and read nothing. Nothing is returned; nothing waits on the
 device (the caller keeps every written entry's position inside the codec).
 
+`deltakv_rebuild_batched_triton` does the same for a batch of requests in one launch:
+`tokens`, `slots` `[B, K]`, row b rebuilt from request b's codec, whose buffers it finds
+through `addresses [B, 5]` (int64 device addresses of centers, neighbours, latents, scales,
+zeros: `codec_addresses`), so a captured step reads whatever codec each row's table names.
+All rows share the dtypes, rank and stride. A row with nothing to rebuild (slots all -1)
+may name address 0.
+
 Triton: one program per (tile of BLOCK_M entries, KV head, K or V); the d/2 halves are two
 float32 accumulators so RoPE is applied in registers. The `z @ up` product runs in `up`'s
 dtype with float32 accumulation: float16 on tensor cores (the latents rounded to float16,
@@ -35,6 +42,11 @@ from ._common import cdiv, check_launch, lazy_jit, next_pow2
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
 
+# DeltaKV's batched decode step rebuilds every request's entries of a layer in one launch of
+# deltakv_rebuild_batched_triton; False: a launch per request (the engine's path before). Read at
+# each step, so a profile can set it (scripts/profile_decode_step.py --kernel-const).
+ONE_LAUNCH_PER_LAYER = True
+
 def deltakv_rebuild_ref(enc, up, inv_freq, tokens, slots, k_cache, v_cache, sink: int) -> None:
     """The codec's own decode (``deltakv_codec.decode_at``, the definition) and RoPE, written
     at the named slots."""
@@ -49,12 +61,26 @@ def deltakv_rebuild_ref(enc, up, inv_freq, tokens, slots, k_cache, v_cache, sink
     v_cache[slot // ps, slot % ps] = v.to(v_cache.dtype)
 
 
-def deltakv_rebuild_triton(enc, up, inv_freq, tokens, slots, k_cache, v_cache, sink: int, *,
-                           block_m: int | None = None, block_r: int | None = None, num_warps: int = 4) -> None:
-    centers, neighbors, latents = enc.centers, enc.neighbors, enc.latents
-    num_pages, ps, hkv, d = k_cache.shape
-    width = 2 * hkv * d
-    r = up.shape[0]
+def deltakv_rebuild_batched_ref(encs, up, inv_freq, tokens, slots, k_cache, v_cache, sink: int) -> None:
+    """Row b of ``tokens``/``slots`` ``[B, K]`` rebuilt from ``encs[b]`` (None: nothing to rebuild)."""
+    for enc, tok, slot in zip(encs, tokens, slots):
+        if enc is not None:
+            deltakv_rebuild_ref(enc, up, inv_freq, tok, slot, k_cache, v_cache, sink)
+
+
+CODEC_FIELDS = ("centers", "neighbors", "latents", "scales", "zeros")
+
+
+def codec_addresses(enc) -> list[int]:
+    """The device addresses ``deltakv_rebuild_batched_triton`` reads a row's codec at."""
+    return [getattr(enc, f).data_ptr() for f in CODEC_FIELDS]
+
+
+def _check(enc, up, inv_freq, k_cache, v_cache) -> tuple[int, int]:
+    """Raise where the codec, ``up`` and the caches do not fit together; ``(bits, group)``."""
+    centers, latents = enc.centers, enc.latents
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    width, r = 2 * hkv * d, up.shape[0]
     if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError(f"k/v caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} must match, head_dim contiguous")
     if d % 2 or up.shape[1] != width or centers.shape[1] != width or inv_freq.numel() != d // 2:
@@ -65,27 +91,79 @@ def deltakv_rebuild_triton(enc, up, inv_freq, tokens, slots, k_cache, v_cache, s
     if latents.shape[1] != (r // 2 if bits == 4 else r) or (bits == 4 and group * enc.scales.shape[1] != r):
         raise ValueError(f"latents {tuple(latents.shape)} ({latents.dtype}) and scales {tuple(enc.scales.shape)} "
                          f"do not match up's rank {r}")
+    if up.dtype not in (torch.float16, torch.float32):
+        raise ValueError(f"up must be float16 (tensor-core product) or float32 (exact product), got {up.dtype}")
+    return bits, group
+
+
+def deltakv_rebuild_triton(enc, up, inv_freq, tokens, slots, k_cache, v_cache, sink: int, *,
+                           block_m: int | None = None, block_r: int | None = None, num_warps: int = 4) -> None:
+    bits, group = _check(enc, up, inv_freq, k_cache, v_cache)
     if tokens.shape != slots.shape or tokens.dim() != 1:
         raise ValueError(f"tokens {tuple(tokens.shape)} and slots {tuple(slots.shape)} must be one same 1-D shape")
-    device = check_launch(tokens, slots, centers, latents, up, inv_freq, k_cache, v_cache)
-    n = tokens.shape[0]
-    if n == 0:
+    check_launch(tokens, slots, enc.centers, enc.latents, up, inv_freq, k_cache, v_cache)
+    if tokens.shape[0] == 0:
         return
+    neighbors, latents = enc.neighbors, enc.latents
     if latents.shape[0] == 0:  # every token a center: the latent side is never read
-        neighbors = centers.new_full((1, max(1, neighbors.shape[1])), -1, dtype=torch.int32)
+        neighbors = enc.centers.new_full((1, max(1, neighbors.shape[1])), -1, dtype=torch.int32)
         latents = latents.new_zeros((1, latents.shape[1]))
     scales = enc.scales if bits == 4 and enc.scales.shape[0] else latents  # unread for 16-bit latents
     zeros = enc.zeros if bits == 4 and enc.zeros.shape[0] else latents
-    if up.dtype not in (torch.float16, torch.float32):
-        raise ValueError(f"up must be float16 (tensor-core product) or float32 (exact product), got {up.dtype}")
+    _launch((enc.centers, neighbors, latents, scales, zeros), tokens, slots, None, 1, up, inv_freq, k_cache, v_cache,
+            sink, enc.stride, bits, group, block_m, block_r, num_warps)
+
+
+def deltakv_rebuild_batched_triton(encs, up, inv_freq, tokens, slots, k_cache, v_cache, sink: int, *,
+                                   addresses: torch.Tensor | None = None, block_m: int | None = None,
+                                   block_r: int | None = None, num_warps: int = 4) -> None:
+    """One launch for ``B`` requests (module docstring). ``encs[b]`` None: row b rebuilds
+    nothing (its slots must be -1). ``addresses`` (``[B, 5]`` int64 on the device,
+    ``codec_addresses`` of each row, any row-stride): where a captured step finds the
+    codecs; computed from ``encs`` when not given."""
+    if tokens.shape != slots.shape or tokens.dim() != 2 or len(encs) != tokens.shape[0]:
+        raise ValueError(f"tokens {tuple(tokens.shape)} and slots {tuple(slots.shape)} must be one same [B, K] "
+                         f"shape with B = {len(encs)} codecs")
+    given = [enc for enc in encs if enc is not None]
+    if not given or tokens.shape[1] == 0:
+        return
+    tokens, slots = tokens.contiguous(), slots.contiguous()  # one row stride for both
+    kinds = {(e.stride, e.centers.dtype, e.neighbors.dtype, e.latents.dtype, e.neighbors.shape[1]) for e in given}
+    if len(kinds) != 1:
+        raise ValueError(f"the rows' codecs differ in (stride, dtypes, neighbours): {sorted(map(str, kinds))}")
+    bits, group = 16, 0
+    for enc in given:
+        bits, group = _check(enc, up, inv_freq, k_cache, v_cache)
+    device = check_launch(tokens, slots, up, inv_freq, k_cache, v_cache, *(e.centers for e in given))
+    if addresses is None:
+        addresses = torch.tensor([codec_addresses(e) if e is not None else [0] * 5 for e in encs],
+                                 dtype=torch.int64, device=device)
+    if addresses.shape != (len(encs), 5) or addresses.dtype != torch.int64 or addresses.stride(1) != 1:
+        raise ValueError(f"addresses must be int64 [{len(encs)}, 5] with unit column stride, got "
+                         f"{tuple(addresses.shape)} {addresses.dtype}")
+    check_launch(addresses, tokens)
+    like = given[0]  # the pointer arguments' dtypes; the kernel reads each row's own addresses
+    scales = like.scales if bits == 4 else like.latents
+    _launch((like.centers, like.neighbors, like.latents, scales, scales), tokens, slots, addresses, tokens.shape[0],
+            up, inv_freq, k_cache, v_cache, sink, like.stride, bits, group, block_m, block_r, num_warps)
+
+
+def _launch(codec_ptrs, tokens, slots, addresses, rows, up, inv_freq, k_cache, v_cache, sink, stride, bits, group,
+            block_m, block_r, num_warps) -> None:
+    centers, neighbors, latents, scales, zeros = codec_ptrs
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    r, n = up.shape[0], tokens.shape[-1]
     block_m = block_m or 16  # 45 us per layer of the 128K benchmark on the H200 (bench_deltakv), 32: 56, 64: 49
     block_r = block_r or max(32, min(64, next_pow2(r)))
-    _rebuild_kernel[(cdiv(n, block_m), hkv, 2)](
+    tiles = cdiv(n, block_m)
+    batched = addresses is not None
+    _rebuild_kernel[(rows * tiles, hkv, 2)](
         tokens, slots, centers, neighbors, latents, scales, zeros, up.contiguous(), inv_freq.contiguous(),
-        k_cache, v_cache, n, r, sink, enc.stride,
+        k_cache, v_cache, addresses if batched else tokens, addresses.stride(0) if batched else 0,
+        tokens.stride(0) if batched else 0, tiles, n, r, sink, stride,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         HKV=hkv, HALF=d // 2, BLOCK_HALF=max(16, next_pow2(d // 2)), NB=neighbors.shape[1], BITS=bits,
-        GROUP=group, PAGE_SIZE=ps, BLOCK_M=block_m, BLOCK_R=block_r,
+        GROUP=group, PAGE_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_R=block_r, BATCHED=batched,
         DOT_PREC="ieee" if up.dtype == torch.float32 else "tf32", num_warps=num_warps,
     )
 
@@ -93,12 +171,26 @@ def deltakv_rebuild_triton(enc, up, inv_freq, tokens, slots, k_cache, v_cache, s
 @lazy_jit
 def _rebuild_kernel(
     tok_ptr, slot_ptr, centers_ptr, nb_ptr, lat_ptr, scale_ptr, zero_ptr, up_ptr, inv_freq_ptr,
-    k_cache_ptr, v_cache_ptr, N, R, sink, stride_codec, stride_cp, stride_co, stride_ch,
+    k_cache_ptr, v_cache_ptr, addr_ptr, stride_addr, stride_row, tiles, N, R, sink, stride_codec,
+    stride_cp, stride_co, stride_ch,
     HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    BATCHED: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    tile = tl.program_id(0)
+    if BATCHED:  # row b's entries, and its codec's buffers from its addresses
+        b = tile // tiles
+        tile -= b * tiles
+        tok_ptr += b * stride_row
+        slot_ptr += b * stride_row
+        addr = addr_ptr + b * stride_addr
+        centers_ptr = tl.load(addr).to(tl.pointer_type(centers_ptr.dtype.element_ty))
+        nb_ptr = tl.load(addr + 1).to(tl.pointer_type(nb_ptr.dtype.element_ty))
+        lat_ptr = tl.load(addr + 2).to(tl.pointer_type(lat_ptr.dtype.element_ty))
+        if BITS == 4:
+            scale_ptr = tl.load(addr + 3).to(tl.pointer_type(scale_ptr.dtype.element_ty))
+            zero_ptr = tl.load(addr + 4).to(tl.pointer_type(zero_ptr.dtype.element_ty))
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     kvh = tl.program_id(1)
     is_v = tl.program_id(2)
     width = HKV * 4 * HALF

@@ -23,8 +23,9 @@ logits, ``ScoreRows(kind="max_logits")``, with no host sync on the way; in mixed
 per request); each sparse layer maps the chosen tokens onto its cache:
 sink and raw-tail tokens are read in place, history tokens are rebuilt
 (``Up(z) + mean of the same centers``, RoPE re-applied at the token's original position)
-into the scratch slots (on a Triton provider by one fused kernel per request and layer,
-``kernels.deltakv_rebuild_triton``, which reads only the history entries), and the Selection
+into the scratch slots (on a Triton provider by one fused kernel per layer for the whole
+batch, ``kernels.deltakv_rebuild_batched_triton``, which reads only the history entries; per
+request in mixed steps), and the Selection
 covers sink + scratch + raw tail picks. The raw tail grows by one token per step; when it
 holds ``FLUSH_TOKENS`` more than ``recent_tokens``, its oldest tokens are appended to the
 history (every sparse layer's encoded at once, ``deltakv_codec.encode_tail_layers``, and
@@ -59,6 +60,7 @@ import torch
 from sparseengine import kernels
 from sparseengine.config import ConfigError
 from sparseengine.engine.step_context import Selection
+from sparseengine.kernels import deltakv_rebuild
 from sparseengine.layers.rotary import rope_inv_freq
 from sparseengine.method_registry import MethodSpec
 from sparseengine.methods import deltakv_codec as codec
@@ -96,6 +98,7 @@ class DeltaKV(SparseMethodRuntime):
         super().__init__(config, model, cache)
         self.filters, self.full, self.sparse = layer_roles(model, str(self.knob("deltakv_full_layers")))
         self.filter_set, self.sparse_set = set(self.filters), set(self.sparse)
+        self.sparse_index = {layer: i for i, layer in enumerate(self.sparse)}
         try:
             self.ratio = float(self.knob("deltakv_center_ratio"))
             self.stride = codec.center_stride(self.ratio)
@@ -131,6 +134,7 @@ class DeltaKV(SparseMethodRuntime):
         self._picked: tuple[torch.Tensor, torch.Tensor] | None = None  # pure decode: (tokens [B, K], counts [B])
         self._mapped: tuple[torch.Tensor, ...] | None = None  # pure decode: _map of the pick
         self._no_history = torch.tensor(-1, dtype=torch.long, device=self.device)  # rows not compressed
+        self._no_codec = torch.zeros(len(self.sparse), 5, dtype=torch.int64, device=self.device)  # their addresses
 
     # ---- engine hooks ---------------------------------------------------------------------
     @classmethod
@@ -156,17 +160,21 @@ class DeltaKV(SparseMethodRuntime):
         hist = n - cfg.sink_tokens - cfg.recent_tokens
         gen = torch.Generator(device=self.device).manual_seed(cfg.seed + seq.seq_id)
         for layer in self.sparse:
-            st.stores[layer] = self._new_store(seq)
+            st.stores[layer] = self._new_store(seq, layer)
             st.stores[layer].write_random(hist, gen)
         self._set_hist_end(st, n - cfg.recent_tokens)
 
-    def _new_store(self, seq) -> CodecStore:
-        """Buffers for the longest history the request can reach."""
-        cfg = self.config
+    def _new_store(self, seq, layer: int) -> CodecStore:
+        """Buffers for the longest history the request can reach; their addresses kept in the
+        layer's row of the request's table (the batched rebuild's)."""
+        cfg, st = self.config, self._state(seq)
         tokens = seq.num_prompt_tokens + seq.sampling_params.max_tokens
         dim = 2 * self.model.num_kv_heads * self.model.head_dim
+        if st.addresses is None:
+            st.addresses = torch.zeros(len(self.sparse), 5, dtype=torch.int64, device=self.device)
         return CodecStore(tokens - cfg.sink_tokens - cfg.recent_tokens, self.stride, self.bits, self.neighbors, dim,
-                          self.latent_dim, self.cache.kv.k.dtype, self.device)
+                          self.latent_dim, self.cache.kv.k.dtype, self.device,
+                          addresses=st.addresses[self.sparse_index[layer]])
 
     @torch.inference_mode()  # made under the runner's inference mode (a synthesised prefill) or not
     def _set_hist_end(self, st: RequestState, end: int) -> None:
@@ -228,7 +236,7 @@ class DeltaKV(SparseMethodRuntime):
         """Mixed steps: one request's chosen tokens (any count) mapped onto the layer's
         cache, its history tokens rebuilt."""
         count = torch.full((1,), chosen.numel(), dtype=torch.long, device=chosen.device)
-        idx, slots, positions = self._map([seq], chosen[None], count, table)
+        idx, slots, positions, _ = self._map([seq], chosen[None], count, table)
         if self._state(seq).compressed:
             self._rebuild_into(seq, layer, positions[0], slots[0], ctx)
         return idx[0]
@@ -253,22 +261,43 @@ class DeltaKV(SparseMethodRuntime):
         tokens, counts = self._picked
         if self._mapped is None:
             self._mapped = self._map(ctx.seqs, tokens, counts, ctx.views[layer].page_table)
-        idx, slots, positions = self._mapped
-        for b, seq in enumerate(ctx.seqs):  # None: a captured graph's padding row
-            if seq is not None and self._state(seq).compressed:
-                self._rebuild_into(seq, layer, positions[b], slots[b], ctx)
+        idx, slots, positions, addresses = self._mapped
+        self._rebuild_rows(layer, positions, slots, addresses, ctx)
         B, width, hkv = tokens.shape[0], tokens.shape[1], self.model.num_kv_heads
         return Selection(idx[:, None, :].expand(B, hkv, width), counts[:, None].expand(B, hkv).contiguous(),
                          dense=(False,) * B)
 
     def _map(self, seqs, tokens: torch.Tensor, counts: torch.Tensor, table: torch.Tensor):
         """``deltakv_layout.map_chosen`` of these requests' chosen tokens (rows of requests
-        not compressed, or None, map to themselves)."""
+        not compressed, or None, map to themselves), and the rows' codec addresses
+        ``[B, sparse layers, 5]`` (zero where a row has no codec)."""
         states = [None if s is None else self._state(s) for s in seqs]
-        ends = [st.hist_end_t if st is not None and st.compressed else self._no_history for st in states]
+        held = [st is not None and st.compressed for st in states]
+        ends = [st.hist_end_t if ok else self._no_history for st, ok in zip(states, held)]
         hist_end = torch.stack(ends)[:, None]  # [B, 1]: the flushes move it on the device
-        return map_chosen(tokens, counts, hist_end, table, self.config.sink_tokens, self.config.budget,
-                          self.cache.page_size)
+        addresses = torch.stack([st.addresses if ok else self._no_codec for st, ok in zip(states, held)])
+        return (*map_chosen(tokens, counts, hist_end, table, self.config.sink_tokens, self.config.budget,
+                            self.cache.page_size), addresses)
+
+    def _rebuild_rows(self, layer: int, positions: torch.Tensor, slots: torch.Tensor, addresses: torch.Tensor,
+                      ctx) -> None:
+        """Pure decode: every compressed row's history entries of this layer rebuilt, on a
+        Triton provider in one launch (``kernels.deltakv_rebuild_batched_triton``) unless the
+        rows' codecs differ in index dtype (a history past 32767 centers beside a shorter one)."""
+        seqs = ctx.seqs  # None: a captured graph's padding row
+        rows = [b for b, seq in enumerate(seqs) if seq is not None and self._state(seq).compressed]
+        encs = [None] * len(seqs)
+        for b in rows:
+            encs[b] = self._state(seqs[b]).stores[layer].full()
+        one_launch = ctx.provider.triton_kernels and deltakv_rebuild.ONE_LAUNCH_PER_LAYER
+        if rows and one_launch and len({encs[b].neighbors.dtype for b in rows}) == 1:
+            k_cache, v_cache = ctx.kv_cache.layer(layer)
+            kernels.deltakv_rebuild_batched_triton(encs, self.up_dot[layer], self.inv_freq, positions, slots, k_cache,
+                                                   v_cache, self.config.sink_tokens,
+                                                   addresses=addresses[:, self.sparse_index[layer]])
+            return
+        for b in rows:
+            self._rebuild_into(seqs[b], layer, positions[b], slots[b], ctx)
 
     def _rebuild_into(self, seq, layer: int, positions: torch.Tensor, slots: torch.Tensor, ctx) -> None:
         """Rebuild the history tokens at ``positions`` into this layer's cache at ``slots``
@@ -336,7 +365,7 @@ class DeltaKV(SparseMethodRuntime):
                 store.append_encoded(count, *(part[i] for part in new))
         else:  # the first flush moves the whole prompt's history: a layer at a time bounds the memory
             for layer in self.sparse:
-                store = st.stores[layer] = self._new_store(seq)
+                store = st.stores[layer] = self._new_store(seq, layer)
                 store.write(codec.encode(self._tail_kv([layer], slots, positions)[0], self.down[layer],
                                          center_ratio=self.ratio, neighbors=self.neighbors, latent_bits=self.bits))
         keep = torch.cat([torch.arange(sink + budget, device=self.device),

@@ -22,16 +22,20 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sparseengine.kernels.deltakv_rebuild import codec_addresses
 from sparseengine.methods import deltakv_codec as codec
 
 
 class CodecStore:
     def __init__(self, capacity: int, stride: int, bits: int, neighbors: int, dim: int, latent_dim: int,
-                 dtype: torch.dtype, device) -> None:
+                 dtype: torch.dtype, device, addresses: torch.Tensor | None = None) -> None:
         self.stride, self.bits, self.neighbors = stride, bits, neighbors
         self.dim, self.latent_dim, self.dtype, self.device = dim, latent_dim, dtype, device
         self.n = self.c = self.m = 0  # tokens, centers, other tokens stored
         self.generation = 0
+        # int64 [5] on the device: the buffers' addresses (kernels.codec_addresses), kept current
+        # here, where a batched rebuild's captured step reads them
+        self.addresses = torch.zeros(5, dtype=torch.int64, device=device) if addresses is None else addresses
         self._allocate(max(1, capacity))
 
     # Writes run in inference mode: a store made inside it (a synthesised prefill, under
@@ -56,6 +60,7 @@ class CodecStore:
         if old is not None:
             self._put(0, 0, *(t[: (self.c if i == 0 else self.m)] for i, t in enumerate(old)))
             self.generation += 1
+        self.addresses.copy_(torch.tensor(codec_addresses(self.full()), dtype=torch.int64))
 
     def _put(self, c0: int, m0: int, centers, neighbors, latents, scales, zeros) -> None:
         self.centers[c0:c0 + centers.shape[0]] = centers
@@ -130,6 +135,7 @@ class RequestState:
     hist_end: int  # first token of the raw tail; tokens [sink, hist_end) are compressed
     stores: dict[int, CodecStore] = field(default_factory=dict)  # each sparse layer's codec
     hist_end_t: torch.Tensor | None = None  # hist_end on the device (a captured step reads it)
+    addresses: torch.Tensor | None = None  # [sparse layers, 5]: row i, the i-th store's CodecStore.addresses
 
     @property
     def compressed(self) -> bool:

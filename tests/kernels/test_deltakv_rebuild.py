@@ -3,7 +3,8 @@ import dataclasses
 import pytest
 import torch
 
-from sparseengine.kernels import deltakv_rebuild_ref, deltakv_rebuild_triton
+from sparseengine.kernels import (codec_addresses, deltakv_rebuild_batched_ref, deltakv_rebuild_batched_triton,
+                                 deltakv_rebuild_ref, deltakv_rebuild_triton)
 from sparseengine.kernels.testing import assert_close, randn
 from sparseengine.methods import deltakv_codec as codec
 
@@ -151,5 +152,100 @@ def test_gpu_bf16_cache(bits, gen):
     want, got = _caches(pages, ps, hkv, d, "cuda", torch.bfloat16), _caches(pages, ps, hkv, d, "cuda", torch.bfloat16)
     deltakv_rebuild_ref(enc, up, inv, tokens, slots, *want, sink)
     deltakv_rebuild_triton(enc, up.half(), inv, tokens, slots, *got, sink)  # as the engine runs it
+    assert_close(got[0], want[0], 2e-2, "k")
+    assert_close(got[1], want[1], 2e-2, "v")
+
+
+def _batch(gen, device, hkv=2, d=16, r=32, bits=4, sink=3, ps=4, pages=80, width=40):
+    """Three requests' codecs of different lengths (so at different addresses), a row
+    without one (None), each row's own entries over one shared paged cache."""
+    encs, ups = zip(*(_codec(n, hkv, d, r, bits, 0.1, 3, gen, device) for n in (120, 200, 90)))
+    encs, up = list(encs), ups[0]  # one layer: one Up rebuilds every row
+    free = torch.randperm(pages * ps, generator=gen)
+    tokens = torch.zeros(4, width, dtype=torch.long)
+    slots = torch.full((4, width), -1, dtype=torch.long)
+    for b, enc in enumerate(encs + [None]):
+        if enc is None:
+            continue
+        tokens[b] = sink + torch.randint(0, enc.n, (width,), generator=gen)
+        take = free[b * width:(b + 1) * width]
+        slots[b] = torch.where(torch.rand(width, generator=gen) < 0.2, -1, take)
+    encs.insert(3, None)
+    return encs, up, tokens.to(device), slots.to(device)
+
+
+@pytest.mark.parametrize("bits", [4, 16])
+def test_batched_matches_ref(bits, gen, device):
+    """One launch for four rows (three codecs and a row with none) writes what each row's
+    reference rebuild writes, and nothing else."""
+    hkv, d, sink, ps, pages = 2, 16, 3, 4, 80
+    encs, up, tokens, slots = _batch(gen, device, hkv, d, bits=bits, sink=sink, ps=ps, pages=pages)
+    inv = _inv_freq(d, device)
+    want, got = _caches(pages, ps, hkv, d, device), _caches(pages, ps, hkv, d, device)
+    deltakv_rebuild_batched_ref(encs, up, inv, tokens, slots, *want, sink)
+    deltakv_rebuild_batched_triton(encs, up, inv, tokens, slots, *got, sink)
+    assert want[0].isnan().any() and not want[0].isnan().all()
+    assert_close(got[0], want[0], 1e-5, "k")
+    assert_close(got[1], want[1], 1e-5, "v")
+
+
+def test_batched_reads_the_addresses_at_each_launch(gen, device):
+    """The rows' codecs come from the address table's contents at launch (what a captured
+    step relies on): swapping two rows' addresses in place rebuilds each row from the
+    other's codec."""
+    hkv, d, sink, ps, pages = 2, 16, 3, 4, 80
+    encs, up, tokens, slots = _batch(gen, device, hkv, d, sink=sink, ps=ps, pages=pages)
+    encs, tokens, slots = encs[:2], tokens[:2], slots[:2]
+    tokens = tokens.clamp(max=sink + min(e.n for e in encs) - 1)  # positions both codecs hold
+    inv = _inv_freq(d, device)
+    addresses = torch.tensor([codec_addresses(e) for e in encs], device=device)
+    got = _caches(pages, ps, hkv, d, device)
+    deltakv_rebuild_batched_triton(encs, up, inv, tokens, slots, *got, sink, addresses=addresses)
+    addresses.copy_(addresses.flip(0).clone())
+    swapped = _caches(pages, ps, hkv, d, device)
+    deltakv_rebuild_batched_triton(encs, up, inv, tokens, slots, *swapped, sink, addresses=addresses)
+    want = _caches(pages, ps, hkv, d, device)
+    deltakv_rebuild_batched_ref(encs[::-1], up, inv, tokens, slots, *want, sink)
+    assert_close(swapped[0], want[0], 1e-5, "k")
+    assert_close(swapped[1], want[1], 1e-5, "v")
+    assert not torch.equal(got[0].nan_to_num(), swapped[0].nan_to_num())
+
+
+def test_batched_bad_input_raises(gen, device):
+    hkv, d = 2, 16
+    encs, up, tokens, slots = _batch(gen, device, hkv, d)
+    k_cache, v_cache = _caches(80, 4, hkv, d, device)
+    inv = _inv_freq(d, device)
+    with pytest.raises(ValueError, match=r"must be one same \[B, K\] shape with B = 3 codecs"):
+        deltakv_rebuild_batched_triton(encs[:3], up, inv, tokens, slots, k_cache, v_cache, 3)
+    other = dataclasses.replace(encs[1], neighbors=encs[1].neighbors.to(torch.int32))
+    with pytest.raises(ValueError, match="codecs differ"):
+        deltakv_rebuild_batched_triton([encs[0], other, encs[2], None], up, inv, tokens, slots, k_cache, v_cache, 3)
+    with pytest.raises(ValueError, match="addresses must be int64 \\[4, 5\\]"):
+        deltakv_rebuild_batched_triton(encs, up, inv, tokens, slots, k_cache, v_cache, 3,
+                                       addresses=torch.zeros(4, 5, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="rank"):
+        deltakv_rebuild_batched_triton(encs, up[:16], inv, tokens, slots, k_cache, v_cache, 3)
+
+
+@pytest.mark.gpu
+def test_gpu_batched_bf16_cache(gen):
+    """The batched launch at the 128K benchmark's widths: three requests' codecs (8 KV heads,
+    head dim 128, rank 256, int4), 2048 entries a row, a bf16 cache, float16 product."""
+    hkv, d, sink, ps, width = 8, 128, 4, 16, 2048
+    encs, up = [], None
+    for n in (16384, 12000, 16384):
+        enc, basis = _codec(n, hkv, d, 256, 4, 0.1, 4, gen, "cuda", torch.bfloat16)
+        encs.append(enc)
+        up = basis if up is None else up
+    pages = 3 * width // ps
+    tokens = torch.stack([sink + torch.randperm(e.n, generator=gen)[:width] for e in encs]).cuda()
+    slots = torch.randperm(pages * ps, generator=gen).view(3, width).cuda()
+    slots[1, ::3] = -1
+    inv = _inv_freq(d, "cuda")
+    want = _caches(pages, ps, hkv, d, "cuda", torch.bfloat16)
+    got = _caches(pages, ps, hkv, d, "cuda", torch.bfloat16)
+    deltakv_rebuild_batched_ref(encs, up, inv, tokens, slots, *want, sink)
+    deltakv_rebuild_batched_triton(encs, up.half(), inv, tokens, slots, *got, sink)
     assert_close(got[0], want[0], 2e-2, "k")
     assert_close(got[1], want[1], 2e-2, "v")

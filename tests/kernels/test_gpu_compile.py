@@ -75,15 +75,16 @@ for mode, combine in ((0, 0), (0, 1), (2, 0), (2, 1)):
 # compiled at the interpreter's tile of 16 and failed at 64 (a select on the latent row).
 REBUILD_TYPES = dict(tok_ptr="*i64", slot_ptr="*i64", nb_ptr="*i16", scale_ptr="*fp16", zero_ptr="*fp16",
                      inv_freq_ptr="*fp32")
-REBUILD_TYPES.update({name: "i32" for name in ("N", "R", "sink", "stride_codec", "stride_cp", "stride_co",
-                                                "stride_ch")})
+REBUILD_TYPES.update({name: "i32" for name in ("stride_addr", "stride_row", "tiles", "N", "R", "sink",
+                                                "stride_codec", "stride_cp", "stride_co", "stride_ch")})
+REBUILD_TYPES.update(addr_ptr="*i64")
 for bits, dtype, prec in ((4, "bf16", "tf32"), (16, "bf16", "tf32"), (4, "fp32", "ieee")):
     types = dict(REBUILD_TYPES, lat_ptr="*u8" if bits == 4 else "*fp16", up_ptr="*fp16" if prec == "tf32" else "*fp32",
                  **{name: f"*{dtype}" for name in ("centers_ptr", "k_cache_ptr", "v_cache_ptr")})
     BUILDS[f"deltakv_rebuild-int{bits}-{dtype}"] = (
         "deltakv_rebuild", "_rebuild_kernel", [], types,
         dict(HKV=8, HALF=64, BLOCK_HALF=64, NB=4, BITS=bits, GROUP=32, PAGE_SIZE=16, BLOCK_M=64, BLOCK_R=64,
-             DOT_PREC=prec), 4)
+             BATCHED=bits == 4, DOT_PREC=prec), 4)
 
 CHILD = """
 import importlib, json, sys
@@ -283,9 +284,14 @@ def launch_every_kernel(device):
     for bits in (4, 16):  # the engine's store: bf16 centers, int16 neighbours; float32 Up
         store = CodecStore(60, 10, bits, 4, 2 * hkv * d, 32, bf, device)
         store.write_random(60, gen)
-        K.deltakv_rebuild_triton(store.full(), randn(32, 2 * hkv * d, generator=gen, device=device),
-                                 torch.ones(d // 2, device=device), torch.arange(4, 11, device=device),
+        up = randn(32, 2 * hkv * d, generator=gen, device=device)
+        K.deltakv_rebuild_triton(store.full(), up, torch.ones(d // 2, device=device), torch.arange(4, 11, device=device),
                                  torch.arange(7, device=device), kv.k_cache, kv.v_cache, 4)
+        # a batched step's: two rows, the second without a codec, float16 Up
+        K.deltakv_rebuild_batched_triton([store.full(), None], up.half(), torch.ones(d // 2, device=device),
+                                         torch.arange(4, 18, device=device).view(2, 7),
+                                         torch.tensor([[0, 1, 2, 3, 4, 5, 6], [-1] * 7], device=device),
+                                         kv.k_cache, kv.v_cache, 4)
     pool_s = torch.zeros(3, 8, ps, hkv, device=device)
     pool_p = torch.zeros(3, 8, ps, hkv, dtype=torch.int32, device=device)
     table = torch.arange(8, dtype=torch.int32, device=device).view(2, 4)

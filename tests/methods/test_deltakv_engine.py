@@ -155,21 +155,29 @@ def test_pure_decode_path_equals_the_per_request_path(folder, ckpt32, monkeypatc
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="runs the Triton kernels on CPU tensors: the interpreter, "
                     "which tests/conftest.py sets only on a machine without CUDA")
-def test_fused_rebuild_equals_the_torch_path(folder, ckpt32, monkeypatch):
+@pytest.mark.parametrize("one_launch", [True, False])
+def test_fused_rebuild_equals_the_torch_path(folder, ckpt32, monkeypatch, one_launch):
     """On a Triton provider the sparse layers rebuild through the fused kernel (interpreted
-    here), in pure-decode steps and in the mixed step where one prompt's last chunk meets
-    the other's decoding; the tokens equal those of the torch provider, which rebuilds
-    through the codec."""
+    here): in pure-decode steps every request's entries of a layer in one launch (or, with
+    ``ONE_LAUNCH_PER_LAYER`` off, a launch per request), in the mixed step where one
+    prompt's last chunk meets the other's decoding a launch per request. The tokens equal
+    those of the torch provider, which rebuilds through the codec."""
     prompts, sp = [PROMPT, PROMPT2], _greedy(12)
     kw = dict(deltakv_latent_dim=32, deltakv_checkpoint_path=str(ckpt32.path), prefill_chunk_size=64)
     want = [o.token_ids for o in _llm(folder, attention_provider="torch", **kw).generate(prompts, sp)]
-    fused = []
-    kernel = deltakv.kernels.deltakv_rebuild_triton
+    monkeypatch.setattr(deltakv.deltakv_rebuild, "ONE_LAUNCH_PER_LAYER", one_launch)
+    per_request, batched = [], []
+    kernel, batch_kernel = deltakv.kernels.deltakv_rebuild_triton, deltakv.kernels.deltakv_rebuild_batched_triton
     monkeypatch.setattr(deltakv.kernels, "deltakv_rebuild_triton",
-                        lambda *a, **k: (fused.append(int((a[4] >= 0).sum())), kernel(*a, **k))[1])
+                        lambda *a, **k: (per_request.append(int((a[4] >= 0).sum())), kernel(*a, **k))[1])
+    monkeypatch.setattr(deltakv.kernels, "deltakv_rebuild_batched_triton",
+                        lambda *a, **k: (batched.append((a[4] >= 0).sum(1).tolist()), batch_kernel(*a, **k))[1])
     got = [o.token_ids for o in _llm(folder, attention_provider="triton", **kw).generate(prompts, sp)]
     assert got == want
-    assert len(fused) >= 2 * 2 * 11 and max(fused) == BUDGET  # both sparse layers, both requests, every step
+    if one_launch:  # both sparse layers, every pure-decode step, both requests' entries in each launch
+        assert len(batched) >= 2 * 10 and [BUDGET, BUDGET] in batched and len(per_request) < len(batched)
+    else:
+        assert not batched and len(per_request) >= 2 * 2 * 11 and max(per_request) == BUDGET
 
 
 def test_budget_covering_the_prompt_equals_vanilla(folder, ckpt32):
