@@ -46,6 +46,9 @@ if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing need
 # deltakv_rebuild_batched_triton; False: a launch per request (the engine's path before). Read at
 # each step, so a profile can set it (scripts/profile_decode_step.py --kernel-const).
 ONE_LAUNCH_PER_LAYER = True
+# The grid's order: True, a tile's (KV head, K or V) programs next to each other; False, every
+# tile of one (KV head, K or V) first. Read at each launch (an A/B switch for bench_deltakv).
+SLICES_FIRST = True
 
 def deltakv_rebuild_ref(enc, up, inv_freq, tokens, slots, k_cache, v_cache, sink: int) -> None:
     """The codec's own decode (``deltakv_codec.decode_at``, the definition) and RoPE, written
@@ -157,13 +160,16 @@ def _launch(codec_ptrs, tokens, slots, addresses, rows, up, inv_freq, k_cache, v
     block_r = block_r or max(32, min(64, next_pow2(r)))
     tiles = cdiv(n, block_m)
     batched = addresses is not None
-    _rebuild_kernel[(rows * tiles, hkv, 2)](
+    slices_first = SLICES_FIRST
+    grid = (2 * hkv, rows * tiles, 1) if slices_first else (rows * tiles, hkv, 2)
+    _rebuild_kernel[grid](
         tokens, slots, centers, neighbors, latents, scales, zeros, up.contiguous(), inv_freq.contiguous(),
         k_cache, v_cache, addresses if batched else tokens, addresses.stride(0) if batched else 0,
         tokens.stride(0) if batched else 0, tiles, n, r, sink, stride,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         HKV=hkv, HALF=d // 2, BLOCK_HALF=max(16, next_pow2(d // 2)), NB=neighbors.shape[1], BITS=bits,
         GROUP=group, PAGE_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_R=block_r, BATCHED=batched,
+        SLICES_FIRST=slices_first,
         DOT_PREC="ieee" if up.dtype == torch.float32 else "tf32", num_warps=num_warps,
     )
 
@@ -175,9 +181,16 @@ def _rebuild_kernel(
     stride_cp, stride_co, stride_ch,
     HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-    BATCHED: tl.constexpr, DOT_PREC: tl.constexpr,
+    BATCHED: tl.constexpr, SLICES_FIRST: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    tile = tl.program_id(0)
+    if SLICES_FIRST:  # a tile's 2 * HKV programs launch together: they read the same tokens' rows
+        tile = tl.program_id(1)
+        kvh = tl.program_id(0) // 2
+        is_v = tl.program_id(0) % 2
+    else:
+        tile = tl.program_id(0)
+        kvh = tl.program_id(1)
+        is_v = tl.program_id(2)
     if BATCHED:  # row b's entries, and its codec's buffers from its addresses
         b = tile // tiles
         tile -= b * tiles
@@ -191,8 +204,6 @@ def _rebuild_kernel(
             scale_ptr = tl.load(addr + 3).to(tl.pointer_type(scale_ptr.dtype.element_ty))
             zero_ptr = tl.load(addr + 4).to(tl.pointer_type(zero_ptr.dtype.element_ty))
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    kvh = tl.program_id(1)
-    is_v = tl.program_id(2)
     width = HKV * 4 * HALF
     slot = tl.load(slot_ptr + offs_m, mask=offs_m < N, other=-1).to(tl.int64)
     active = slot >= 0

@@ -84,7 +84,7 @@ for bits, dtype, prec in ((4, "bf16", "tf32"), (16, "bf16", "tf32"), (4, "fp32",
     BUILDS[f"deltakv_rebuild-int{bits}-{dtype}"] = (
         "deltakv_rebuild", "_rebuild_kernel", [], types,
         dict(HKV=8, HALF=64, BLOCK_HALF=64, NB=4, BITS=bits, GROUP=32, PAGE_SIZE=16, BLOCK_M=64, BLOCK_R=64,
-             BATCHED=bits == 4, DOT_PREC=prec), 4)
+             BATCHED=bits == 4, SLICES_FIRST=bits == 4, DOT_PREC=prec), 4)
 
 CHILD = """
 import importlib, json, sys
