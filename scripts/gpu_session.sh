@@ -89,12 +89,11 @@ deltakv)  # DeltaKV's rebuild: its GPU tests, one launch per layer beside a laun
   timeout 120 python -m sparseengine.kernels.bench_gpu --deltakv-rebuild-batched \
     --out "$OUT/deltakv_rebuild_batched.jsonl" 2>&1 | tail -10
   deltakv_checkpoint
-  for spec in "True True" "False False" "True False" "False True"; do  # one launch a layer?, the grid's order
+  for spec in "True 1" "False 1" "True 2" "False 2"; do  # one launch a layer?, round
     set -- $spec
     timeout 150 python scripts/profile_decode_step.py --method deltakv --batch 6 --steps 8 --graph-only \
       --commit "$COMMIT" --engine-arg deltakv_checkpoint_path=$dk --kernel-const deltakv_rebuild.ONE_LAUNCH_PER_LAYER=$1 \
-      --kernel-const deltakv_rebuild.SLICES_FIRST=$2 --out "$OUT/profile_deltakv_b6_one$1_slices$2.json" 2>&1 \
-      | grep -v -E "it/s\]|s/it\]" | tail -1
+      --out "$OUT/profile_deltakv_b6_one$1_$2.json" 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -1
   done
   ;;
 ab)

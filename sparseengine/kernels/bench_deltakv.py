@@ -59,8 +59,8 @@ def bench_deltakv_rebuild_batched(out_path, batch=6, n=131072, sink=64, budget=1
     """The engine's batched step: ``batch`` requests' layer rebuilt as a launch per request
     (the engine's path before) beside one launch for all (``deltakv_rebuild_batched_triton``,
     its tile and warps), each request with its own codec, entries and scratch slots."""
-    from sparseengine.kernels import deltakv_rebuild as rebuild
-    from sparseengine.kernels import deltakv_rebuild_batched_ref, deltakv_rebuild_batched_triton, deltakv_rebuild_triton
+    from sparseengine.kernels import (codec_addresses, deltakv_rebuild_batched_ref, deltakv_rebuild_batched_triton,
+                                      deltakv_rebuild_triton)
     from sparseengine.methods.deltakv_store import CodecStore
 
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -92,22 +92,18 @@ def bench_deltakv_rebuild_batched(out_path, batch=6, n=131072, sink=64, budget=1
         for b in range(batch):
             deltakv_rebuild_triton(encs[b], up16, inv_freq, tokens[b], slots[b], k_cache, v_cache, sink)
 
-    addresses = torch.tensor([[getattr(e, f).data_ptr() for f in ("centers", "neighbors", "latents", "scales", "zeros")]
-                              for e in encs], dtype=torch.int64, device="cuda")
-    default = rebuild.SLICES_FIRST
-    for order in (False, True, False, True):  # the grid's order, alternating
-        rebuild.SLICES_FIRST = order
+    addresses = torch.tensor([codec_addresses(e) for e in encs], dtype=torch.int64, device="cuda")
+    for _ in range(2):  # two rounds, alternating
         k_cache.zero_(), v_cache.zero_()
         per_request()
-        emit(out_path, {"kind": "deltakv_rebuild_batched", "path": "launch per request", "slices_first": order,
-                        **shape, "us_per_layer": per_launch_us(per_request), "max_abs_diff_vs_ref": err()})
-        for block_m, warps in ((16, 4), (32, 4), (64, 4)):
+        emit(out_path, {"kind": "deltakv_rebuild_batched", "path": "launch per request", **shape,
+                        "us_per_layer": per_launch_us(per_request), "max_abs_diff_vs_ref": err()})
+        for block_m, warps in ((16, 4), (32, 4), (64, 4), (16, 8)):
             k_cache.zero_(), v_cache.zero_()
             fn = lambda: deltakv_rebuild_batched_triton(  # noqa: E731
                 encs, up16, inv_freq, tokens, slots, k_cache, v_cache, sink, addresses=addresses, block_m=block_m,
                 num_warps=warps)
             fn()
-            emit(out_path, {"kind": "deltakv_rebuild_batched", "path": "one launch", "slices_first": order,
-                            "block_m": block_m, "num_warps": warps, **shape, "us_per_layer": per_launch_us(fn),
+            emit(out_path, {"kind": "deltakv_rebuild_batched", "path": "one launch", "block_m": block_m,
+                            "num_warps": warps, **shape, "us_per_layer": per_launch_us(fn),
                             "max_abs_diff_vs_ref": err()})
-    rebuild.SLICES_FIRST = default

@@ -46,9 +46,6 @@ if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing need
 # deltakv_rebuild_batched_triton; False: a launch per request (the engine's path before). Read at
 # each step, so a profile can set it (scripts/profile_decode_step.py --kernel-const).
 ONE_LAUNCH_PER_LAYER = True
-# The grid's order: True, a tile's (KV head, K or V) programs next to each other; False, every
-# tile of one (KV head, K or V) first. Read at each launch (an A/B switch for bench_deltakv).
-SLICES_FIRST = True
 
 def deltakv_rebuild_ref(enc, up, inv_freq, tokens, slots, k_cache, v_cache, sink: int) -> None:
     """The codec's own decode (``deltakv_codec.decode_at``, the definition) and RoPE, written
@@ -75,8 +72,14 @@ CODEC_FIELDS = ("centers", "neighbors", "latents", "scales", "zeros")
 
 
 def codec_addresses(enc) -> list[int]:
-    """The device addresses ``deltakv_rebuild_batched_triton`` reads a row's codec at."""
-    return [getattr(enc, f).data_ptr() for f in CODEC_FIELDS]
+    """The device addresses ``deltakv_rebuild_batched_triton`` reads a row's codec at. The
+    kernel loads through them as 16-byte aligned (wide loads, as a pointer argument's
+    specialisation gives): a buffer that is not raises."""
+    addresses = [getattr(enc, f).data_ptr() for f in CODEC_FIELDS]
+    if any(a % 16 for a in addresses):
+        raise ValueError(f"codec buffers must be 16-byte aligned for the batched rebuild: {CODEC_FIELDS} at "
+                         f"{[hex(a) for a in addresses]}")
+    return addresses
 
 
 def _check(enc, up, inv_freq, k_cache, v_cache) -> tuple[int, int]:
@@ -160,16 +163,13 @@ def _launch(codec_ptrs, tokens, slots, addresses, rows, up, inv_freq, k_cache, v
     block_r = block_r or max(32, min(64, next_pow2(r)))
     tiles = cdiv(n, block_m)
     batched = addresses is not None
-    slices_first = SLICES_FIRST
-    grid = (2 * hkv, rows * tiles, 1) if slices_first else (rows * tiles, hkv, 2)
-    _rebuild_kernel[grid](
+    _rebuild_kernel[(rows * tiles, hkv, 2)](
         tokens, slots, centers, neighbors, latents, scales, zeros, up.contiguous(), inv_freq.contiguous(),
         k_cache, v_cache, addresses if batched else tokens, addresses.stride(0) if batched else 0,
         tokens.stride(0) if batched else 0, tiles, n, r, sink, stride,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         HKV=hkv, HALF=d // 2, BLOCK_HALF=max(16, next_pow2(d // 2)), NB=neighbors.shape[1], BITS=bits,
         GROUP=group, PAGE_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_R=block_r, BATCHED=batched,
-        SLICES_FIRST=slices_first,
         DOT_PREC="ieee" if up.dtype == torch.float32 else "tf32", num_warps=num_warps,
     )
 
@@ -181,32 +181,29 @@ def _rebuild_kernel(
     stride_cp, stride_co, stride_ch,
     HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-    BATCHED: tl.constexpr, SLICES_FIRST: tl.constexpr, DOT_PREC: tl.constexpr,
+    BATCHED: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    if SLICES_FIRST:  # a tile's 2 * HKV programs launch together: they read the same tokens' rows
-        tile = tl.program_id(1)
-        kvh = tl.program_id(0) // 2
-        is_v = tl.program_id(0) % 2
-    else:
-        tile = tl.program_id(0)
-        kvh = tl.program_id(1)
-        is_v = tl.program_id(2)
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    is_v = tl.program_id(2)
     if BATCHED:  # row b's entries, and its codec's buffers from its addresses
         b = tile // tiles
         tile -= b * tiles
         tok_ptr += b * stride_row
         slot_ptr += b * stride_row
-        addr = addr_ptr + b * stride_addr
-        centers_ptr = tl.load(addr).to(tl.pointer_type(centers_ptr.dtype.element_ty))
-        nb_ptr = tl.load(addr + 1).to(tl.pointer_type(nb_ptr.dtype.element_ty))
-        lat_ptr = tl.load(addr + 2).to(tl.pointer_type(lat_ptr.dtype.element_ty))
+        addr = addr_ptr + b * stride_addr  # 16-byte aligned buffers (checked where the table is made)
+        centers_ptr = tl.multiple_of(tl.load(addr).to(tl.pointer_type(centers_ptr.dtype.element_ty)), 16)
+        nb_ptr = tl.multiple_of(tl.load(addr + 1).to(tl.pointer_type(nb_ptr.dtype.element_ty)), 16)
+        lat_ptr = tl.multiple_of(tl.load(addr + 2).to(tl.pointer_type(lat_ptr.dtype.element_ty)), 16)
         if BITS == 4:
-            scale_ptr = tl.load(addr + 3).to(tl.pointer_type(scale_ptr.dtype.element_ty))
-            zero_ptr = tl.load(addr + 4).to(tl.pointer_type(zero_ptr.dtype.element_ty))
+            scale_ptr = tl.multiple_of(tl.load(addr + 3).to(tl.pointer_type(scale_ptr.dtype.element_ty)), 16)
+            zero_ptr = tl.multiple_of(tl.load(addr + 4).to(tl.pointer_type(zero_ptr.dtype.element_ty)), 16)
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     width = HKV * 4 * HALF
     slot = tl.load(slot_ptr + offs_m, mask=offs_m < N, other=-1).to(tl.int64)
     active = slot >= 0
+    if tl.max(active.to(tl.int32), axis=0) == 0:  # a tile of sink / recent entries or a padding row: nothing
+        return
     tok = tl.load(tok_ptr + offs_m, mask=active, other=0).to(tl.int64)
     p = tok - sink
     center = p // stride_codec
