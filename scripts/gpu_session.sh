@@ -83,22 +83,17 @@ profiles)
       --engine-arg deltakv_checkpoint_path=$dk --out "$OUT/flush_deltakv_b$b.json" 2>&1 | tail -1
   done
   ;;
-deltakv)  # DeltaKV's rebuild: its GPU tests, its tiles (one launch a layer, beside a launch per request), then the b=6 step
+deltakv)  # DeltaKV's rebuild: its GPU tests, one launch per layer beside a launch per request (kernel, then b=6 step)
   timeout 240 python -m pytest tests/kernels/test_deltakv_rebuild.py tests/methods/test_graph_vs_eager_gpu.py -q -m gpu \
     -k "deltakv or rebuild" -p no:cacheprovider -rs 2>&1 | tail -6 | tee "$OUT/gpu_tests.log"
   timeout 120 python -m sparseengine.kernels.bench_gpu --deltakv-rebuild-batched \
     --out "$OUT/deltakv_rebuild_batched.jsonl" 2>&1 | tail -10
   deltakv_checkpoint
-  # the bench's fastest one-launch tile beside the default, alternating (args: the tile's --kernel-const flags)
-  best=$(python -c "import json; r=min((json.loads(l) for l in open('$OUT/deltakv_rebuild_batched.jsonl')
-    if '\"one launch\"' in l), key=lambda r: r['us_per_layer']); print(' '.join(f'--kernel-const deltakv_rebuild.{k}={r[v]}'
-    for k, v in (('BLOCK_M', 'block_m'), ('BLOCK_C', 'block_c'), ('NUM_WARPS', 'num_warps'))))")
-  echo "fastest tile: $best"
-  for spec in default_1 best_1 default_2 best_2; do
-    tile=""; [ "${spec%_*}" = best ] && tile=$best
+  for spec in "True 1" "False 1" "True 2" "False 2"; do  # one launch a layer?, round
+    set -- $spec
     timeout 150 python scripts/profile_decode_step.py --method deltakv --batch 6 --steps 8 --graph-only \
-      --commit "$COMMIT" --engine-arg deltakv_checkpoint_path=$dk $tile \
-      --out "$OUT/profile_deltakv_b6_$spec.json" 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -1
+      --commit "$COMMIT" --engine-arg deltakv_checkpoint_path=$dk --kernel-const deltakv_rebuild.ONE_LAUNCH_PER_LAYER=$1 \
+      --out "$OUT/profile_deltakv_b6_one$1_$2.json" 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -1
   done
   ;;
 ab)

@@ -25,7 +25,7 @@ zeros: `codec_addresses`), so a captured step reads whatever codec each row's ta
 All rows share the dtypes, rank and stride. A row with nothing to rebuild (slots all -1)
 may name address 0.
 
-Triton: one program per (tile of BLOCK_M entries, KV head and BLOCK_C channels, K or V); the d/2 halves are two
+Triton: one program per (tile of BLOCK_M entries, KV head, K or V); the d/2 halves are two
 float32 accumulators so RoPE is applied in registers. The `z @ up` product runs in `up`'s
 dtype with float32 accumulation: float16 on tensor cores (the latents rounded to float16,
 10 mantissa bits, as TF32 would), float32 exactly (IEEE).
@@ -46,10 +46,6 @@ if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing need
 # deltakv_rebuild_batched_triton; False: a launch per request (the engine's path before). Read at
 # each step, so a profile can set it (scripts/profile_decode_step.py --kernel-const).
 ONE_LAUNCH_PER_LAYER = True
-# A program's tile: BLOCK_M entries x BLOCK_C channels of each RoPE half (0: the whole half) of
-# one KV head's K or V, NUM_WARPS warps. Tiles of 16 x 64, 4 warps: 45 us per request and layer
-# of the 128K benchmark on the H200 (bench_deltakv; 32 entries: 56, 64: 49). Read at each launch.
-BLOCK_M, BLOCK_C, NUM_WARPS = 16, 0, 4
 
 def deltakv_rebuild_ref(enc, up, inv_freq, tokens, slots, k_cache, v_cache, sink: int) -> None:
     """The codec's own decode (``deltakv_codec.decode_at``, the definition) and RoPE, written
@@ -107,8 +103,7 @@ def _check(enc, up, inv_freq, k_cache, v_cache) -> tuple[int, int]:
 
 
 def deltakv_rebuild_triton(enc, up, inv_freq, tokens, slots, k_cache, v_cache, sink: int, *,
-                           block_m: int | None = None, block_r: int | None = None, block_c: int | None = None,
-                           num_warps: int | None = None) -> None:
+                           block_m: int | None = None, block_r: int | None = None, num_warps: int = 4) -> None:
     bits, group = _check(enc, up, inv_freq, k_cache, v_cache)
     if tokens.shape != slots.shape or tokens.dim() != 1:
         raise ValueError(f"tokens {tuple(tokens.shape)} and slots {tuple(slots.shape)} must be one same 1-D shape")
@@ -122,13 +117,12 @@ def deltakv_rebuild_triton(enc, up, inv_freq, tokens, slots, k_cache, v_cache, s
     scales = enc.scales if bits == 4 and enc.scales.shape[0] else latents  # unread for 16-bit latents
     zeros = enc.zeros if bits == 4 and enc.zeros.shape[0] else latents
     _launch((enc.centers, neighbors, latents, scales, zeros), tokens, slots, None, 1, up, inv_freq, k_cache, v_cache,
-            sink, enc.stride, bits, group, block_m, block_r, block_c, num_warps)
+            sink, enc.stride, bits, group, block_m, block_r, num_warps)
 
 
 def deltakv_rebuild_batched_triton(encs, up, inv_freq, tokens, slots, k_cache, v_cache, sink: int, *,
                                    addresses: torch.Tensor | None = None, block_m: int | None = None,
-                                   block_r: int | None = None, block_c: int | None = None,
-                                   num_warps: int | None = None) -> None:
+                                   block_r: int | None = None, num_warps: int = 4) -> None:
     """One launch for ``B`` requests (module docstring). ``encs[b]`` None: row b rebuilds
     nothing (its slots must be -1). ``addresses`` (``[B, 5]`` int64 on the device,
     ``codec_addresses`` of each row, any row-stride): where a captured step finds the
@@ -157,27 +151,24 @@ def deltakv_rebuild_batched_triton(encs, up, inv_freq, tokens, slots, k_cache, v
     like = given[0]  # the pointer arguments' dtypes; the kernel reads each row's own addresses
     scales = like.scales if bits == 4 else like.latents
     _launch((like.centers, like.neighbors, like.latents, scales, scales), tokens, slots, addresses, tokens.shape[0],
-            up, inv_freq, k_cache, v_cache, sink, like.stride, bits, group, block_m, block_r, block_c, num_warps)
+            up, inv_freq, k_cache, v_cache, sink, like.stride, bits, group, block_m, block_r, num_warps)
 
 
 def _launch(codec_ptrs, tokens, slots, addresses, rows, up, inv_freq, k_cache, v_cache, sink, stride, bits, group,
-            block_m, block_r, block_c, num_warps) -> None:
+            block_m, block_r, num_warps) -> None:
     centers, neighbors, latents, scales, zeros = codec_ptrs
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     r, n = up.shape[0], tokens.shape[-1]
-    block_m = block_m or BLOCK_M
+    block_m = block_m or 16  # 45 us per layer of the 128K benchmark on the H200 (bench_deltakv), 32: 56, 64: 49
     block_r = block_r or max(32, min(64, next_pow2(r)))
-    block_c = block_c or BLOCK_C or max(16, next_pow2(d // 2))
-    num_warps = num_warps or NUM_WARPS
-    chunks = cdiv(d // 2, block_c)
     tiles = cdiv(n, block_m)
     batched = addresses is not None
-    _rebuild_kernel[(rows * tiles, hkv * chunks, 2)](
+    _rebuild_kernel[(rows * tiles, hkv, 2)](
         tokens, slots, centers, neighbors, latents, scales, zeros, up.contiguous(), inv_freq.contiguous(),
         k_cache, v_cache, addresses if batched else tokens, addresses.stride(0) if batched else 0,
         tokens.stride(0) if batched else 0, tiles, n, r, sink, stride,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        HKV=hkv, HALF=d // 2, BLOCK_HALF=block_c, CHUNKS=chunks, NB=neighbors.shape[1], BITS=bits,
+        HKV=hkv, HALF=d // 2, BLOCK_HALF=max(16, next_pow2(d // 2)), NB=neighbors.shape[1], BITS=bits,
         GROUP=group, PAGE_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_R=block_r, BATCHED=batched,
         DOT_PREC="ieee" if up.dtype == torch.float32 else "tf32", num_warps=num_warps,
     )
@@ -188,14 +179,12 @@ def _rebuild_kernel(
     tok_ptr, slot_ptr, centers_ptr, nb_ptr, lat_ptr, scale_ptr, zero_ptr, up_ptr, inv_freq_ptr,
     k_cache_ptr, v_cache_ptr, addr_ptr, stride_addr, stride_row, tiles, N, R, sink, stride_codec,
     stride_cp, stride_co, stride_ch,
-    HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, CHUNKS: tl.constexpr, NB: tl.constexpr,
-    BITS: tl.constexpr,
+    HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, NB: tl.constexpr, BITS: tl.constexpr,
     GROUP: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
     BATCHED: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     tile = tl.program_id(0)
-    kvh = tl.program_id(1) // CHUNKS  # CHUNKS programs a head, each BLOCK_HALF channels of both halves
-    chunk = tl.program_id(1) % CHUNKS
+    kvh = tl.program_id(1)
     is_v = tl.program_id(2)
     if BATCHED:  # row b's entries, and its codec's buffers from its addresses
         b = tile // tiles
@@ -221,7 +210,7 @@ def _rebuild_kernel(
     is_center = p == center * stride_codec
     other = active & (p != center * stride_codec)
     row = tl.maximum(p - center - 1, 0)  # read under the mask `other` only
-    offs_c = chunk * BLOCK_HALF + tl.arange(0, BLOCK_HALF)
+    offs_c = tl.arange(0, BLOCK_HALF)
     c_ok = offs_c < HALF
     lo_cols = is_v * (HKV * 2 * HALF) + kvh * 2 * HALF + offs_c
     hi_cols = lo_cols + HALF

@@ -249,21 +249,3 @@ def test_gpu_batched_bf16_cache(gen):
     deltakv_rebuild_batched_triton(encs, up.half(), inv, tokens, slots, *got, sink)
     assert_close(got[0], want[0], 2e-2, "k")
     assert_close(got[1], want[1], 2e-2, "v")
-
-
-@pytest.mark.parametrize("block_m,block_c", [(32, 16), (64, 16)])
-def test_channel_chunks_match_ref(block_m, block_c, gen, device):
-    """Tiles that take part of each RoPE half (head dim 64: two chunks of 16 of the 32
-    channel pairs), per request and batched, write what the reference writes."""
-    hkv, d, sink, ps, pages = 1, 64, 3, 4, 80
-    encs, up, tokens, slots = _batch(gen, device, hkv, d, sink=sink, ps=ps, pages=pages)
-    inv = _inv_freq(d, device)
-    want, got, one = (_caches(pages, ps, hkv, d, device) for _ in range(3))
-    deltakv_rebuild_batched_ref(encs, up, inv, tokens, slots, *want, sink)
-    deltakv_rebuild_batched_triton(encs, up, inv, tokens, slots, *got, sink, block_m=block_m, block_c=block_c)
-    deltakv_rebuild_triton(encs[1], up, inv, tokens[1], slots[1], *one, sink, block_m=block_m, block_c=block_c)
-    assert_close(got[0], want[0], 1e-5, "k")
-    assert_close(got[1], want[1], 1e-5, "v")
-    mine = slots[1][slots[1] >= 0]
-    flat = one[0].view(-1, hkv, d)[mine], want[0].view(-1, hkv, d)[mine]
-    assert_close(*flat, 1e-5, "k of row 1 alone")

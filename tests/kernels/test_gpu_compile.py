@@ -83,7 +83,7 @@ for bits, dtype, prec in ((4, "bf16", "tf32"), (16, "bf16", "tf32"), (4, "fp32",
                  **{name: f"*{dtype}" for name in ("centers_ptr", "k_cache_ptr", "v_cache_ptr")})
     BUILDS[f"deltakv_rebuild-int{bits}-{dtype}"] = (
         "deltakv_rebuild", "_rebuild_kernel", [], types,
-        dict(HKV=8, HALF=64, BLOCK_HALF=64, CHUNKS=1, NB=4, BITS=bits, GROUP=32, PAGE_SIZE=16, BLOCK_M=64, BLOCK_R=64,
+        dict(HKV=8, HALF=64, BLOCK_HALF=64, NB=4, BITS=bits, GROUP=32, PAGE_SIZE=16, BLOCK_M=64, BLOCK_R=64,
              BATCHED=bits == 4, DOT_PREC=prec), 4)
 
 CHILD = """
