@@ -133,6 +133,7 @@ class DeltaKV(SparseMethodRuntime):
         self._chosen: list[torch.Tensor | None] | None = None  # mixed steps: per request
         self._picked: tuple[torch.Tensor, torch.Tensor] | None = None  # pure decode: (tokens [B, K], counts [B])
         self._mapped: tuple[torch.Tensor, ...] | None = None  # pure decode: _map of the pick
+        self._addresses: torch.Tensor | None = None  # pure decode: the rows' codec addresses
         self._no_history = torch.tensor(-1, dtype=torch.long, device=self.device)  # rows not compressed
         self._no_codec = torch.zeros(len(self.sparse), 5, dtype=torch.int64, device=self.device)  # their addresses
 
@@ -167,14 +168,12 @@ class DeltaKV(SparseMethodRuntime):
     def _new_store(self, seq, layer: int) -> CodecStore:
         """Buffers for the longest history the request can reach; their addresses kept in the
         layer's row of the request's table (the batched rebuild's)."""
-        cfg, st = self.config, self._state(seq)
+        cfg = self.config
         tokens = seq.num_prompt_tokens + seq.sampling_params.max_tokens
         dim = 2 * self.model.num_kv_heads * self.model.head_dim
-        if st.addresses is None:
-            st.addresses = torch.zeros(len(self.sparse), 5, dtype=torch.int64, device=self.device)
+        row = self._state(seq).address_row(self.sparse_index[layer], len(self.sparse), self.device)
         return CodecStore(tokens - cfg.sink_tokens - cfg.recent_tokens, self.stride, self.bits, self.neighbors, dim,
-                          self.latent_dim, self.cache.kv.k.dtype, self.device,
-                          addresses=st.addresses[self.sparse_index[layer]])
+                          self.latent_dim, self.cache.kv.k.dtype, self.device, addresses=row)
 
     @torch.inference_mode()  # made under the runner's inference mode (a synthesised prefill) or not
     def _set_hist_end(self, st: RequestState, end: int) -> None:
@@ -236,7 +235,7 @@ class DeltaKV(SparseMethodRuntime):
         """Mixed steps: one request's chosen tokens (any count) mapped onto the layer's
         cache, its history tokens rebuilt."""
         count = torch.full((1,), chosen.numel(), dtype=torch.long, device=chosen.device)
-        idx, slots, positions, _ = self._map([seq], chosen[None], count, table)
+        idx, slots, positions = self._map([seq], chosen[None], count, table)
         if self._state(seq).compressed:
             self._rebuild_into(seq, layer, positions[0], slots[0], ctx)
         return idx[0]
@@ -259,42 +258,42 @@ class DeltaKV(SparseMethodRuntime):
         ``sink + budget + recent``, the counts from the full layer's pick. The mapping is
         the same for every sparse layer reading one pick (one page table for all layers)."""
         tokens, counts = self._picked
-        if self._mapped is None:
+        if self._mapped is None:  # once a step: every sparse layer maps the same pick the same way
             self._mapped = self._map(ctx.seqs, tokens, counts, ctx.views[layer].page_table)
-        idx, slots, positions, addresses = self._mapped
-        self._rebuild_rows(layer, positions, slots, addresses, ctx)
+            self._addresses = torch.stack([self._state(s).addresses if self._held(s) else self._no_codec
+                                           for s in ctx.seqs])  # [B, sparse layers, 5]
+        idx, slots, positions = self._mapped
+        self._rebuild_rows(layer, positions, slots, ctx)
         B, width, hkv = tokens.shape[0], tokens.shape[1], self.model.num_kv_heads
         return Selection(idx[:, None, :].expand(B, hkv, width), counts[:, None].expand(B, hkv).contiguous(),
                          dense=(False,) * B)
 
     def _map(self, seqs, tokens: torch.Tensor, counts: torch.Tensor, table: torch.Tensor):
         """``deltakv_layout.map_chosen`` of these requests' chosen tokens (rows of requests
-        not compressed, or None, map to themselves), and the rows' codec addresses
-        ``[B, sparse layers, 5]`` (zero where a row has no codec)."""
-        states = [None if s is None else self._state(s) for s in seqs]
-        held = [st is not None and st.compressed for st in states]
-        ends = [st.hist_end_t if ok else self._no_history for st, ok in zip(states, held)]
+        not compressed, or None, map to themselves)."""
+        ends = [self._state(s).hist_end_t if self._held(s) else self._no_history for s in seqs]
         hist_end = torch.stack(ends)[:, None]  # [B, 1]: the flushes move it on the device
-        addresses = torch.stack([st.addresses if ok else self._no_codec for st, ok in zip(states, held)])
-        return (*map_chosen(tokens, counts, hist_end, table, self.config.sink_tokens, self.config.budget,
-                            self.cache.page_size), addresses)
+        return map_chosen(tokens, counts, hist_end, table, self.config.sink_tokens, self.config.budget,
+                          self.cache.page_size)
 
-    def _rebuild_rows(self, layer: int, positions: torch.Tensor, slots: torch.Tensor, addresses: torch.Tensor,
-                      ctx) -> None:
+    def _held(self, seq) -> bool:
+        """A real row (not a captured graph's padding, None) whose sparse layers are compressed."""
+        return seq is not None and self._state(seq).compressed
+
+    def _rebuild_rows(self, layer: int, positions: torch.Tensor, slots: torch.Tensor, ctx) -> None:
         """Pure decode: every compressed row's history entries of this layer rebuilt, on a
-        Triton provider in one launch (``kernels.deltakv_rebuild_batched_triton``) unless the
-        rows' codecs differ in index dtype (a history past 32767 centers beside a shorter one)."""
-        seqs = ctx.seqs  # None: a captured graph's padding row
-        rows = [b for b, seq in enumerate(seqs) if seq is not None and self._state(seq).compressed]
-        encs = [None] * len(seqs)
-        for b in rows:
-            encs[b] = self._state(seqs[b]).stores[layer].full()
+        Triton provider in one launch (``kernels.deltakv_rebuild_batched_triton``, the codecs
+        found through this step's address table) unless the rows' codecs differ in index
+        dtype (a history past 32767 centers beside a shorter one)."""
+        seqs = ctx.seqs
+        encs = [self._state(s).stores[layer].full() if self._held(s) else None for s in seqs]
+        rows = [b for b, enc in enumerate(encs) if enc is not None]
         one_launch = ctx.provider.triton_kernels and deltakv_rebuild.ONE_LAUNCH_PER_LAYER
         if rows and one_launch and len({encs[b].neighbors.dtype for b in rows}) == 1:
             k_cache, v_cache = ctx.kv_cache.layer(layer)
             kernels.deltakv_rebuild_batched_triton(encs, self.up_dot[layer], self.inv_freq, positions, slots, k_cache,
                                                    v_cache, self.config.sink_tokens,
-                                                   addresses=addresses[:, self.sparse_index[layer]])
+                                                   addresses=self._addresses[:, self.sparse_index[layer]])
             return
         for b in rows:
             self._rebuild_into(seqs[b], layer, positions[b], slots[b], ctx)

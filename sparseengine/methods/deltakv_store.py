@@ -147,6 +147,13 @@ class RequestState:
         """Each sparse layer's stored codec (its used rows)."""
         return {layer: store.view() for layer, store in self.stores.items()}
 
+    def address_row(self, i: int, layers: int, device) -> torch.Tensor:
+        """Row ``i`` of the request's codec address table (made at its first store), for the
+        i-th sparse layer's ``CodecStore`` to keep current."""
+        if self.addresses is None:
+            self.addresses = torch.zeros(layers, 5, dtype=torch.int64, device=device)
+        return self.addresses[i]
+
     def graph_state(self) -> tuple:
         """What a captured decode step bakes in: whether the layers are compressed and the
         generation of every buffer it reads."""
