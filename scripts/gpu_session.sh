@@ -3,6 +3,7 @@
 #   bash scripts/gpu_session.sh check        # GPU tests, kernels (+FlashInfer side by side), TTFT, profiles
 #   bash scripts/gpu_session.sh profiles     # GPU tests (no FlashInfer), per-kernel decode profiles (vanilla b1, quest b6, omnikv b6, snapkv b183, h2o b128, deltakv b1 and b6), DeltaKV's flush times
 #   bash scripts/gpu_session.sh deltakv      # DeltaKV's GPU tests, its rebuild a launch per layer against one per request
+#   bash scripts/gpu_session.sh flush        # DeltaKV's history flushes at b=6, timed and one profiled
 #   bash scripts/gpu_session.sh ab           # GPU tests, then each decode-step switch (AB_CONSTS) on/off in alternating profiles
 #   bash scripts/gpu_session.sh pick         # GPU tests (kernels, methods), OmniKV's pick side by side, OmniKV b6 profile
 #   bash scripts/gpu_session.sh balanced     # split-K decode tests (all, compiled), the balanced plan beside the per-row one
@@ -95,6 +96,11 @@ deltakv)  # DeltaKV's rebuild: its GPU tests, one launch per layer beside a laun
       --commit "$COMMIT" --engine-arg deltakv_checkpoint_path=$dk --kernel-const deltakv_rebuild.ONE_LAUNCH_PER_LAYER=$1 \
       --out "$OUT/profile_deltakv_b6_one$1_$2.json" 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -1
   done
+  ;;
+flush)  # DeltaKV's history flushes at b=6: each flush timed, the third profiled (host and device time per op)
+  deltakv_checkpoint
+  timeout 200 python scripts/time_deltakv_flush.py --batch 6 --profile 3 --commit "$COMMIT" \
+    --engine-arg deltakv_checkpoint_path=$dk --out "$OUT/flush_deltakv_b6.json" 2>&1 | tail -1 | cut -c1-3000
   ;;
 ab)
   # GPU tests (unless SKIP_TESTS), then each decode-step switch on and off, and all of them

@@ -24,11 +24,15 @@ from profile_decode_step import _engine_arg  # scripts/, on the path when run as
 from sparseengine import LLM, SamplingParams
 
 
+def _device_us(e) -> float:
+    return getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
+
+
 def top_ops(prof, rows: int = 25) -> list[dict]:
     """The profiled flush's ops, most host time first: calls, host us (self), device us (self)."""
     out = []
     for e in prof.key_averages():
-        device_us = getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
+        device_us = _device_us(e)
         out.append({"op": e.key[:120], "calls": e.count, "host_us": round(e.self_cpu_time_total, 1),
                     "device_us": round(device_us, 1)})
     return sorted(out, key=lambda r: -r["host_us"])[:rows] + sorted(out, key=lambda r: -r["device_us"])[:rows]
@@ -72,6 +76,7 @@ def main() -> None:
                     flush(seq)
                     sync(args.device)
                 ops["profile"] = top_ops(prof)
+                ops["profile_device_us"] = round(sum(_device_us(e) for e in prof.key_averages()), 1)
             else:
                 flush(seq)
             sync(args.device)

@@ -72,6 +72,23 @@ def test_compact_one_layer_and_a_subset_of_layers():
         c.compact_layers(seq, torch.zeros(3, 4, dtype=torch.long))
 
 
+@pytest.mark.parametrize("start,tail", [(3, 6), (0, 4), (5, 0)])
+def test_compact_tokens_keeps_the_front_and_moves_the_kept_rows_behind_it(start, tail):
+    """The tokens below ``start`` stay, ``keep`` follows them in every head (sources and
+    destinations overlap: every source is read first), token pools alike, other layers
+    untouched: what ``compact_layers`` does with the front kept in place."""
+    n, pages = 14, [6, 1, 4, 8]
+    keep = torch.arange(n - tail, n)
+    full = torch.cat([torch.arange(start), keep]).expand(HKV, -1)
+    c, seq = make_cache(11), make_seq(n, pages)
+    pool = c.token_pool("p", torch.float32)
+    pool.copy_(torch.randn(pool.shape, generator=torch.Generator().manual_seed(2)))
+    want_k, want_v, want_pool = (compacted(t, pages, {0: full, 2: full}) for t in (c.kv.k, c.kv.v, pool[..., None]))
+    c.compact_tokens(seq, keep, [0, 2], start)
+    assert seq.layer_lens == [start + tail, n, start + tail]
+    assert torch.equal(c.kv.k, want_k) and torch.equal(c.kv.v, want_v) and torch.equal(pool, want_pool[..., 0])
+
+
 def test_move_tokens_copies_every_layer_and_head():
     c = make_cache(3)
     before_k, before_v = c.kv.k.clone(), c.kv.v.clone()

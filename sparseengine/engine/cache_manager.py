@@ -111,6 +111,21 @@ class CacheManager:
         for layer in layers:
             seq.layer_lens[layer] = count
 
+    def compact_tokens(self, seq: Sequence, keep: torch.Tensor, layers: list[int], start: int) -> None:
+        """Keep the cached tokens below ``start`` where they are and the tokens ``keep [count]``
+        (the same indices for every KV head, sorted) after them, at ``start ...``, in
+        ``layers``: whole rows move (every head at once), and only those that move."""
+        if not layers:
+            return
+        keep = keep.to(self.kv.k.device)
+        dst = torch.arange(start, start + keep.numel(), device=keep.device)
+        src, dst = (self.flat(layers, self.slots(seq, t)[None]).flatten() for t in (keep, dst))  # [nl * count]
+        for cache in self._tensors():
+            flat = self.rows(cache)
+            flat.index_copy_(0, dst, flat.index_select(0, src))  # every source read before any write
+        for layer in layers:
+            seq.layer_lens[layer] = start + keep.numel()
+
     def move_tokens(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's K and V (all heads, and the token pools) of the physical
         cache slots ``src [N]`` to the slots ``dst [N]`` (one gather and one scatter, whatever

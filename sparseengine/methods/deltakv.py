@@ -68,7 +68,7 @@ from sparseengine.methods.base import SparseMethodRuntime
 from sparseengine.methods.deltakv_bytes import DeltaKVBytes, rebuild_read_bytes, request_bytes
 from sparseengine.methods.deltakv_fit import load_down_up
 from sparseengine.methods.deltakv_layout import map_chosen
-from sparseengine.methods.deltakv_store import CodecStore, RequestState
+from sparseengine.methods.deltakv_store import CodecStore, RequestState, append_layers
 from sparseengine.methods import omnikv
 from sparseengine.methods.omnikv import FILTER_LAYERS, choose_tokens, filter_layers_for
 
@@ -360,16 +360,15 @@ class DeltaKV(SparseMethodRuntime):
             new = codec.encode_tail_layers([s.centers[: s.c] for s in stores], stores[0].n,
                                            self._tail_kv(self.sparse, slots, positions), self.down_stack,
                                            self.stride, self.neighbors, self.bits)
-            for i, store in enumerate(stores):
-                store.append_encoded(count, *(part[i] for part in new))
+            append_layers(stores, count, *new)
         else:  # the first flush moves the whole prompt's history: a layer at a time bounds the memory
             for layer in self.sparse:
                 store = st.stores[layer] = self._new_store(seq, layer)
                 store.write(codec.encode(self._tail_kv([layer], slots, positions)[0], self.down[layer],
                                          center_ratio=self.ratio, neighbors=self.neighbors, latent_bits=self.bits))
-        keep = torch.cat([torch.arange(sink + budget, device=self.device),
-                          torch.arange(base + count, held, device=self.device)])
-        self.cache.compact_layers(seq, keep.expand(self.model.num_kv_heads, -1), self.sparse)
+        # sink and scratch slots stay; the raw tail left moves down behind them
+        self.cache.compact_tokens(seq, torch.arange(base + count, held, device=self.device), self.sparse,
+                                  sink + budget)
         self._set_hist_end(st, end)
         self.cache.trim_pages(seq)
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from sparseengine.layers.rotary import apply_rotary
+from sparseengine.methods.deltakv_nearest import gather_centers, nearest_centers, neighbor_mean
 
 QUANT_GROUP = 32
 LATENT_BITS = (4, 16)
@@ -129,40 +130,11 @@ def unrotate_keys(k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tens
 # ---------------------------------------------------------------------- neighbourhood
 
 
-def _assign(cf: torch.Tensor, stride: int, kv: torch.Tensor, pos: torch.Tensor, neighbors: int,
-            chunk_elems: int = 1 << 24) -> torch.Tensor:
-    """Neighbour center indices ``[L, m, neighbors]`` (nearest first, -1 padded) of tokens
-    ``kv [L, m, D]`` at positions ``pos [m]``, among the float32 centers ``cf [L, C, D]`` at
-    positions ``i * stride < pos`` (L layers at once)."""
-    g, m, c = kv.shape[0], kv.shape[1], cf.shape[1]
-    out = torch.full((g, m, neighbors), -1, dtype=torch.long, device=kv.device)
-    take = min(neighbors, c)
-    if m == 0 or take == 0:
-        return out
-    c_sq = (cf * cf).sum(dim=-1)[:, None, :]
-    c_pos = torch.arange(c, device=kv.device) * stride
-    rows = max(1, chunk_elems // (g * c))
-    for start in range(0, m, rows):  # chunks bound the [L, rows, C] distance matrices
-        x = kv[:, start : start + rows].float()
-        dist = (x * x).sum(dim=-1, keepdim=True) - 2.0 * x @ cf.transpose(1, 2) + c_sq
-        dist = dist.masked_fill(c_pos[None, None, :] >= pos[None, start : start + rows, None], float("inf"))
-        val, idx = torch.topk(dist, take, dim=-1, largest=False, sorted=True)
-        out[:, start : start + rows, :take] = idx.masked_fill(torch.isinf(val), -1)
-    return out
-
-
 def _neighbor_mean(centers: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Mean ``[..., m, D]`` (float32) of the centers ``[..., C, D]`` named by ``idx [..., m,
-    K]`` (-1 = none); the leading dim, where there is one, is the layer."""
-    idx = idx.long()
-    valid = idx >= 0
-    weight = valid / valid.sum(dim=-1, keepdim=True).clamp(min=1)  # [..., m, K]: 1/count where valid
-    # gather the named rows first: converting the whole table would move all C rows per call
-    if centers.dim() == 2:
-        rows = centers[idx.clamp(min=0)]
-    else:
-        rows = centers[torch.arange(centers.shape[0], device=idx.device)[:, None, None], idx.clamp(min=0)]
-    return torch.einsum("...mk,...mkd->...md", weight, rows.float())
+    """Mean ``[m, D]`` (float32) of the stored centers ``[C, D]`` named by ``idx [m, K]``
+    (-1 = none); the rows named are gathered first (converting the whole table would move
+    all C rows per call)."""
+    return neighbor_mean(centers[idx.long().clamp(min=0)], idx)
 
 
 def residuals(kv: torch.Tensor, center_ratio: float, neighbors: int):
@@ -174,7 +146,7 @@ def residuals(kv: torch.Tensor, center_ratio: float, neighbors: int):
     pos = torch.arange(kv.shape[0], device=kv.device)
     is_center = pos % stride == 0
     centers, others = kv[is_center], pos[~is_center]
-    idx = _assign(centers.float()[None], stride, kv[others][None], others, k)[0]
+    idx = nearest_centers([centers], kv[:0][None], stride, kv[others][None], others, k)[0]
     return kv[others].float() - _neighbor_mean(centers, idx), idx
 
 
@@ -268,34 +240,24 @@ def encode_tail(centers_old, n_old, kv_new, down, stride, neighbors, bits):
     return torch.cat([centers_old, new[0]]), idx[0], lat[0], scales[0], zeros[0]
 
 
-def encode_tail_layers(centers_old, n_old, kv_new, downs, stride, neighbors, bits, group_elems: int = 1 << 26):
+def encode_tail_layers(centers_old, n_old, kv_new, downs, stride, neighbors, bits):
     """`encode_tail` of L layers whose histories have the same length (a request's sparse
     layers at a history flush), in a few batched ops instead of L rounds of small ones:
-    ``centers_old``: L tensors ``[c, D]`` (or one ``[L, c, D]``), ``kv_new [L, m, D]``,
-    ``downs [L, D, r]``. Returns the new parts, stacked by layer: ``(centers [L, c_new,
-    D], neighbors [L, mo, K], latents, scales, zeros [L, mo, ...])``. Layers go in groups
-    whose float32 centers hold at most ``group_elems`` elements (one group for one layer)."""
+    ``centers_old``: L tensors ``[c, D]`` (or one ``[L, c, D]``; read where they are, never
+    copied: ``deltakv_nearest``), ``kv_new [L, m, D]``, ``downs [L, D, r]``. Returns the new
+    parts, stacked by layer: ``(centers [L, c_new, D], neighbors [L, mo, K], latents,
+    scales, zeros [L, mo, ...])``."""
     L, m, D = kv_new.shape
     center_rows, other_rows = split_rows(n_old, m, stride, kv_new.device)
-    new_centers = kv_new.index_select(1, center_rows).to(centers_old[0].dtype)  # [L, c_new, D]
+    olds = list(centers_old)
+    new_centers = kv_new.index_select(1, center_rows).to(olds[0].dtype)  # [L, c_new, D]
     others = kv_new.index_select(1, other_rows)
-    pos = n_old + other_rows
-    c_old, c_all = centers_old[0].shape[0], centers_old[0].shape[0] + new_centers.shape[1]
-    group = max(1, group_elems // max(1, c_all * D))
-    idx, z = [], []
-    for l0 in range(0, L, group):
-        l1 = min(L, l0 + group)
-        cf = torch.empty(l1 - l0, c_all, D, dtype=torch.float32, device=kv_new.device)
-        for j in range(l0, l1):
-            cf[j - l0, :c_old].copy_(centers_old[j])
-        cf[:, c_old:] = new_centers[l0:l1]
-        idx.append(_assign(cf, stride, others[l0:l1], pos, neighbors))
-        res = others[l0:l1].float() - _neighbor_mean(cf, idx[-1])
-        z.append(torch.bmm(res, downs[l0:l1].float()))
-    idx, z = torch.cat(idx), torch.cat(z)
+    idx = nearest_centers(olds, new_centers, stride, others, n_old + other_rows, neighbors)
+    res = others.float() - neighbor_mean(gather_centers(olds, new_centers, idx), idx)
+    z = torch.bmm(res, downs.float())
     mo = others.shape[1]
     lat, scales, zeros = (t.view(L, mo, *t.shape[1:]) for t in _store_latents(z.flatten(0, 1), bits))
-    return new_centers, idx.to(index_dtype(c_all)), lat, scales, zeros
+    return new_centers, idx.to(index_dtype(olds[0].shape[0] + new_centers.shape[1])), lat, scales, zeros
 
 
 def split_rows(n_old: int, m: int, stride: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -62,11 +62,17 @@ class CodecStore:
             self.generation += 1
         self.addresses.copy_(torch.tensor(codec_addresses(self.full()), dtype=torch.int64))
 
-    def _put(self, c0: int, m0: int, centers, neighbors, latents, scales, zeros) -> None:
-        self.centers[c0:c0 + centers.shape[0]] = centers
+    def _targets(self, c0: int, m0: int, centers, neighbors, latents, scales, zeros) -> list[tuple]:
+        """``(buffer rows, value)`` pairs that store these parts at center row ``c0`` and
+        other row ``m0``."""
         m1 = m0 + neighbors.shape[0]
-        self.neighbors_buf[m0:m1] = neighbors.to(self.neighbors_buf.dtype)
-        self.latents[m0:m1], self.scales[m0:m1], self.zeros[m0:m1] = latents, scales, zeros
+        return [(self.centers[c0:c0 + centers.shape[0]], centers),
+                (self.neighbors_buf[m0:m1], neighbors.to(self.neighbors_buf.dtype)),
+                (self.latents[m0:m1], latents), (self.scales[m0:m1], scales), (self.zeros[m0:m1], zeros)]
+
+    def _put(self, c0: int, m0: int, *parts) -> None:
+        for rows, value in self._targets(c0, m0, *parts):
+            rows.copy_(value)
 
     @torch.inference_mode()
     def write(self, enc: codec.DeltaKVEncoded) -> None:
@@ -91,11 +97,13 @@ class CodecStore:
     def append_encoded(self, count: int, centers, neighbors, latents, scales, zeros) -> None:
         """Store the encoding of ``count`` tokens at history positions ``n ...`` (the new
         parts, as `deltakv_codec.encode_tail_layers` returns them for each layer)."""
+        append_layers([self], count, *(part[None] for part in (centers, neighbors, latents, scales, zeros)))
+
+    def _grow(self, count: int) -> tuple[int, int]:
+        """Room for ``count`` more tokens; the counts moved on. Returns ``(c, m)`` before."""
         if self.n + count > self.capacity:
             self._allocate(max(self.n + count, 2 * self.capacity))
-        self._put(self.c, self.m, centers, neighbors, latents, scales, zeros)
-        self.n += count
-        self.c, self.m = self.c + centers.shape[0], self.m + neighbors.shape[0]
+        return self.c, self.m
 
     def write_random(self, n: int, gen: torch.Generator) -> None:
         """Store a random history of ``n`` tokens with the shapes and sizes an encoding of
@@ -126,6 +134,25 @@ class CodecStore:
     def full(self) -> codec.DeltaKVEncoded:
         return codec.DeltaKVEncoded(self.n, self.stride, self.bits, self.centers, self.neighbors_buf, self.latents,
                                     self.scales, self.zeros)
+
+
+@torch.inference_mode()
+def append_layers(stores: list[CodecStore], count: int, centers, neighbors, latents, scales, zeros) -> None:
+    """`CodecStore.append_encoded` of many stores of one history length (a request's sparse
+    layers at a flush), the parts stacked by store: written by one multi-tensor copy a
+    dtype, not five copies a store."""
+    if len({(s.n, s.c, s.m) for s in stores}) > 1:
+        raise RuntimeError(f"append_layers: the stores' histories differ: {[(s.n, s.c, s.m) for s in stores]}")
+    pairs = []
+    for i, store in enumerate(stores):
+        c0, m0 = store._grow(count)
+        pairs += store._targets(c0, m0, centers[i], neighbors[i], latents[i], scales[i], zeros[i])
+    for dtype in {rows.dtype for rows, _ in pairs}:  # a dtype a call: mixed lists copy tensor by tensor
+        same = [(rows, value) for rows, value in pairs if rows.dtype == dtype]
+        torch._foreach_copy_([rows for rows, _ in same], [value for _, value in same])
+    for store in stores:
+        store.n += count
+        store.c, store.m = store.c + centers.shape[1], store.m + neighbors.shape[1]
 
 
 @dataclass

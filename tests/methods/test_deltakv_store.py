@@ -7,7 +7,8 @@ import torch
 
 from sparseengine.methods import deltakv_codec as dk
 from sparseengine.methods import deltakv_fit
-from sparseengine.methods.deltakv_store import CodecStore
+from sparseengine.kernels.deltakv_rebuild import codec_addresses
+from sparseengine.methods.deltakv_store import CodecStore, append_layers
 
 FIELDS = ("centers", "neighbors", "latents", "scales", "zeros")
 
@@ -44,8 +45,7 @@ def test_appends_store_what_encode_stores(bits, capacity):
 
 
 @pytest.mark.parametrize("bits", [4, 16])
-@pytest.mark.parametrize("group_elems", [1 << 26, 1])  # every layer in one group; one layer a group
-def test_layers_encoded_together_equal_each_layer_alone(bits, group_elems):
+def test_layers_encoded_together_equal_each_layer_alone(bits):
     """A flush encodes every sparse layer's new tokens at once (`encode_tail_layers`): the
     same centers, neighbours and latents as encoding each layer's on its own, stored
     through `append_encoded` as `append` stores them."""
@@ -55,7 +55,7 @@ def test_layers_encoded_together_equal_each_layer_alone(bits, group_elems):
     olds = [dk.encode(kv[:n_old], down, center_ratio=0.125, neighbors=3, latent_bits=bits)
             for kv, down in zip(kvs, downs)]
     new = dk.encode_tail_layers([o.centers for o in olds], n_old, torch.stack([kv[n_old:] for kv in kvs]),
-                                torch.stack(downs), olds[0].stride, 3, bits, group_elems=group_elems)
+                                torch.stack(downs), olds[0].stride, 3, bits)
     for layer in range(layers):
         alone = dk.encode_tail(olds[layer].centers, n_old, kvs[layer][n_old:], downs[layer], olds[0].stride, 3, bits)
         c_old = olds[layer].centers.shape[0]
@@ -70,3 +70,31 @@ def test_layers_encoded_together_equal_each_layer_alone(bits, group_elems):
         for name in FIELDS:
             assert torch.equal(getattr(a.view(), name), getattr(b.view(), name)), f"layer {layer} stored {name}"
         assert (a.n, a.c, a.m) == (b.n, b.c, b.m) == (n_old + m, a.c, a.m)
+
+
+@pytest.mark.parametrize("bits", [4, 16])
+@pytest.mark.parametrize("capacity", [200, 50])  # 50: every store outgrows its buffers in the one call
+def test_append_layers_stores_what_each_store_appends_alone(bits, capacity):
+    """A flush writes every layer's new parts with one multi-tensor copy
+    (`deltakv_store.append_layers`): the same rows as appending store by store."""
+    layers, n_old, m = 3, 41, 23
+    kvs = [_kv(n_old + m, 64, seed=20 + layer) for layer in range(layers)]
+    down = deltakv_fit.fit_down_up(dk.residuals(kvs[0], 0.125, 3)[0], 32)[0]
+    olds = [dk.encode(kv[:n_old], down, center_ratio=0.125, neighbors=3, latent_bits=bits) for kv in kvs]
+    new = dk.encode_tail_layers([o.centers for o in olds], n_old, torch.stack([kv[n_old:] for kv in kvs]),
+                                down.expand(layers, -1, -1), olds[0].stride, 3, bits)
+    together = [CodecStore(capacity, olds[0].stride, bits, 3, 64, 32, torch.float32, "cpu") for _ in range(layers)]
+    alone = [CodecStore(capacity, olds[0].stride, bits, 3, 64, 32, torch.float32, "cpu") for _ in range(layers)]
+    for a, b, old in zip(together, alone, olds):
+        a.write(old)
+        b.write(old)
+    append_layers(together, m, *new)
+    for i, (a, b) in enumerate(zip(together, alone)):
+        b.append(kvs[i][n_old:], down)
+        assert (a.n, a.c, a.m, a.generation) == (b.n, b.c, b.m, b.generation)
+        for name in FIELDS:
+            assert torch.equal(getattr(a.view(), name), getattr(b.view(), name)), f"store {i} {name}"
+        assert a.addresses.tolist() == list(codec_addresses(a.full()))  # kept current when the buffers moved
+    together[0].n += 1
+    with pytest.raises(RuntimeError, match="histories differ"):
+        append_layers(together, m, *new)
