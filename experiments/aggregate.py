@@ -162,7 +162,8 @@ def improvement_over_vanilla(tp: pd.DataFrame, reference: str = "vanilla") -> pd
                          "improvement_pct": (100.0 * (float(same["output_tok_s"].iloc[0]) / ref_tok - 1))
                          if len(same) else None,
                          "largest_batch": int(largest["batch"]), "output_tok_s_at_largest": largest["output_tok_s"]})
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, columns=["model", "context_length", "lane", "concurrency", "output_tok_s_at_concurrency",
+                                       "improvement_pct", "largest_batch", "output_tok_s_at_largest"])
 
 
 def main(argv: list[str] | None = None) -> None:

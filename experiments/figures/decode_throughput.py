@@ -37,7 +37,8 @@ def render(tp: pd.DataFrame, out_dir: str | Path, name: str = "decode_throughput
                         va="bottom", fontsize=8)
     bottom.axhline(0, color="0.5", lw=0.8)
     bottom.margins(y=0.15)
-    bottom.set_ylabel(f"improvement over vanilla\nat batch {conc} (%)")
+    where = f"at batch {conc} (%)" if conc else "(no vanilla lane)"
+    bottom.set_ylabel(f"improvement over vanilla\n{where}")
     bottom.set_xticks(list(xs), lanes, rotation=20, ha="right")
     fig.tight_layout()
     return fig, save(fig, out_dir, name)

@@ -43,6 +43,19 @@ def test_two_panel_decode_figure_from_records(tmp_path) -> None:
     assert files[0].exists()
 
 
+def test_decode_figure_without_a_vanilla_lane(tmp_path) -> None:
+    """A sweep of sparse lanes alone (no vanilla in its records) still draws the top panel;
+    the bottom one says there is nothing to compare with."""
+    path = tmp_path / "records.jsonl"
+    path.write_text(json.dumps(_throughput("lane_x", {6: 150.0})))
+    tp = aggregate.throughput_table(aggregate.load_records(path))
+    assert aggregate.improvement_over_vanilla(tp).empty
+    fig, files = decode_throughput.render(tp, tmp_path / "figures")
+    top, bottom = fig.axes
+    assert all(f.exists() for f in files) and [round(p.get_height()) for p in top.patches] == [150]
+    assert "no vanilla lane" in bottom.get_ylabel() and [t.get_text() for t in bottom.texts] == ["n/a"]
+
+
 def test_accuracy_figure_from_records(tmp_path) -> None:
     recs = [_record("ruler", {"sparse_method": "vanilla", "budget": 0}, {"context_length": 2048},
                     {"ruler/score": 80.0, "ruler/vt/score": 70.0, "ruler/cwe/score": 90.0}, 0.5)]
