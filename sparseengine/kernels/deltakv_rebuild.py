@@ -46,6 +46,9 @@ if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing need
 # deltakv_rebuild_batched_triton; False: a launch per request (the engine's path before). Read at
 # each step, so a profile can set it (scripts/profile_decode_step.py --kernel-const).
 ONE_LAUNCH_PER_LAYER = True
+# The launch's tile (entries a program), warps and software-pipeline stages (None: Triton's
+# default), where a call names none; read at each launch (a profile's --kernel-const sets them).
+BLOCK_M, NUM_WARPS, NUM_STAGES = 16, 4, None
 
 def deltakv_rebuild_ref(enc, up, inv_freq, tokens, slots, k_cache, v_cache, sink: int) -> None:
     """The codec's own decode (``deltakv_codec.decode_at``, the definition) and RoPE, written
@@ -103,7 +106,8 @@ def _check(enc, up, inv_freq, k_cache, v_cache) -> tuple[int, int]:
 
 
 def deltakv_rebuild_triton(enc, up, inv_freq, tokens, slots, k_cache, v_cache, sink: int, *,
-                           block_m: int | None = None, block_r: int | None = None, num_warps: int = 4) -> None:
+                           block_m: int | None = None, block_r: int | None = None, num_warps: int | None = None,
+                           num_stages: int | None = None) -> None:
     bits, group = _check(enc, up, inv_freq, k_cache, v_cache)
     if tokens.shape != slots.shape or tokens.dim() != 1:
         raise ValueError(f"tokens {tuple(tokens.shape)} and slots {tuple(slots.shape)} must be one same 1-D shape")
@@ -117,12 +121,13 @@ def deltakv_rebuild_triton(enc, up, inv_freq, tokens, slots, k_cache, v_cache, s
     scales = enc.scales if bits == 4 and enc.scales.shape[0] else latents  # unread for 16-bit latents
     zeros = enc.zeros if bits == 4 and enc.zeros.shape[0] else latents
     _launch((enc.centers, neighbors, latents, scales, zeros), tokens, slots, None, 1, up, inv_freq, k_cache, v_cache,
-            sink, enc.stride, bits, group, block_m, block_r, num_warps)
+            sink, enc.stride, bits, group, block_m, block_r, num_warps, num_stages)
 
 
 def deltakv_rebuild_batched_triton(encs, up, inv_freq, tokens, slots, k_cache, v_cache, sink: int, *,
                                    addresses: torch.Tensor | None = None, block_m: int | None = None,
-                                   block_r: int | None = None, num_warps: int = 4) -> None:
+                                   block_r: int | None = None, num_warps: int | None = None,
+                                   num_stages: int | None = None) -> None:
     """One launch for ``B`` requests (module docstring). ``encs[b]`` None: row b rebuilds
     nothing (its slots must be -1). ``addresses`` (``[B, 5]`` int64 on the device,
     ``codec_addresses`` of each row, any row-stride): where a captured step finds the
@@ -151,15 +156,17 @@ def deltakv_rebuild_batched_triton(encs, up, inv_freq, tokens, slots, k_cache, v
     like = given[0]  # the pointer arguments' dtypes; the kernel reads each row's own addresses
     scales = like.scales if bits == 4 else like.latents
     _launch((like.centers, like.neighbors, like.latents, scales, scales), tokens, slots, addresses, tokens.shape[0],
-            up, inv_freq, k_cache, v_cache, sink, like.stride, bits, group, block_m, block_r, num_warps)
+            up, inv_freq, k_cache, v_cache, sink, like.stride, bits, group, block_m, block_r, num_warps, num_stages)
 
 
 def _launch(codec_ptrs, tokens, slots, addresses, rows, up, inv_freq, k_cache, v_cache, sink, stride, bits, group,
-            block_m, block_r, num_warps) -> None:
+            block_m, block_r, num_warps, num_stages) -> None:
     centers, neighbors, latents, scales, zeros = codec_ptrs
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     r, n = up.shape[0], tokens.shape[-1]
-    block_m = block_m or 16  # 45 us per layer of the 128K benchmark on the H200 (bench_deltakv), 32: 56, 64: 49
+    block_m = block_m or BLOCK_M
+    num_warps = num_warps or NUM_WARPS
+    num_stages = NUM_STAGES if num_stages is None else num_stages
     block_r = block_r or max(32, min(64, next_pow2(r)))
     tiles = cdiv(n, block_m)
     batched = addresses is not None
@@ -171,6 +178,7 @@ def _launch(codec_ptrs, tokens, slots, addresses, rows, up, inv_freq, k_cache, v
         HKV=hkv, HALF=d // 2, BLOCK_HALF=max(16, next_pow2(d // 2)), NB=neighbors.shape[1], BITS=bits,
         GROUP=group, PAGE_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_R=block_r, BATCHED=batched,
         DOT_PREC="ieee" if up.dtype == torch.float32 else "tf32", num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}),
     )
 
 
@@ -214,9 +222,25 @@ def _rebuild_kernel(
     c_ok = offs_c < HALF
     lo_cols = is_v * (HKV * 2 * HALF) + kvh * 2 * HALF + offs_c
     hi_cols = lo_cols + HALF
-    # z @ up over the latent dim, z dequantized on the fly
+    # the mean of the token's valid neighbour centers first (a center: itself, weight 1, and a
+    # product of zeros after: it comes back raw), so that its sums are dead before the product
+    # takes its accumulators
+    is_c = active & is_center
+    count = tl.zeros([BLOCK_M], tl.float32)
+    for j in tl.static_range(NB):
+        count += (tl.load(nb_ptr + row * NB + j, mask=other, other=-1) >= 0).to(tl.float32)
+    weight = tl.where(is_c, 1.0, 1.0 / tl.maximum(count, 1.0))[:, None]
     acc_lo = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
     acc_hi = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
+    for j in tl.static_range(NB):
+        nid = tl.load(nb_ptr + row * NB + j, mask=other, other=-1).to(tl.int64)
+        if j == 0:
+            nid = tl.where(is_c, center, nid)
+        c_mask = (nid >= 0)[:, None] & c_ok[None, :]
+        row_at = centers_ptr + nid[:, None] * width
+        acc_lo += tl.load(row_at + lo_cols[None, :], mask=c_mask, other=0.0).to(tl.float32) * weight
+        acc_hi += tl.load(row_at + hi_cols[None, :], mask=c_mask, other=0.0).to(tl.float32) * weight
+    # + z @ up over the latent dim, z dequantized on the fly
     if BITS == 4:  # a byte holds latents 2b (low nibble) and 2b + 1: two products per tile
         for b0 in range(0, R // 2, BLOCK_R // 2):
             offs_b = b0 + tl.arange(0, BLOCK_R // 2)
@@ -251,26 +275,7 @@ def _rebuild_kernel(
             acc_lo += tl.dot(z, w, input_precision=DOT_PREC)
             w = tl.load(up_ptr + offs_r[:, None] * width + hi_cols[None, :], mask=w_mask, other=0.0)
             acc_hi += tl.dot(z, w, input_precision=DOT_PREC)
-    # + the mean of the token's valid neighbour centers
-    sum_lo = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
-    sum_hi = tl.zeros([BLOCK_M, BLOCK_HALF], tl.float32)
-    count = tl.zeros([BLOCK_M], tl.float32)
-    for j in tl.static_range(NB):
-        nid = tl.load(nb_ptr + row * NB + j, mask=other, other=-1).to(tl.int64)
-        ok = nid >= 0
-        c_mask = ok[:, None] & c_ok[None, :]
-        sum_lo += tl.load(centers_ptr + nid[:, None] * width + lo_cols[None, :], mask=c_mask, other=0.0).to(tl.float32)
-        sum_hi += tl.load(centers_ptr + nid[:, None] * width + hi_cols[None, :], mask=c_mask, other=0.0).to(tl.float32)
-        count += ok.to(tl.float32)
-    denom = tl.maximum(count, 1.0)[:, None]
-    x_lo = acc_lo + sum_lo / denom
-    x_hi = acc_hi + sum_hi / denom
-    # centers come back raw
-    c_mask = (active & is_center)[:, None] & c_ok[None, :]
-    c_lo = tl.load(centers_ptr + center[:, None] * width + lo_cols[None, :], mask=c_mask, other=0.0).to(tl.float32)
-    c_hi = tl.load(centers_ptr + center[:, None] * width + hi_cols[None, :], mask=c_mask, other=0.0).to(tl.float32)
-    x_lo = tl.where(is_center[:, None], c_lo, x_lo)
-    x_hi = tl.where(is_center[:, None], c_hi, x_hi)
+    x_lo, x_hi = acc_lo, acc_hi
     # RoPE for K at the token's own position
     freq = tl.load(inv_freq_ptr + offs_c, mask=c_ok, other=0.0).to(tl.float32)
     angle = tok.to(tl.float32)[:, None] * freq[None, :]
