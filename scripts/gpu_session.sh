@@ -3,6 +3,7 @@
 #   bash scripts/gpu_session.sh check        # GPU tests, kernels (+FlashInfer side by side), TTFT, profiles
 #   bash scripts/gpu_session.sh profiles     # GPU tests (no FlashInfer), per-kernel decode profiles (vanilla b1, quest b6, omnikv b6, snapkv b183, h2o b128, deltakv b1 and b6), DeltaKV's flush times
 #   bash scripts/gpu_session.sh deltakv      # DeltaKV's GPU tests, its rebuild a launch per layer against one per request
+#   BASE=<commit> bash scripts/gpu_session.sh deltakv_ab  # DeltaKV here and at BASE: tests, rebuild bench, b6 profiles, lane
 #   bash scripts/gpu_session.sh flush        # DeltaKV's history flushes at b=6, timed and one profiled
 #   bash scripts/gpu_session.sh ab           # GPU tests, then each decode-step switch (AB_CONSTS) on/off in alternating profiles
 #   bash scripts/gpu_session.sh pick         # GPU tests (kernels, methods), OmniKV's pick side by side, OmniKV b6 profile
@@ -96,6 +97,30 @@ deltakv)  # DeltaKV's rebuild: its GPU tests, one launch per layer beside a laun
       --commit "$COMMIT" --engine-arg deltakv_checkpoint_path=$dk --kernel-const deltakv_rebuild.ONE_LAUNCH_PER_LAYER=$1 \
       --out "$OUT/profile_deltakv_b6_one$1_$2.json" 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -1
   done
+  ;;
+deltakv_ab)  # DeltaKV against BASE (a commit the device copy's .git holds) in one call: GPU tests, the rebuild bench
+  # here and there, alternating b=6 graph-step profiles, then this tree's lane (records and figure into $OUT)
+  base=${BASE:?BASE=<commit>}
+  timeout 150 python -m pytest tests/kernels/test_deltakv_rebuild.py tests/methods/test_graph_vs_eager_gpu.py -q -m gpu \
+    -k "deltakv or rebuild" -p no:cacheprovider -rs 2>&1 | tail -2 | tee "$OUT/gpu_tests.log"
+  git worktree add -f /tmp/base "$base" > /dev/null 2>&1 || { echo "no worktree at $base"; exit 1; }
+  install_wheels .whl/hydra
+  deltakv_checkpoint
+  for tree in "$PWD $COMMIT" "/tmp/base $base"; do
+    set -- $tree
+    (cd $1 && PYTHONPATH=$1:/tmp/site timeout 100 python -m sparseengine.kernels.bench_gpu --deltakv-rebuild-batched \
+      --out "$OUT/rebuild_$2.jsonl" > /dev/null 2>&1; tail -c 300 "$OUT/rebuild_$2.jsonl")
+  done
+  for round in 1 2; do
+    for tree in "$PWD $COMMIT" "/tmp/base $base"; do
+      set -- $tree
+      (cd $1 && PYTHONPATH=$1:/tmp/site timeout 100 python scripts/profile_decode_step.py --method deltakv --batch 6 \
+        --steps 8 --graph-only --commit $2 --engine-arg deltakv_checkpoint_path=$dk \
+        --out "$OUT/profile_deltakv_b6_$2_$round.json" 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -1 | cut -c1-200)
+    done
+  done
+  SKIP_TESTS=1 THROUGHPUT_TIMEOUT=${THROUGHPUT_TIMEOUT:-200} bash "$0" throughput sparse_method=deltakv "task.hf_batches=[]" \
+    2>&1 | grep deltakv | tail -3
   ;;
 flush)  # DeltaKV's history flushes at b=6: each flush timed, the third profiled (host and device time per op)
   deltakv_checkpoint
