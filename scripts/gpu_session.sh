@@ -4,6 +4,7 @@
 #   bash scripts/gpu_session.sh profiles     # GPU tests (no FlashInfer), per-kernel decode profiles (vanilla b1, quest b6, omnikv b6, snapkv b183, h2o b128, deltakv b1 and b6), DeltaKV's flush times
 #   bash scripts/gpu_session.sh deltakv      # DeltaKV's GPU tests, its rebuild a launch per layer against one per request
 #   BASE=<commit> bash scripts/gpu_session.sh deltakv_ab  # DeltaKV here and at BASE: tests, rebuild bench, b6 profiles, lane
+#   bash scripts/gpu_session.sh deltakv_tiles  # Nsight Compute over DeltaKV's rebuild, its tiles swept, the fastest profiled
 #   bash scripts/gpu_session.sh flush        # DeltaKV's history flushes at b=6, timed and one profiled
 #   bash scripts/gpu_session.sh ab           # GPU tests, then each decode-step switch (AB_CONSTS) on/off in alternating profiles
 #   bash scripts/gpu_session.sh pick         # GPU tests (kernels, methods), OmniKV's pick side by side, OmniKV b6 profile
@@ -121,6 +122,36 @@ deltakv_ab)  # DeltaKV against BASE (a commit the device copy's .git holds) in o
   done
   SKIP_TESTS=1 THROUGHPUT_TIMEOUT=${THROUGHPUT_TIMEOUT:-200} bash "$0" throughput sparse_method=deltakv "task.hf_batches=[]" \
     2>&1 | grep deltakv | tail -3
+  ;;
+deltakv_tiles)  # Nsight Compute over DeltaKV's rebuild kernel, its launch configurations swept (bench_gpu), then the
+  # fastest against the default in alternating b=6 graph-step profiles (module defaults set by --kernel-const)
+  install_wheels .whl/hydra
+  timeout 150 ncu -k regex:_rebuild_kernel -c 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --section WarpStateStats --section Occupancy --section LaunchStats --section SchedulerStats \
+    python -m sparseengine.kernels.bench_gpu --deltakv-rebuild-batched --out /tmp/ncu_bench.jsonl 2>&1 \
+    | grep -v -E '^\{|^==PROF==' > "$OUT/ncu_rebuild.txt"
+  timeout 100 python -m sparseengine.kernels.bench_gpu --deltakv-rebuild-batched --out "$OUT/rebuild_tiles.jsonl" > /dev/null
+  best=$(python -c "
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+rows = [r for r in rows if r.get('path') == 'one launch']
+key = lambda r: (r['block_m'], r['num_warps'], r['num_stages'], r['block_r'])
+us = {}
+for r in rows: us.setdefault(key(r), []).append(r['us_per_layer'])
+print(*min(us, key=lambda k: sum(us[k]) / len(us[k])))" "$OUT/rebuild_tiles.jsonl")
+  echo "fastest (BLOCK_M NUM_WARPS NUM_STAGES BLOCK_R): $best"
+  set -- $best
+  consts=(--kernel-const deltakv_rebuild.BLOCK_M=$1 --kernel-const deltakv_rebuild.NUM_WARPS=$2
+          --kernel-const deltakv_rebuild.NUM_STAGES=$3 --kernel-const deltakv_rebuild.BLOCK_R=$4)
+  deltakv_checkpoint
+  for round in 1 2; do
+    for which in default fastest; do
+      args=(); [ $which = fastest ] && args=("${consts[@]}")
+      timeout 100 python scripts/profile_decode_step.py --method deltakv --batch 6 --steps 8 --graph-only \
+        --commit "$COMMIT" --engine-arg deltakv_checkpoint_path=$dk "${args[@]}" \
+        --out "$OUT/profile_deltakv_b6_${which}_$round.json" 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -1 | cut -c1-200
+    done
+  done
   ;;
 flush)  # DeltaKV's history flushes at b=6: each flush timed, the third profiled (host and device time per op)
   deltakv_checkpoint

@@ -98,12 +98,13 @@ def bench_deltakv_rebuild_batched(out_path, batch=6, n=131072, sink=64, budget=1
         per_request()
         emit(out_path, {"kind": "deltakv_rebuild_batched", "path": "launch per request", **shape,
                         "us_per_layer": per_launch_us(per_request), "max_abs_diff_vs_ref": err()})
-        for block_m, warps, stages in ((16, 4, None), (16, 4, 2), (32, 4, 2), (32, 8, 2), (64, 8, 2), (16, 2, 2)):
+        for block_m, warps, stages, block_r in ((16, 4, 2, 64), (16, 4, 3, 64), (16, 4, 2, 32), (16, 4, 3, 32),
+                                                (16, 4, 4, 32), (32, 4, 2, 32), (16, 2, 2, 64)):
             k_cache.zero_(), v_cache.zero_()
             fn = lambda: deltakv_rebuild_batched_triton(  # noqa: E731
                 encs, up16, inv_freq, tokens, slots, k_cache, v_cache, sink, addresses=addresses, block_m=block_m,
-                num_warps=warps, num_stages=stages)
+                num_warps=warps, num_stages=stages, block_r=block_r)
             fn()
             emit(out_path, {"kind": "deltakv_rebuild_batched", "path": "one launch", "block_m": block_m,
-                            "num_warps": warps, "num_stages": stages, **shape, "us_per_layer": per_launch_us(fn),
-                            "max_abs_diff_vs_ref": err()})
+                            "num_warps": warps, "num_stages": stages, "block_r": block_r, **shape,
+                            "us_per_layer": per_launch_us(fn), "max_abs_diff_vs_ref": err()})

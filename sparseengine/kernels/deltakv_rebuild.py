@@ -51,6 +51,7 @@ ONE_LAUNCH_PER_LAYER = True
 # them). On the H200 at the 128K benchmark's shape (bench_deltakv, 3105d3d): 16 x 4 x 2 stages
 # 165 us a layer, 3 stages 184 (34.8 KB of shared memory a program against 17.9), 32 x 4 x 2 196.
 BLOCK_M, NUM_WARPS, NUM_STAGES = 16, 4, 2
+BLOCK_R = None  # latents a step of the product loop (None: 64, or r rounded up to 32 if less)
 
 def deltakv_rebuild_ref(enc, up, inv_freq, tokens, slots, k_cache, v_cache, sink: int) -> None:
     """The codec's own decode (``deltakv_codec.decode_at``, the definition) and RoPE, written
@@ -169,7 +170,7 @@ def _launch(codec_ptrs, tokens, slots, addresses, rows, up, inv_freq, k_cache, v
     block_m = block_m or BLOCK_M
     num_warps = num_warps or NUM_WARPS
     num_stages = NUM_STAGES if num_stages is None else num_stages
-    block_r = block_r or max(32, min(64, next_pow2(r)))
+    block_r = block_r or BLOCK_R or max(32, min(64, next_pow2(r)))
     tiles = cdiv(n, block_m)
     batched = addresses is not None
     _rebuild_kernel[(rows * tiles, hkv, 2)](
