@@ -26,7 +26,9 @@ All rows share the dtypes, rank and stride. A row with nothing to rebuild (slots
 may name address 0.
 
 Triton: one program per (tile of BLOCK_M entries, KV head, K or V); the d/2 halves are two
-float32 accumulators so RoPE is applied in registers. The `z @ up` product runs in `up`'s
+float32 accumulators so RoPE is applied in registers. They take the neighbour mean first and
+the product after (so the mean's loads and sums are done before the product's registers are
+needed: 72 registers a thread at 16 x 4 warps on sm_90, against 103 summing it apart). The `z @ up` product runs in `up`'s
 dtype with float32 accumulation: float16 on tensor cores (the latents rounded to float16,
 10 mantissa bits, as TF32 would), float32 exactly (IEEE).
 """
@@ -48,10 +50,11 @@ if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing need
 ONE_LAUNCH_PER_LAYER = True
 # The launch's tile (entries a program), warps and software-pipeline stages (None: Triton's
 # default, 3), where a call names none; read at each launch (a profile's --kernel-const sets
-# them). On the H200 at the 128K benchmark's shape (bench_deltakv, 3105d3d): 16 x 4 x 2 stages
-# 165 us a layer, 3 stages 184 (34.8 KB of shared memory a program against 17.9), 32 x 4 x 2 196.
+# them). On the H200 at the 128K benchmark's shape (bench_deltakv, session 28): 16 x 4 x 2 stages
+# x 64 latents 165 us a layer, 3 stages 184 (34.8 KB of shared memory a program against 17.9),
+# 32 latents a step 172-186, 32 x 4 x 2 194-205; session 27's kernel 199 in the same call.
 BLOCK_M, NUM_WARPS, NUM_STAGES = 16, 4, 2
-BLOCK_R = None  # latents a step of the product loop (None: 64, or r rounded up to 32 if less)
+BLOCK_R = None  # latents a step of the product loop (None: 64; 32 when the rank is 32 or less)
 
 def deltakv_rebuild_ref(enc, up, inv_freq, tokens, slots, k_cache, v_cache, sink: int) -> None:
     """The codec's own decode (``deltakv_codec.decode_at``, the definition) and RoPE, written

@@ -100,7 +100,8 @@ class CodecStore:
         append_layers([self], count, *(part[None] for part in (centers, neighbors, latents, scales, zeros)))
 
     def _grow(self, count: int) -> tuple[int, int]:
-        """Room for ``count`` more tokens; the counts moved on. Returns ``(c, m)`` before."""
+        """Room for ``count`` more tokens (the buffers reallocated when outgrown); ``(c, m)``:
+        the center and other rows where they go (the counts move on after the write)."""
         if self.n + count > self.capacity:
             self._allocate(max(self.n + count, 2 * self.capacity))
         return self.c, self.m
