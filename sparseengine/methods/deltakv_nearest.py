@@ -10,19 +10,33 @@ centers (1.4 GB for a Llama-3.1-8B request) to search 64 tokens.
 Distances are ``|x|^2 - 2 x.c + |c|^2`` in float32. For 16-bit kv on a GPU, ``x.c`` is one
 16-bit GEMM with float32 output (``torch.mm(..., out_dtype=float32)``: the products of two
 16-bit numbers are exact in float32, the sums are float32), so the centers are never
-copied to float32; elsewhere both sides are converted to float32 first.
+copied to float32; elsewhere (and on a torch whose GEMMs lack ``out_dtype``) both sides are
+converted to float32 first.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 HALF = (torch.bfloat16, torch.float16)
 
 
+@functools.cache
+def _mm_out_dtype() -> bool:
+    """Whether this torch's CUDA GEMMs take ``out_dtype`` (16-bit inputs, float32 output);
+    older builds convert both sides to float32 instead."""
+    try:
+        a = torch.ones(1, 1, dtype=torch.bfloat16, device="cuda")
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
 def _dots(x: torch.Tensor, centers: torch.Tensor) -> torch.Tensor:
     """``x [..., m, D] . centers [..., c, D]^T`` as float32 ``[..., m, c]`` (2-D or 3-D)."""
-    if x.is_cuda and x.dtype in HALF and centers.dtype == x.dtype:
+    if x.is_cuda and x.dtype in HALF and centers.dtype == x.dtype and _mm_out_dtype():
         mm = torch.mm if x.dim() == 2 else torch.bmm
         return mm(x, centers.transpose(-1, -2), out_dtype=torch.float32)
     return x.float() @ centers.float().transpose(-1, -2)
