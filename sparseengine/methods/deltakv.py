@@ -27,10 +27,10 @@ into the scratch slots (on a Triton provider by one fused kernel per layer for t
 batch, ``kernels.deltakv_rebuild_batched_triton``, which reads only the history entries; per
 request in mixed steps), and the Selection
 covers sink + scratch + raw tail picks. The raw tail grows by one token per step; when it
-holds ``FLUSH_TOKENS`` more than ``recent_tokens``, its oldest tokens are appended to the
-history (every sparse layer's encoded at once, ``deltakv_codec.encode_tail_layers``, and
-appended in place to each layer's ``deltakv_store.CodecStore``) and the layer is
-compacted back to ``S + B + R`` slots.
+holds ``deltakv_flush.FLUSH_TOKENS`` more than ``recent_tokens``, its oldest tokens are
+appended to the history (``deltakv_flush``: every sparse layer's encoded at once and
+appended in place to each layer's ``deltakv_store.CodecStore``) and the layer is compacted
+back to ``S + B + R`` slots.
 Raw tail tokens older than the last ``recent_tokens`` that the full layers choose are read
 exact (never worse than rebuilding them).
 
@@ -68,15 +68,13 @@ from sparseengine.methods.base import SparseMethodRuntime
 from sparseengine.methods.deltakv_bytes import DeltaKVBytes, rebuild_read_bytes, request_bytes
 from sparseengine.methods.deltakv_fit import load_down_up
 from sparseengine.methods.deltakv_layout import map_chosen
-from sparseengine.methods.deltakv_store import CodecStore, RequestState, append_layers
+from sparseengine.methods.deltakv_flush import flush_history
+from sparseengine.methods.deltakv_store import CodecStore, RequestState
 from sparseengine.methods import omnikv
 from sparseengine.methods.omnikv import FILTER_LAYERS, choose_tokens, filter_layers_for
 
 # The full layers choose tokens exactly as OmniKV's filter layers do: same per-model table.
 FULL_LAYERS = FILTER_LAYERS
-# Raw tail tokens beyond recent_tokens before they are moved into the compressed history
-# (amortises the compaction; those tokens stay exact meanwhile).
-FLUSH_TOKENS = 64
 STATE_KEY = "deltakv"
 
 
@@ -336,50 +334,9 @@ class DeltaKV(SparseMethodRuntime):
             self._flush(seq)
 
     def _flush(self, seq) -> None:
-        """Move raw tail tokens older than the last ``recent_tokens`` into the history."""
-        cfg = self.config
-        sink, budget, recent = cfg.sink_tokens, cfg.budget, cfg.recent_tokens
-        length = seq.num_computed_tokens
-        if length <= self.total or not self.sparse:
-            return
-        st = self._state(seq)
-        end = length - recent
-        if end <= st.hist_end or (st.compressed and end - st.hist_end < FLUSH_TOKENS):
-            return
-        base = sink + budget if st.compressed else sink
-        count, held = end - st.hist_end, base + length - st.hist_end
-        positions = torch.arange(st.hist_end, end, device=self.device)
-        slots = self.cache.slots(seq, torch.arange(base, base + count, device=self.device))  # same in every layer
-        for layer in self.sparse:
-            if seq.layer_lens[layer] != held:
-                raise RuntimeError(f"deltakv: layer {layer} holds {seq.layer_lens[layer]} tokens, expected {held}")
-        if st.compressed:  # every sparse layer at once: a few batched ops, not a round of small ones per layer
-            stores = [st.stores[layer] for layer in self.sparse]
-            if len({(s.n, s.c) for s in stores}) != 1:
-                raise RuntimeError(f"deltakv: the sparse layers' histories differ: {[(s.n, s.c) for s in stores]}")
-            new = codec.encode_tail_layers([s.centers[: s.c] for s in stores], stores[0].n,
-                                           self._tail_kv(self.sparse, slots, positions), self.down_stack,
-                                           self.stride, self.neighbors, self.bits)
-            append_layers(stores, count, *new)
-        else:  # the first flush moves the whole prompt's history: a layer at a time bounds the memory
-            for layer in self.sparse:
-                store = st.stores[layer] = self._new_store(seq, layer)
-                store.write(codec.encode(self._tail_kv([layer], slots, positions)[0], self.down[layer],
-                                         center_ratio=self.ratio, neighbors=self.neighbors, latent_bits=self.bits))
-        # sink and scratch slots stay; the raw tail left moves down behind them
-        self.cache.compact_tokens(seq, torch.arange(base + count, held, device=self.device), self.sparse,
-                                  sink + budget)
-        self._set_hist_end(st, end)
-        self.cache.trim_pages(seq)
-
-    def _tail_kv(self, layers: list[int], slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``[len(layers), n, D]``: the cached tokens at ``slots`` (positions ``positions``)
-        of those layers as codec vectors, keys unrotated."""
-        rows = self.cache.flat(layers, slots[None])  # [nl, n]
-        k = self.cache.rows(self.cache.kv.k)[rows].flatten(0, 1)
-        v = self.cache.rows(self.cache.kv.v)[rows].flatten(0, 1)
-        k = codec.unrotate_keys(k, positions.repeat(len(layers)), self.inv_freq).to(k.dtype)
-        return codec.concat_kv(k, v).view(len(layers), slots.shape[0], -1)
+        """Move raw tail tokens older than the last ``recent_tokens`` into the history
+        (``deltakv_flush``)."""
+        flush_history(self, seq)
 
     # ---- accounting -----------------------------------------------------------------------
     def stored_bytes(self, seq) -> DeltaKVBytes:
