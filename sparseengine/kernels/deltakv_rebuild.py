@@ -28,9 +28,9 @@ may name address 0.
 Triton: one program per (tile of BLOCK_M entries, KV head, K or V); the d/2 halves are two
 float32 accumulators so RoPE is applied in registers. They take the neighbour mean first and
 the product after (so the mean's loads and sums are done before the product's registers are
-needed: 72 registers a thread at 16 x 4 warps on sm_90, against 103 summing it apart). The `z @ up` product runs in `up`'s
-dtype with float32 accumulation: float16 on tensor cores (the latents rounded to float16,
-10 mantissa bits, as TF32 would), float32 exactly (IEEE).
+needed: 72 registers a thread at 16 x 4 warps on sm_90, against 103 summing it apart). The
+`z @ up` product runs in `up`'s dtype with float32 accumulation: float16 on tensor cores (the
+latents rounded to float16, 10 mantissa bits, as TF32 would), float32 exactly (IEEE).
 """
 from __future__ import annotations
 
