@@ -114,23 +114,21 @@ class CacheManager:
     def compact_tokens(self, seq: Sequence, keep: torch.Tensor, layers: list[int], start: int) -> None:
         """Keep the cached tokens below ``start`` where they are and the tokens ``keep [count]``
         (the same indices for every KV head, sorted) after them, at ``start ...``, in
-        ``layers``: whole rows move (every head at once), and only those that move."""
-        if not layers:
-            return
+        ``layers``: whole rows move (``move_tokens``), and only those that move."""
         keep = keep.to(self.kv.k.device)
         dst = torch.arange(start, start + keep.numel(), device=keep.device)
-        src, dst = (self.flat(layers, self.slots(seq, t)[None]).flatten() for t in (keep, dst))  # [nl * count]
-        for cache in self._tensors():
-            flat = self.rows(cache)
-            flat.index_copy_(0, dst, flat.index_select(0, src))  # every source read before any write
+        self.move_tokens(self.slots(seq, keep), self.slots(seq, dst), layers)
         for layer in layers:
             seq.layer_lens[layer] = start + keep.numel()
 
-    def move_tokens(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy every layer's K and V (all heads, and the token pools) of the physical
-        cache slots ``src [N]`` to the slots ``dst [N]`` (one gather and one scatter, whatever
-        the batch)."""
-        device, layers = self.kv.k.device, range(self.kv.k.shape[0])
+    def move_tokens(self, src: torch.Tensor, dst: torch.Tensor, layers: list[int] | None = None) -> None:
+        """Copy the K and V (all heads, and the token pools) of the physical cache slots
+        ``src [N]`` to the slots ``dst [N]`` in ``layers`` (default: all), one gather and one
+        scatter whatever the batch; every source is read before any write."""
+        device = self.kv.k.device
+        layers = range(self.kv.k.shape[0]) if layers is None else layers
+        if not len(layers):
+            return
         src, dst = (self.flat(layers, t.to(device)[None, :]).flatten() for t in (src, dst))  # [L * N]
         for cache in self._tensors():
             flat = self.rows(cache)

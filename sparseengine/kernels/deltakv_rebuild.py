@@ -221,7 +221,7 @@ def _rebuild_kernel(
     tok = tl.load(tok_ptr + offs_m, mask=active, other=0).to(tl.int64)
     p = tok - sink
     center = p // stride_codec
-    is_center = p == center * stride_codec
+    is_c = active & (p == center * stride_codec)
     other = active & (p != center * stride_codec)
     row = tl.maximum(p - center - 1, 0)  # read under the mask `other` only
     offs_c = tl.arange(0, BLOCK_HALF)
@@ -231,7 +231,6 @@ def _rebuild_kernel(
     # the mean of the token's valid neighbour centers first (a center: itself, weight 1, and a
     # product of zeros after: it comes back raw), so that its sums are dead before the product
     # takes its accumulators
-    is_c = active & is_center
     count = tl.zeros([BLOCK_M], tl.float32)
     for j in tl.static_range(NB):
         count += (tl.load(nb_ptr + row * NB + j, mask=other, other=-1) >= 0).to(tl.float32)
@@ -281,15 +280,14 @@ def _rebuild_kernel(
             acc_lo += tl.dot(z, w, input_precision=DOT_PREC)
             w = tl.load(up_ptr + offs_r[:, None] * width + hi_cols[None, :], mask=w_mask, other=0.0)
             acc_hi += tl.dot(z, w, input_precision=DOT_PREC)
-    x_lo, x_hi = acc_lo, acc_hi
     # RoPE for K at the token's own position
     freq = tl.load(inv_freq_ptr + offs_c, mask=c_ok, other=0.0).to(tl.float32)
     angle = tok.to(tl.float32)[:, None] * freq[None, :]
     rot = (is_v == 0).to(tl.float32)  # 1: K (rotated), 0: V (cos 1, sin 0)
     cos = rot * tl.cos(angle) + (1.0 - rot)
     sin = rot * tl.sin(angle)
-    y_lo = x_lo * cos - x_hi * sin
-    y_hi = x_hi * cos + x_lo * sin
+    y_lo = acc_lo * cos - acc_hi * sin
+    y_hi = acc_hi * cos + acc_lo * sin
     dst = (slot // PAGE_SIZE) * stride_cp + (slot % PAGE_SIZE) * stride_co + kvh * stride_ch
     mask = active[:, None] & c_ok[None, :]
     offs = dst[:, None] + offs_c[None, :]

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sparseengine.methods import deltakv_codec as codec
-from sparseengine.methods.deltakv_store import append_layers
+from sparseengine.methods.deltakv_store import append_layers, same_history
 
 if TYPE_CHECKING:
     from sparseengine.methods.deltakv import DeltaKV
@@ -50,9 +50,7 @@ def flush_history(rt: DeltaKV, seq) -> None:
             raise RuntimeError(f"deltakv: layer {layer} holds {seq.layer_lens[layer]} tokens, expected {held}")
     if st.compressed:  # every sparse layer at once: a few batched ops, not a round of small ones per layer
         stores = [st.stores[layer] for layer in rt.sparse]
-        if len({(s.n, s.c) for s in stores}) != 1:
-            raise RuntimeError(f"deltakv: the sparse layers' histories differ: {[(s.n, s.c) for s in stores]}")
-        new = codec.encode_tail_layers([s.centers[: s.c] for s in stores], stores[0].n,
+        new = codec.encode_tail_layers([s.centers[: s.c] for s in stores], same_history(stores),
                                        tail_kv(rt, rt.sparse, slots, positions), rt.down_stack, rt.stride,
                                        rt.neighbors, rt.bits)
         append_layers(stores, count, *new)

@@ -137,13 +137,20 @@ class CodecStore:
                                     self.scales, self.zeros)
 
 
+def same_history(stores: list[CodecStore]) -> int:
+    """The history length (tokens) of stores that must hold equally long histories (a
+    request's sparse layers); raises where they do not."""
+    if len({(s.n, s.c, s.m) for s in stores}) > 1:
+        raise RuntimeError(f"deltakv: the sparse layers' histories differ: {[(s.n, s.c, s.m) for s in stores]}")
+    return stores[0].n
+
+
 @torch.inference_mode()
 def append_layers(stores: list[CodecStore], count: int, centers, neighbors, latents, scales, zeros) -> None:
     """`CodecStore.append_encoded` of many stores of one history length (a request's sparse
     layers at a flush), the parts stacked by store: written by one multi-tensor copy a
     dtype, not five copies a store."""
-    if len({(s.n, s.c, s.m) for s in stores}) > 1:
-        raise RuntimeError(f"append_layers: the stores' histories differ: {[(s.n, s.c, s.m) for s in stores]}")
+    same_history(stores)
     pairs = []
     for i, store in enumerate(stores):
         c0, m0 = store._grow(count)
