@@ -38,6 +38,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "device": ("auto", "cpu", "cuda"),
     "attention_provider": ("auto", "torch", "triton", "flashinfer"),
     "decode_split_plan": ("auto", "per_row"),
+    "kv_pool_tiers": ("auto", "off"),
 }
 
 
@@ -56,6 +57,11 @@ class Config:
     kv_cache_memory: float = 1.0  # GiB of KV pool on CPU
     num_kv_pages: int | None = None  # explicit pool size; overrides the memory sizing
     gpu_memory_utilization: float = 0.9
+    # A method whose compressed layers keep a few tokens while its other layers keep all
+    # of them (DeltaKV) gets a pool in two tiers (engine/pool_plan.py): "auto" where that
+    # fits more max_model_len requests than one tier; "off": every page in every layer
+    # (more room for prompts that are never compressed, i.e. shorter than the budget).
+    kv_pool_tiers: str = "auto"
     enforce_eager: bool = False
     # Launch each step before reading the previous step's sampled tokens (the host's
     # scheduling overlaps the device's work): None is on for CUDA, off on the CPU (where

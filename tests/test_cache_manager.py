@@ -4,6 +4,7 @@ caches; StreamingLLM's ring order."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,11 +19,11 @@ LAYERS, PAGES, PAGE, HKV, D = 3, 12, 4, 2, 5
 
 
 def make_cache(seed: int) -> CacheManager:
-    kv = KVCache.__new__(KVCache)  # the pool alone: shapes chosen here, not by a model
+    shape = SimpleNamespace(num_layers=LAYERS, num_kv_heads=HKV, head_dim=D)  # the pool alone, no model
+    kv = KVCache(shape, PAGES, PAGE, torch.float32, torch.device("cpu"))
     g = torch.Generator().manual_seed(seed)
-    kv.k = torch.randn(LAYERS, PAGES, PAGE, HKV, D, generator=g)
-    kv.v = torch.randn(LAYERS, PAGES, PAGE, HKV, D, generator=g)
-    kv.num_pages, kv.page_size = PAGES, PAGE
+    kv.k.copy_(torch.randn(LAYERS, PAGES, PAGE, HKV, D, generator=g))
+    kv.v.copy_(torch.randn(LAYERS, PAGES, PAGE, HKV, D, generator=g))
     return CacheManager(kv, scheduler=None)
 
 
@@ -168,3 +169,41 @@ def test_evict_to_refills_freed_slots_with_the_kept_tail(seed, total, k):
                     assert torch.equal(c.kv.k[(layer, *at(i), h)], k_before[(layer, *at(j), h)])
                     assert pool[(layer, *at(i), h)] == pool_before[(layer, *at(j), h)]
     assert torch.equal(c.kv.k[1], k_before[1])  # a layer not named
+
+
+def test_a_tiered_pool_moves_rows_per_layer_and_pages_to_the_wide_tier():
+    """Layer 1 narrow (pages 0..4 only): its rows sit at their own offsets in the token
+    rows, so moves in every layer match plain per-layer indexing; move_to_wide carries the
+    wide layers' pages past the bound to the wide tier and leaves the narrow layer alone."""
+    from sparseengine.engine.page_allocator import PageAllocator
+    from sparseengine.engine.scheduler import Scheduler, SchedulerConfig
+
+    shape = SimpleNamespace(num_layers=LAYERS, num_kv_heads=HKV, head_dim=D)
+    kv = KVCache(shape, PAGES, PAGE, torch.float32, torch.device("cpu"), narrow_layers=(1,), narrow_pages=5)
+    g = torch.Generator().manual_seed(3)
+    kv.k_rows.copy_(torch.randn(kv.k_rows.shape, generator=g))
+    kv.v_rows.copy_(torch.randn(kv.v_rows.shape, generator=g))
+    assert [kv.layer(layer)[0].shape[0] for layer in range(LAYERS)] == [PAGES, 5, PAGES]
+    alloc = PageAllocator(PAGES, narrow_pages=5)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=64, prefill_chunk_size=64,
+                                      page_size=PAGE, max_model_len=64), alloc)
+    c = CacheManager(kv, sched)
+    before = [tuple(t.clone() for t in kv.layer(layer)) for layer in range(LAYERS)]
+    c.move_tokens(torch.tensor([3, 17]), torch.tensor([9, 1]))  # slots in pages 0..4: valid in every layer
+    for layer in range(LAYERS):
+        for got, old in zip(kv.layer(layer), before[layer]):
+            want = old.flatten(0, 1).clone()
+            want[[9, 1]] = old.flatten(0, 1)[[3, 17]]
+            assert torch.equal(got.flatten(0, 1), want)
+    seq = make_seq(4 * PAGE, alloc.allocate(4))  # pages 0..3, all narrow
+    before = [tuple(t.clone() for t in kv.layer(layer)) for layer in range(LAYERS)]
+    assert c.move_to_wide(seq, 1) == 3
+    assert seq.page_table[0] == 0 and all(not alloc.is_narrow(p) for p in seq.page_table[1:])
+    assert alloc.num_free_narrow == 4 and alloc.num_used == 4
+    for layer in (0, 2):
+        for got, old in zip(kv.layer(layer), before[layer]):
+            for i, page in enumerate(seq.page_table):
+                assert torch.equal(got[page], old[i])  # page i held i: every logical page's rows followed it
+    assert all(torch.equal(got, old) for got, old in zip(kv.layer(1), before[1]))
+    with pytest.raises(ValueError, match="no token pools"):
+        c.token_pool("p", torch.float32)

@@ -116,3 +116,33 @@ def test_trim_pages_returns_pages_after_eviction():
     assert len(a.page_table) == 8
     a.layer_lens = [9, 5]
     assert s.trim_pages(a) == 5 and len(a.page_table) == 3 and s.allocator.num_free == 13
+
+
+def test_growth_past_the_narrow_bound_takes_wide_pages():
+    """A two-tier pool: a request's logical pages below its narrow bound come from the
+    narrow tier, the rest from the wide one (narrow pages where it runs out)."""
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk_size=64, page_size=4,
+                                  max_model_len=256), PageAllocator(12, narrow_pages=6))
+    q = seq(10, max_tokens=20)
+    bound = {}
+    s.narrow_bound = lambda r: bound.get(r.seq_id)
+    s.add(q)
+    run_step(s)  # prefill: 3 pages, all narrow (no bound yet)
+    assert q.page_table == [0, 1, 2]
+    bound[q.seq_id] = 6  # compressed: its narrow layers hold cache indices < 6 (2 pages)
+    for _ in range(3):
+        run_step(s)  # tokens 10..12 need page 3 (wide: past page 2 of the bound)
+    assert q.page_table[:3] == [0, 1, 2] and q.page_table[3] == 6
+    while len(q.page_table) < 9:
+        run_step(s)
+    assert q.page_table[3:] == [6, 7, 8, 9, 10, 11] and s.allocator.num_free_narrow == 3
+    assert s._pages_needed(q, 4) == (0, 1)
+    bound[q.seq_id] = 60  # a bound past its pages: new pages narrow
+    assert s._pages_needed(q, 4) == (1, 0)
+
+
+def test_validate_counts_only_narrow_pages_for_a_prompt():
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk_size=32, page_size=4,
+                                  max_model_len=256), PageAllocator(40, narrow_pages=8))
+    assert "needs 9 KV pages but the pool holds 8 narrow pages (of 40)" in s.validate(seq(33))
+    assert s.validate(seq(32)) is None

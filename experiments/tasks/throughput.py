@@ -102,6 +102,7 @@ class ThroughputTask(Task):
                      "decode/dense_max_batch": dense_largest,
                      "decode/first_unfit_reason": cap.reason(search.first_unfit),
                      "decode/kv_pool_pages": cap.num_pages, "decode/pages_per_request": cap.pages_per_request,
+                     "decode/kv_pool_narrow_pages": cap.narrow_tier,
                      "decode/prompt_tokens": self.context_length, "decode/output_tokens": self.output_len,
                      "decode/prefill": self.prefill, "decode/length_mix": mix.label()})
             gen = torch.Generator().manual_seed(env.seed)

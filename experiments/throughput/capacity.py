@@ -9,6 +9,12 @@ size plus the largest peak-over-steady among them).
 
 The steady size comes from ``LLM.kv_tokens_needed`` (each method runtime's
 ``max_cache_tokens``), so this file restates nothing about any method.
+
+A pool in two tiers (``sparseengine/engine/pool_plan.py``, DeltaKV): a compressed request
+holds ``LLM.narrow_tokens`` of its pages in the narrow tier and the rest in the wide tier
+(in narrow pages where the wide tier is full), and a prompt is held whole in narrow pages
+until it is compressed; so the narrow tier must hold every request's narrow part, the wide
+parts that overflow the wide tier, and the last request's whole prompt.
 """
 
 from __future__ import annotations
@@ -27,30 +33,49 @@ class Capacity:
     # A ragged batch (``length_mix``): (steady, peak) pages of each request of a pattern that
     # repeats over the batch; empty: every request as above.
     pattern: tuple[tuple[int, int], ...] = ()
+    narrow_pages: int | None = None  # a two-tier pool's narrow tier; None: one tier
+    # of each pattern entry's steady pages (or of every request's), those in the wide tier
+    wide_per_request: tuple[int, ...] = ()
+    one_tier_pages: int | None = None  # a two-tier pool's budget in one tier (``dense``)
 
-    def _requests(self, batch: int) -> list[tuple[int, int]]:
+    @property
+    def narrow_tier(self) -> int:
+        return self.num_pages if self.narrow_pages is None else self.narrow_pages
+
+    def _requests(self, batch: int) -> list[tuple[int, int, int]]:
         pattern = self.pattern or ((self.pages_per_request, self.peak_pages_per_request or self.pages_per_request),)
-        return [pattern[i % len(pattern)] for i in range(batch)]
+        wide = self.wide_per_request or (0,)
+        return [(*pattern[i % len(pattern)], wide[i % len(wide)]) for i in range(batch)]
 
     def pages(self, batch: int) -> int:
-        """Every request at its steady size, and the one whose prefill peak adds most at it."""
+        """Narrow pages (every page, one tier): every request at its steady size but the one
+        whose prefill peak adds most, which is held whole; wide parts past the wide tier
+        in narrow pages."""
         requests = self._requests(batch)
-        return sum(s for s, _ in requests) + max(p - s for s, p in requests) if requests else 0
+        if not requests:
+            return 0
+        last = max(range(batch), key=lambda i: requests[i][1] - requests[i][0])
+        others = requests[:last] + requests[last + 1:]
+        overflow = max(0, sum(w for _, _, w in others) - (self.num_pages - self.narrow_tier))
+        return sum(s - w for s, _, w in others) + overflow + requests[last][1]
 
     def fits(self, batch: int) -> bool:
-        return batch <= self.max_num_seqs and self.pages(batch) <= self.num_pages
+        return batch <= self.max_num_seqs and self.pages(batch) <= self.narrow_tier
 
     def dense(self) -> "Capacity":
-        """The same pool for a method that holds every prompt token (vanilla)."""
+        """The same memory in one tier for a method that holds every prompt token (vanilla)."""
         peak = self.peak_pages_per_request or self.pages_per_request
-        return Capacity(self.num_pages, self.page_size, peak, self.max_num_seqs, peak,
+        return Capacity(self.one_tier_pages or self.num_pages, self.page_size, peak, self.max_num_seqs, peak,
                         tuple((p, p) for _, p in self.pattern))
 
     def reason(self, batch: int) -> str:
         if batch > self.max_num_seqs:
             return f"batch {batch} > max_num_seqs={self.max_num_seqs}"
-        need = self.pages(batch)
-        return f"needs {need} KV pages, the pool holds {self.num_pages}" + ("" if need > self.num_pages else " (fits)")
+        need, room = self.pages(batch), self.narrow_tier
+        tier = "" if self.narrow_pages is None else (
+            f" narrow (the rest of its pages in the {self.num_pages - room}-page wide tier)")
+        where = "the pool holds" if self.narrow_pages is None else "the narrow tier holds"
+        return f"needs {need}{tier} KV pages, {where} {room}" + ("" if need > room else " (fits)")
 
 
 def capacity_of(llm, prompt_len: int, output_len: int, lengths: tuple[int, ...] | None = None) -> Capacity:
@@ -62,10 +87,20 @@ def capacity_of(llm, prompt_len: int, output_len: int, lengths: tuple[int, ...] 
         steady = llm.kv_tokens_needed(n, output_len)  # the method runtime's own account
         return -(-steady // cfg.page_size), -(-(n + output_len) // cfg.page_size)
 
+    def wide(n: int) -> int:
+        held = llm.narrow_tokens(n)
+        return 0 if held is None else max(0, pages(n)[0] - -(-held // cfg.page_size))
+
     steady, peak = pages(lengths[0] if lengths else prompt_len)
-    pattern = tuple(pages(n) for n in lengths) if lengths and len(set(lengths)) > 1 else ()
+    ragged = lengths and len(set(lengths)) > 1
+    pattern = tuple(pages(n) for n in lengths) if ragged else ()
+    tiered = llm.allocator.narrow_pages < llm.allocator.num_pages
     return Capacity(num_pages=llm.allocator.num_pages, page_size=cfg.page_size, pages_per_request=steady,
-                    max_num_seqs=cfg.max_num_seqs, peak_pages_per_request=peak, pattern=pattern)
+                    max_num_seqs=cfg.max_num_seqs, peak_pages_per_request=peak, pattern=pattern,
+                    narrow_pages=llm.allocator.narrow_pages if tiered else None,
+                    one_tier_pages=llm.pool_plan.one_tier_pages,
+                    wide_per_request=(tuple(wide(n) for n in lengths) if ragged
+                                      else (wide(lengths[0] if lengths else prompt_len),)) if tiered else ())
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ from sparseengine.engine.kv_cache import KVCache
 from sparseengine.engine.scheduler import Scheduler
 from sparseengine.engine.sequence import Sequence
 
+MOVE_CHUNK_PAGES = 1024  # move_to_wide's pages a copy (a 128K request's wide layers: 8 copies)
+
 
 class CacheManager:
     def __init__(self, kv: KVCache, scheduler: Scheduler) -> None:
@@ -30,14 +32,16 @@ class CacheManager:
         compaction and token move."""
         pool = self._pools.get(name)
         if pool is None:
+            if not self.kv.uniform:
+                raise ValueError(f"token pool {name!r}: a pool with narrow layers keeps no token pools")
             with torch.inference_mode(False):  # a normal tensor, like the KV pool: moves run outside the forward
                 pool = torch.full(self.kv.k.shape[:4], fill, dtype=dtype, device=self.kv.k.device)
             self._pools[name] = pool
         return pool
 
     def _tensors(self) -> list[torch.Tensor]:
-        """Everything a token move carries: K, V and every token pool."""
-        return [self.kv.k, self.kv.v, *self._pools.values()]
+        """Everything a token move carries, as rows (``rows``): K, V and every token pool."""
+        return [self.kv.k_rows, self.kv.v_rows, *(self.rows(p) for p in self._pools.values())]
 
     def state(self, seq: Sequence) -> dict[str, Any]:
         """Per-request method state (scores, page metadata, latents, ...)."""
@@ -52,7 +56,7 @@ class CacheManager:
         the work already queued (the step's graph), so a method's bookkeeping after a step
         would no longer overlap it."""
         t = torch.as_tensor(data, dtype=dtype)
-        device = self.kv.k.device
+        device = self.kv.device
         return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
     def slots(self, seq: Sequence, positions: torch.Tensor) -> torch.Tensor:
@@ -66,15 +70,16 @@ class CacheManager:
 
     @staticmethod
     def rows(cache: torch.Tensor) -> torch.Tensor:
-        """The pool ``[L, pages, page, Hkv, d]`` as ``[L * pages * page, Hkv, d]`` (a view); a
-        token pool ``[L, pages, page, Hkv]`` as ``[L * pages * page, Hkv]``."""
+        """A token pool ``[L, pages, page, Hkv]`` as ``[L * pages * page, Hkv]`` (a view);
+        the KV pool's rows are ``kv.k_rows`` and ``kv.v_rows``."""
         return cache.view(-1, *cache.shape[3:])
 
     def flat(self, layers, slots: torch.Tensor) -> torch.Tensor:
-        """Indices into ``rows(...)`` of physical ``slots`` in ``layers [nl]``: ``slots``
-        has a leading dim of nl or 1, and the result ``[nl, ...]``."""
+        """Indices into the token rows (``kv.k_rows``, ``rows(pool)``) of physical ``slots``
+        in ``layers [nl]``: ``slots`` has a leading dim of nl or 1, and the result ``[nl, ...]``."""
         layers = layers if isinstance(layers, torch.Tensor) else self.upload(list(layers))
-        return layers.to(slots.device).view(-1, *([1] * (slots.dim() - 1))) * (self.kv.num_pages * self.page_size) + slots
+        offsets = self.kv.offsets()[layers.to(self.kv.device)].to(slots.device)
+        return offsets.view(-1, *([1] * (slots.dim() - 1))) + slots
 
     def gather(self, seq: Sequence, layer: int, length: int | None = None,
                start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,16 +99,16 @@ class CacheManager:
         ``keep [Hkv, count]`` (the same cache indices in every layer) or ``[len(layers),
         Hkv, count]``; ``layers`` defaults to all."""
         kv = self.kv
-        layers = list(range(kv.k.shape[0])) if layers is None else list(layers)
+        layers = list(range(kv.num_layers)) if layers is None else list(layers)
         if not layers:
             return
-        device = kv.k.device
+        device = kv.device
         keep = keep.to(device)
         if keep.dim() == 2:
             keep = keep.expand(len(layers), *keep.shape)
         nl, hkv, count = keep.shape
-        if nl != len(layers) or hkv != kv.k.shape[3]:
-            raise ValueError(f"keep must be [Hkv={kv.k.shape[3]}, count] or [{len(layers)}, Hkv, count], "
+        if nl != len(layers) or hkv != kv.num_kv_heads:
+            raise ValueError(f"keep must be [Hkv={kv.num_kv_heads}, count] or [{len(layers)}, Hkv, count], "
                              f"got {tuple(keep.shape)}")
         src = self.flat(layers, self.slots(seq, keep))  # [nl, Hkv, count]
         dst = self.flat(layers, self.slots(seq, torch.arange(count, device=device))[None, None]).expand(nl, hkv, count)
@@ -115,7 +120,7 @@ class CacheManager:
         """Keep the cached tokens below ``start`` where they are and the tokens ``keep [count]``
         (the same indices for every KV head, sorted) after them, at ``start ...``, in
         ``layers``: whole rows move (``move_tokens``), and only those that move."""
-        keep = keep.to(self.kv.k.device)
+        keep = keep.to(self.kv.device)
         dst = torch.arange(start, start + keep.numel(), device=keep.device)
         self.move_tokens(self.slots(seq, keep), self.slots(seq, dst), layers)
         for layer in layers:
@@ -125,13 +130,12 @@ class CacheManager:
         """Copy the K and V (all heads, and the token pools) of the physical cache slots
         ``src [N]`` to the slots ``dst [N]`` in ``layers`` (default: all), one gather and one
         scatter whatever the batch; every source is read before any write."""
-        device = self.kv.k.device
-        layers = range(self.kv.k.shape[0]) if layers is None else layers
+        device = self.kv.device
+        layers = range(self.kv.num_layers) if layers is None else layers
         if not len(layers):
             return
         src, dst = (self.flat(layers, t.to(device)[None, :]).flatten() for t in (src, dst))  # [L * N]
-        for cache in self._tensors():
-            flat = self.rows(cache)
+        for flat in self._tensors():
             flat[dst] = flat[src]
 
     def move_entries(self, src: torch.Tensor, dst: torch.Tensor, heads: torch.Tensor) -> None:
@@ -139,8 +143,7 @@ class CacheManager:
         indices) goes to ``(dst[i], heads[i])``, in K, V and every token pool; the shapes
         broadcast. Every source is read before any write; two moves into one destination
         must carry the same token."""
-        for cache in self._tensors():
-            flat = self.rows(cache)
+        for flat in self._tensors():
             flat[dst, heads] = flat[src, heads]
 
     def evict_to(self, table: torch.Tensor, layers, victims: torch.Tensor, total: int) -> None:
@@ -174,3 +177,29 @@ class CacheManager:
 
     def trim_pages(self, seq: Sequence, room: int = 0) -> int:
         return self.scheduler.trim_pages(seq, room)
+
+    def move_to_wide(self, seq: Sequence, first_page: int) -> int:
+        """A pool with narrow layers: the request's logical pages from ``first_page`` on
+        that sit in the narrow tier, and that no narrow layer of it reads any more (the
+        caller's promise: a compressed request's narrow layers end before ``first_page``),
+        move to wide-tier pages as far as the tier has room: the wide layers' K and V
+        copied, the page table updated, the narrow pages freed. Returns the pages moved."""
+        alloc = self.scheduler.allocator
+        if self.kv.uniform:
+            return 0
+        at = [i for i in range(first_page, len(seq.page_table)) if alloc.is_narrow(seq.page_table[i])]
+        new = alloc.take_wide(len(at))
+        if not new:
+            return 0
+        at = at[: len(new)]
+        old = [seq.page_table[i] for i in at]
+        ps, device = self.page_size, self.kv.device
+        within = torch.arange(ps, device=device)
+        wide = [layer for layer in range(self.kv.num_layers) if layer not in self.kv.narrow_layers]
+        for c in range(0, len(new), MOVE_CHUNK_PAGES):  # bounds the gathered copy's memory
+            src, dst = ((self.upload(p[c:c + MOVE_CHUNK_PAGES])[:, None] * ps + within).flatten() for p in (old, new))
+            self.move_tokens(src, dst, wide)
+        for i, page in zip(at, new):
+            seq.page_table[i] = page
+        alloc.free(old)
+        return len(new)

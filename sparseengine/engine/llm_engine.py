@@ -14,6 +14,7 @@ from sparseengine.engine.cache_manager import CacheManager
 from sparseengine.engine.cuda_graphs import DecodeGraphs, table_pages
 from sparseengine.engine.inflight import NEEDS_TOKENS, PLACEHOLDER, Inflight
 from sparseengine.engine.kv_cache import KVCache, page_bytes
+from sparseengine.engine.pool_plan import PoolPlan, plan_pool
 from sparseengine.engine.model_runner import ModelRunner
 from sparseengine.engine.outputs import RequestOutput
 from sparseengine.engine.page_allocator import PageAllocator
@@ -46,21 +47,23 @@ class LLM:
         self.eos_token_ids = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        num_pages = self._num_pages()
-        self.allocator = PageAllocator(num_pages)
+        self.pool_plan = plan = self._plan_pool()
+        self.allocator = PageAllocator(plan.num_pages, plan.narrow_pages)
         self.prefill_policy = resolve_prefill_policy(cfg)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             prefill_chunk_size=cfg.prefill_chunk_size, page_size=cfg.page_size,
             max_model_len=self.max_model_len, prefill_policy=self.prefill_policy,
             long_prefill_threshold=cfg.long_prefill_threshold), self.allocator)
-        self.kv_cache = KVCache(mc, num_pages, cfg.page_size, self.dtype, self.device)
+        self.kv_cache = KVCache(mc, plan.num_pages, cfg.page_size, self.dtype, self.device,
+                                narrow_layers=plan.narrow_layers, narrow_pages=plan.narrow_pages)
         self.cache = CacheManager(self.kv_cache, self.scheduler)
         self.provider = make_provider(cfg.attention_provider, self.device, cfg.decode_split_plan)
         self.method = get_spec(cfg.sparse_method).runtime(cfg, mc, self.cache)
         if cfg.prefill_sparse_method != "none":
             prefill = get_spec(cfg.prefill_sparse_method, "prefill").runtime(cfg, mc, self.cache)
             self.method = MethodStack(prefill, self.method)
+        self.scheduler.narrow_bound = self.method.narrow_bound
         graphs = None
         if self.device.type == "cuda" and not cfg.enforce_eager and self.provider.supports_cuda_graphs:
             graphs = DecodeGraphs(self.model, self.kv_cache, self.provider, self.method, self.device,
@@ -93,25 +96,40 @@ class LLM:
             model.fold_norms()  # the decode steps' linears apply the norms and residual adds
         return model.eval()
 
-    def _num_pages(self) -> int:
-        cfg = self.config
+    def _plan_pool(self) -> PoolPlan:
+        """The pool's pages (``num_kv_pages``, else as many as the memory budget holds) and,
+        for a method with narrow layers (``kv_pool_tiers``), its two tiers (``pool_plan``)."""
+        cfg, mc = self.config, self.model_config
         if cfg.num_kv_pages is not None:
-            return cfg.num_kv_pages
-        per_page = page_bytes(self.model_config, cfg.page_size, self.dtype)
-        per_page += get_spec(cfg.sparse_method).runtime.bytes_per_pool_page(
-            cfg, self.model_config, torch.empty((), dtype=self.dtype).element_size())
+            return PoolPlan(cfg.num_kv_pages, cfg.num_kv_pages)
+        runtime = get_spec(cfg.sparse_method).runtime
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        extra = runtime.bytes_per_pool_page(cfg, mc, elem)
+        budget = self._pool_budget()
+        narrow = runtime.narrow_layers(cfg, mc) if cfg.kv_pool_tiers == "auto" else ()
+        held = runtime.narrow_tokens(cfg, mc, self.max_model_len) if narrow else None
+        page_all = page_bytes(mc, cfg.page_size, self.dtype) + extra
+        page_wide = (page_bytes(mc, cfg.page_size, self.dtype, mc.num_layers - len(narrow)) + extra
+                     + runtime.bytes_per_wide_page(cfg, mc, elem))
+        request = -(-self.max_model_len // cfg.page_size)
+        plan = plan_pool(budget, page_all, page_wide, tuple(narrow), request,
+                         request if held is None else -(-held // cfg.page_size))
+        if plan.num_pages < 1:
+            raise ConfigError(f"No room for the KV pool: {budget / 2**30:.2f} GiB left for it; "
+                              "raise kv_cache_memory or gpu_memory_utilization")
+        return plan
+
+    def _pool_budget(self) -> float:
+        """Bytes for the KV pool: on a GPU what ``gpu_memory_utilization`` leaves after the
+        weights, the largest prefill step's activations and the graphs' logits; on a CPU
+        ``kv_cache_memory`` GiB."""
+        cfg = self.config
         if self.device.type == "cuda":
             peak = self._warmup_peak_bytes()
             free, total = torch.cuda.mem_get_info(self.device)
             logits = cfg.max_num_seqs * self.model_config.vocab_size * 4 * 2  # graph pools hold them
-            budget = total * cfg.gpu_memory_utilization - (total - free) - peak - logits
-        else:
-            budget = cfg.kv_cache_memory * (1 << 30)
-        pages = int(budget // per_page)
-        if pages < 1:
-            raise ConfigError(f"No room for the KV pool: {budget / 2**30:.2f} GiB left for it; "
-                              "raise kv_cache_memory or gpu_memory_utilization")
-        return pages
+            return total * cfg.gpu_memory_utilization - (total - free) - peak - logits
+        return cfg.kv_cache_memory * (1 << 30)
 
     @torch.inference_mode()
     def _warmup_peak_bytes(self) -> int:
@@ -206,6 +224,13 @@ class LLM:
     def kv_tokens_needed(self, prompt_tokens: int, output_tokens: int) -> int:
         """Cache slots one request needs at most (method-aware): its pages in the pool."""
         return self.method.max_cache_tokens(prompt_tokens, output_tokens)
+
+    def narrow_tokens(self, prompt_tokens: int) -> int | None:
+        """In a two-tier pool (``pool_plan``): the cache slots of a request with this prompt
+        that stay in narrow pages once it is compressed (None: all of them, or one tier)."""
+        if not self.pool_plan.tiered:
+            return None
+        return self.method.narrow_tokens(self.config, self.model_config, prompt_tokens)
 
     @torch.inference_mode()
     def _synthesize(self, seq: Sequence) -> None:

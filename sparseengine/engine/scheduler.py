@@ -5,12 +5,17 @@ first, then running requests still in prefill, then waiting requests, within
 ``max_num_seqs`` and ``max_num_batched_tokens``. When the KV pool cannot hold a running
 request's next tokens, the newest other running request is preempted by recompute: its
 pages return to the pool and it goes back to the front of the waiting queue.
+
+A pool with narrow layers (``KVCache``, ``PageAllocator``) takes from ``narrow_bound`` how
+far a request's narrow layers may reach: its logical pages below that bound come from the
+narrow tier, the rest from the wide one.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from sparseengine.engine.page_allocator import PageAllocator
 from sparseengine.engine.sequence import Sequence, SequenceStatus
@@ -53,6 +58,9 @@ class Scheduler:
         self.allocator = allocator
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # cache indices below which a request's narrow layers may hold tokens (None: all);
+        # set by the engine from its method (``max_narrow_tokens``)
+        self.narrow_bound: Callable[[Sequence], int | None] = lambda seq: None
 
     # ---- admission -------------------------------------------------------------------
     def validate(self, seq: Sequence, cache_tokens: int | None = None) -> str | None:
@@ -65,8 +73,10 @@ class Scheduler:
         if n > self.config.max_model_len:
             return f"prompt has {n} tokens, longer than max_model_len={self.config.max_model_len}"
         pages = -(-(n if cache_tokens is None else cache_tokens) // self.config.page_size)
-        if pages > self.allocator.num_pages:
-            return (f"prompt needs {pages} KV pages but the pool holds {self.allocator.num_pages}; "
+        room = self.allocator.narrow_pages  # a prompt is held whole in every layer until compressed
+        if pages > room:
+            kind = "" if room == self.allocator.num_pages else f" narrow pages (of {self.allocator.num_pages})"
+            return (f"prompt needs {pages} KV pages but the pool holds {room}{kind}; "
                     f"raise kv_cache_memory / gpu_memory_utilization or num_kv_pages")
         return None
 
@@ -114,10 +124,10 @@ class Scheduler:
                 break
             n = min(seq.num_uncomputed, self.config.prefill_chunk_size, budget)
             need = self._pages_needed(seq, n)
-            if not self.allocator.can_allocate(need):
+            if not self.allocator.can_allocate(*need):
                 break
             self.waiting.popleft()
-            seq.page_table += self.allocator.allocate(need)
+            seq.page_table += self.allocator.allocate(*need)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)
@@ -129,26 +139,34 @@ class Scheduler:
         """long_bs1full_short_batch: a long prompt runs alone in one unchunked pass."""
         seq = self.waiting[0]
         need = self._pages_needed(seq, seq.num_uncomputed)
-        while not self.allocator.can_allocate(need) and self.running:
+        while not self.allocator.can_allocate(*need) and self.running:
             self._preempt(self.running[-1], batch)
-        if not self.allocator.can_allocate(need):
+        if not self.allocator.can_allocate(*need):
             return False
         self.waiting.popleft()
-        seq.page_table += self.allocator.allocate(need)
+        seq.page_table += self.allocator.allocate(*need)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         batch.seqs.append(seq)
         batch.num_new_tokens.append(seq.num_uncomputed)
         return True
 
-    def _pages_needed(self, seq: Sequence, n: int) -> int:
-        return max(0, -(-(seq.num_cached_tokens + n) // self.config.page_size) - len(seq.page_table))
+    def _pages_needed(self, seq: Sequence, n: int) -> tuple[int, int]:
+        """(narrow, wide) pages to add for ``n`` more tokens: logical pages below the
+        request's narrow bound must hold every layer."""
+        ps = self.config.page_size
+        have, want = len(seq.page_table), -(-(seq.num_cached_tokens + n) // ps)
+        if want <= have:
+            return 0, 0
+        bound = self.narrow_bound(seq) if self.allocator.narrow_pages < self.allocator.num_pages else None
+        narrow_end = want if bound is None else min(want, max(have, -(-bound // ps)))
+        return narrow_end - have, want - narrow_end
 
     def _make_room(self, seq: Sequence, n: int, batch: ScheduledBatch) -> bool:
         need = self._pages_needed(seq, n)
-        if need == 0:  # most decode steps: the token fits the last page
+        if need == (0, 0):  # most decode steps: the token fits the last page
             return True
-        while not self.allocator.can_allocate(need):
+        while not self.allocator.can_allocate(*need):
             victims = [s for s in reversed(self.running) if s is not seq and s not in batch.seqs]
             if not victims:
                 if len(self.running) == 1:  # alone and still no room: it can never fit
@@ -160,7 +178,7 @@ class Scheduler:
                 self._preempt(seq, batch)
                 return False
             self._preempt(victims[0], batch)
-        seq.page_table += self.allocator.allocate(need)
+        seq.page_table += self.allocator.allocate(*need)
         return True
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:

@@ -14,6 +14,10 @@ The engine calls these hooks and never asks which method it runs:
   needs go back to the pool through ``cache.trim_pages``.
 - ``release(seq)``: the request finished or was preempted; drop its state.
 - ``cache_tokens_needed(n)``: the most cache slots a prompt of n tokens ever needs.
+- ``narrow_layers`` / ``narrow_tokens(n)`` / ``narrow_bound(seq)``: layers that, once a
+  request is compressed, hold only its first few cache indices while the others hold every
+  token (DeltaKV's sparse layers): the engine then gives them pages only in the pool's
+  narrow tier (``KVCache``), and the rest of the request's pages come from the wide tier.
 Persistent per-request state (scores, page metadata, latents) lives in the cache
 manager's per-request ``state(seq)`` dict.
 """
@@ -48,6 +52,29 @@ class SparseMethodRuntime:
         """Method state the runtime keeps per KV-pool page (all layers), e.g. Quest's page
         bounds: the engine counts it when it sizes the pool."""
         return 0
+
+    @classmethod
+    def narrow_layers(cls, config: "Config", model: "ModelConfig") -> tuple[int, ...]:
+        """Layers whose cache, once a request is compressed, holds at most ``narrow_tokens``
+        of its cache indices (the rest of its pages need not exist in them); () for none."""
+        return ()
+
+    @classmethod
+    def bytes_per_wide_page(cls, config: "Config", model: "ModelConfig", elem_bytes: int) -> int:
+        """Memory the runtime keeps per token page a wide-tier page stands for (e.g. a
+        codec's bytes for those tokens), outside the pool: the engine reserves it when it
+        sizes the pool's tiers."""
+        return 0
+
+    @classmethod
+    def narrow_tokens(cls, config: "Config", model: "ModelConfig", prompt_tokens: int) -> int | None:
+        """The most cache indices the narrow layers hold of a request with this prompt
+        once its prefill has ended; None: all of them (it is never compressed)."""
+        return None
+
+    def narrow_bound(self, seq: "Sequence") -> int | None:
+        """``narrow_tokens`` of this request as it stands now (None until it is compressed)."""
+        return None
 
     def knob(self, name: str) -> Any:
         return self.config.knob(name)
@@ -236,3 +263,6 @@ class MethodStack(SparseMethodRuntime):
 
     def init_synthetic(self, seq):
         self.parts[1].init_synthetic(seq)
+
+    def narrow_bound(self, seq):
+        return self.parts[1].narrow_bound(seq)

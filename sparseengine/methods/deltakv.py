@@ -34,14 +34,20 @@ back to ``S + B + R`` slots.
 Raw tail tokens older than the last ``recent_tokens`` that the full layers choose are read
 exact (never worse than rebuilding them).
 
-Memory. The engine keeps one page table per request, as long as its longest layer; the
-full layers hold every token, so no page goes back to the pool (``frees_memory=False``,
-``kv_tokens_needed`` = prompt + output). :meth:`DeltaKV.stored_bytes` reports what the
-request really keeps (full layers + raw sink/scratch/tail of sparse layers + centers +
-latents + neighbour indices) against dense, from the codec's used rows, and the pool bytes
-its page table pins (codec buffers are sized for prompt + max_tokens: a request that
-stops early holds more than it used). CUDA graphs: pure-decode steps are captured per
-batch of requests (``graph_key``); the flushes between replays need no recapture.
+Memory. The engine keeps one page table per request, as long as its longest layer. Once a
+request is compressed its sparse layers hold only its first ``narrow_tokens`` cache
+indices (sink, scratch, raw tail), so they are the pool's narrow layers
+(``engine/pool_plan.py``): the pool gives them pages only in its narrow tier, and right
+after the first compression the request's pages past those indices move to the wide tier
+(``CacheManager.move_to_wide``), which stores only the full layers (and reserves the
+codec's bytes per token, ``bytes_per_wide_page``). With ``kv_pool_tiers=off`` every page
+stays in every layer and the full layers pin the whole prompt's pages in all of them.
+:meth:`DeltaKV.stored_bytes` reports what the request really keeps (full layers + raw
+sink/scratch/tail of sparse layers + centers + latents + neighbour indices) against dense,
+from the codec's used rows, and the pool bytes its page table pins (codec buffers are
+sized for prompt + max_tokens: a request that stops early holds more than it used).
+CUDA graphs: pure-decode steps are captured per batch of requests (``graph_key``); the
+flushes between replays need no recapture.
 
 With ``budget`` covering the prompt (and the outputs) nothing is ever compressed: the
 method is exactly dense.
@@ -68,7 +74,7 @@ from sparseengine.methods.base import SparseMethodRuntime
 from sparseengine.methods.deltakv_bytes import DeltaKVBytes, rebuild_read_bytes, request_bytes
 from sparseengine.methods.deltakv_fit import load_down_up
 from sparseengine.methods.deltakv_layout import map_chosen
-from sparseengine.methods.deltakv_flush import flush_history
+from sparseengine.methods.deltakv_flush import FLUSH_TOKENS, flush_history
 from sparseengine.methods.deltakv_store import CodecStore, RequestState
 from sparseengine.methods import omnikv
 from sparseengine.methods.omnikv import FILTER_LAYERS, choose_tokens, filter_layers_for
@@ -113,7 +119,7 @@ class DeltaKV(SparseMethodRuntime):
         if self.latent_dim < 1 or (self.bits == 4 and self.latent_dim % codec.QUANT_GROUP):
             raise ConfigError(f"Invalid deltakv_latent_dim={self.latent_dim}: must be a positive multiple of "
                               f"{codec.QUANT_GROUP} with deltakv_latent_bits=4")
-        self.device = cache.kv.k.device
+        self.device = cache.kv.device
         self.path = str(self.knob("deltakv_checkpoint_path"))
         self.down, self.up, self.checkpoint_meta = load_down_up(
             self.path, model, self.sparse, ratio=self.ratio, stride=self.stride, neighbors=self.neighbors,
@@ -123,10 +129,10 @@ class DeltaKV(SparseMethodRuntime):
         self.down_stack = torch.stack([self.down[layer].float() for layer in self.sparse]) if self.sparse else None
         self.down = {layer: self.down_stack[i] for i, layer in enumerate(self.sparse)}
         # the fused rebuild's: float16 on tensor cores for a 16-bit cache, float32 (exact) for a float32 one
-        exact = cache.kv.k.dtype == torch.float32
+        exact = cache.kv.dtype == torch.float32
         self.up_dot = self.up if exact else {layer: up.half() for layer, up in self.up.items()}
         self.inv_freq = rope_inv_freq(model.head_dim, model.rope_theta, model.rope_scaling).float().to(self.device)
-        self.token_bytes = 2 * model.num_kv_heads * model.head_dim * cache.kv.k.element_size()
+        self.token_bytes = 2 * model.num_kv_heads * model.head_dim * cache.kv.k_rows.element_size()
         self.bytes_at_end: dict[int, DeltaKVBytes] = {}  # seq_id -> stored_bytes when it finished
         self._chosen: list[torch.Tensor | None] | None = None  # mixed steps: per request
         self._picked: tuple[torch.Tensor, torch.Tensor] | None = None  # pure decode: (tokens [B, K], counts [B])
@@ -141,6 +147,40 @@ class DeltaKV(SparseMethodRuntime):
         """Pool tokens per layer a request pins: all of them (full layers keep every token
         and the page table is shared by all layers)."""
         return prompt_len + output_len
+
+    @classmethod
+    def narrow_layers(cls, config, model) -> tuple[int, ...]:
+        """The sparse layers."""
+        return tuple(layer_roles(model, str(config.knob("deltakv_full_layers")))[2])
+
+    @classmethod
+    def narrow_tokens(cls, config, model, prompt_tokens: int) -> int | None:
+        """A compressed sparse layer holds sink + scratch + a raw tail of at most
+        ``recent + FLUSH_TOKENS`` tokens (one more while a step's token waits for its flush)."""
+        total = config.sink_tokens + config.budget + config.recent_tokens
+        return None if prompt_tokens <= total else total + FLUSH_TOKENS + 1
+
+    @classmethod
+    def bytes_per_wide_page(cls, config, model, elem_bytes: int) -> int:
+        """The codec's bytes for a page of history tokens in every sparse layer (centers,
+        neighbour indices counted as int32, latents with their int4 scales and zeros)."""
+        dim = 2 * model.num_kv_heads * model.head_dim
+        stride = codec.center_stride(float(config.knob("deltakv_center_ratio")))
+        r, bits = int(config.knob("deltakv_latent_dim")), int(config.knob("deltakv_latent_bits"))
+        latent = r // 2 + 4 * (r // codec.QUANT_GROUP) if bits == 4 else 2 * r
+        per_token = dim * elem_bytes / stride + 4 * int(config.knob("deltakv_neighbors")) + latent
+        return int(per_token * len(cls.narrow_layers(config, model)) * config.page_size) + 1
+
+    def narrow_bound(self, seq) -> int | None:
+        st = self.cache.state(seq).get(STATE_KEY)
+        return None if st is None or not st.compressed else self.total + FLUSH_TOKENS + 1
+
+    def _pages_to_wide(self, seq) -> None:
+        """After the first compression: the pages past what the sparse layers hold go to the
+        pool's wide tier (a one-tier pool: nothing moves)."""
+        bound = self.narrow_bound(seq)
+        if bound is not None:
+            self.cache.move_to_wide(seq, -(-bound // self.cache.page_size))
 
     def cache_lens_after_prefill(self, prompt_tokens: int) -> list[int]:
         cfg = self.config
@@ -162,6 +202,7 @@ class DeltaKV(SparseMethodRuntime):
             st.stores[layer] = self._new_store(seq, layer)
             st.stores[layer].write_random(hist, gen)
         self._set_hist_end(st, n - cfg.recent_tokens)
+        self._pages_to_wide(seq)
 
     def _new_store(self, seq, layer: int) -> CodecStore:
         """Buffers for the longest history the request can reach; their addresses kept in the
@@ -171,7 +212,7 @@ class DeltaKV(SparseMethodRuntime):
         dim = 2 * self.model.num_kv_heads * self.model.head_dim
         row = self._state(seq).address_row(self.sparse_index[layer], len(self.sparse), self.device)
         return CodecStore(tokens - cfg.sink_tokens - cfg.recent_tokens, self.stride, self.bits, self.neighbors, dim,
-                          self.latent_dim, self.cache.kv.k.dtype, self.device, addresses=row)
+                          self.latent_dim, self.cache.kv.dtype, self.device, addresses=row)
 
     @torch.inference_mode()  # made under the runner's inference mode (a synthesised prefill) or not
     def _set_hist_end(self, st: RequestState, end: int) -> None:
@@ -355,7 +396,7 @@ class DeltaKV(SparseMethodRuntime):
 
 SPEC = MethodSpec(
     name="deltakv", kind="decode", family="hybrid_compression", runtime=DeltaKV,
-    prefill_policy="long_bs1full_short_batch", frees_memory=False,
+    prefill_policy="long_bs1full_short_batch", frees_memory=True,
     knobs={"deltakv_full_layers": "", "deltakv_center_ratio": 0.1, "deltakv_neighbors": 4,
            "deltakv_latent_dim": 256, "deltakv_latent_bits": 4, "deltakv_checkpoint_path": ""},
     paper="Hao et al., DeltaKV: Residual-Based KV Cache Compression via Long-Range Similarity, "

@@ -41,7 +41,8 @@ def flush_history(rt: DeltaKV, seq) -> None:
     end = length - recent
     if end <= st.hist_end or (st.compressed and end - st.hist_end < FLUSH_TOKENS):
         return
-    base = sink + budget if st.compressed else sink
+    first = not st.compressed
+    base = sink if first else sink + budget
     count, held = end - st.hist_end, base + length - st.hist_end
     positions = torch.arange(st.hist_end, end, device=rt.device)
     slots = rt.cache.slots(seq, torch.arange(base, base + count, device=rt.device))  # same in every layer
@@ -62,6 +63,8 @@ def flush_history(rt: DeltaKV, seq) -> None:
     rt.cache.compact_tokens(seq, torch.arange(base + count, held, device=rt.device), rt.sparse, sink + budget)
     rt._set_hist_end(st, end)
     rt.cache.trim_pages(seq)
+    if first:
+        rt._pages_to_wide(seq)
 
 
 def tail_kv(rt: DeltaKV, layers: list[int], slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -69,7 +72,7 @@ def tail_kv(rt: DeltaKV, layers: list[int], slots: torch.Tensor, positions: torc
     those layers as codec vectors, keys unrotated."""
     cache = rt.cache
     rows = cache.flat(layers, slots[None])  # [nl, n]
-    k = cache.rows(cache.kv.k)[rows].flatten(0, 1)
-    v = cache.rows(cache.kv.v)[rows].flatten(0, 1)
+    k = cache.kv.k_rows[rows].flatten(0, 1)
+    v = cache.kv.v_rows[rows].flatten(0, 1)
     k = codec.unrotate_keys(k, positions.repeat(len(layers)), rt.inv_freq).to(k.dtype)
     return codec.concat_kv(k, v).view(len(layers), slots.shape[0], -1)

@@ -96,13 +96,13 @@ class StreamingLLM(SparseMethodRuntime):
         idx = torch.nonzero(delta != 0).flatten()
         if idx.numel() == 0:
             return
-        k = self.cache.kv.k
-        flat = self.cache.rows(k)
-        slots = self.cache.flat(range(k.shape[0]), self.cache.slots(seq, idx.to(k.device))[None, :]).flatten()
+        kv = self.cache.kv
+        flat, layers = kv.k_rows, kv.num_layers
+        slots = self.cache.flat(range(layers), self.cache.slots(seq, idx.to(flat.device))[None, :]).flatten()
         freqs = delta[idx].double()[:, None] * self.inv_freq.double()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(k.device, k.dtype), emb.sin().to(k.device, k.dtype)
-        cos, sin = cos.repeat(k.shape[0], 1), sin.repeat(k.shape[0], 1)  # the same rotation in every layer
+        cos, sin = emb.cos().to(flat.device, flat.dtype), emb.sin().to(flat.device, flat.dtype)
+        cos, sin = cos.repeat(layers, 1), sin.repeat(layers, 1)  # the same rotation in every layer
         flat[slots] = apply_rotary(flat[slots], cos, sin)
 
     def kv_tokens(self, seq) -> float:
