@@ -374,6 +374,12 @@ class DeltaKV(SparseMethodRuntime):
         for seq in self.prefill_ending + self.decoding:
             self._flush(seq)
 
+    def release(self, seq) -> None:
+        """A request that ends (or is preempted): its flushes' overflow checks are read now."""
+        st = self.cache.state(seq).get(STATE_KEY)
+        if st is not None:
+            st.settle(wait=True)
+
     def _flush(self, seq) -> None:
         """Move raw tail tokens older than the last ``recent_tokens`` into the history
         (``deltakv_flush``)."""

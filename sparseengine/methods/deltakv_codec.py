@@ -153,11 +153,22 @@ def residuals(kv: torch.Tensor, center_ratio: float, neighbors: int):
 # ------------------------------------------------------------------------------- int4
 
 
-def quantize_int4(z: torch.Tensor):
+def _finite_or_raise(finite: torch.Tensor, message: str, defer: list | None) -> None:
+    """Raise ``ValueError(message)`` unless ``finite`` (a 0-d bool tensor); with ``defer`` (a
+    list) append ``(finite, message)`` to it instead: the caller checks later, so that this
+    step need not wait for the device."""
+    if defer is not None:
+        defer.append((finite, message))
+    elif not finite:  # one device sync
+        raise ValueError(message)
+
+
+def quantize_int4(z: torch.Tensor, defer: list | None = None):
     """``z [N, r]`` (r a multiple of 32) -> ``(packed uint8 [N, r/2], scale f16 [N, r/32],
     zero f16 [N, r/32])``. Per group of 32: ``zero <= min(z)`` and ``15 * scale >=
     max(z) - zero`` after rounding to float16, codes ``round((z - zero) / scale)``, so
-    ``|dequantize - z| <= scale / 2`` (+ float32 rounding)."""
+    ``|dequantize - z| <= scale / 2`` (+ float32 rounding). A scale or min that overflows
+    float16 raises (``defer``: see ``_finite_or_raise``)."""
     _matrix_arg("z", z, "[N, r]")
     n, r = z.shape
     if r % QUANT_GROUP:
@@ -169,8 +180,8 @@ def quantize_int4(z: torch.Tensor):
     step = (hi - zero.float()) / 15
     scale = step.half()
     scale = torch.where(scale.float() < step, torch.nextafter(scale, torch.full_like(scale, math.inf)), scale)
-    if not (torch.isfinite(zero).all() & torch.isfinite(scale).all()):  # one device sync
-        raise ValueError("latent values overflow the float16 int4 scale/min; use deltakv_latent_bits=16")
+    _finite_or_raise(torch.isfinite(zero).all() & torch.isfinite(scale).all(),
+                     "latent values overflow the float16 int4 scale/min; use deltakv_latent_bits=16", defer)
     sf = scale.float()[..., None]
     codes = torch.where(sf > 0, torch.round((zg - zero.float()[..., None]) / sf.clamp(min=1e-30)), 0.0)
     codes = codes.clamp(0, 15).to(torch.uint8).view(n, r)
@@ -221,13 +232,12 @@ class DeltaKVEncoded:
         return self.latents.float()
 
 
-def _store_latents(z: torch.Tensor, bits: int):
+def _store_latents(z: torch.Tensor, bits: int, defer: list | None = None):
     empty = z.new_zeros((z.shape[0], 0), dtype=torch.float16)
     if bits == 4:
-        return quantize_int4(z)
+        return quantize_int4(z, defer)
     lat = z.half()
-    if not torch.isfinite(lat).all():
-        raise ValueError("latent values overflow float16 (deltakv_latent_bits=16)")
+    _finite_or_raise(torch.isfinite(lat).all(), "latent values overflow float16 (deltakv_latent_bits=16)", defer)
     return lat, empty, empty
 
 
@@ -240,13 +250,14 @@ def encode_tail(centers_old, n_old, kv_new, down, stride, neighbors, bits):
     return torch.cat([centers_old, new[0]]), idx[0], lat[0], scales[0], zeros[0]
 
 
-def encode_tail_layers(centers_old, n_old, kv_new, downs, stride, neighbors, bits):
+def encode_tail_layers(centers_old, n_old, kv_new, downs, stride, neighbors, bits, defer: list | None = None):
     """`encode_tail` of L layers whose histories have the same length (a request's sparse
     layers at a history flush), in a few batched ops instead of L rounds of small ones:
     ``centers_old``: L tensors ``[c, D]`` (or one ``[L, c, D]``; read where they are, never
     copied: ``deltakv_nearest``), ``kv_new [L, m, D]``, ``downs [L, D, r]``. Returns the new
     parts, stacked by layer: ``(centers [L, c_new, D], neighbors [L, mo, K], latents,
-    scales, zeros [L, mo, ...])``."""
+    scales, zeros [L, mo, ...])``. ``defer``: the latents' overflow check is appended to it
+    instead of waiting for the device (``_finite_or_raise``)."""
     L, m, D = kv_new.shape
     center_rows, other_rows = split_rows(n_old, m, stride, kv_new.device)
     olds = list(centers_old)
@@ -256,7 +267,7 @@ def encode_tail_layers(centers_old, n_old, kv_new, downs, stride, neighbors, bit
     res = others.float() - neighbor_mean(gather_centers(olds, new_centers, idx), idx)
     z = torch.bmm(res, downs.float())
     mo = others.shape[1]
-    lat, scales, zeros = (t.view(L, mo, *t.shape[1:]) for t in _store_latents(z.flatten(0, 1), bits))
+    lat, scales, zeros = (t.view(L, mo, *t.shape[1:]) for t in _store_latents(z.flatten(0, 1), bits, defer))
     return new_centers, idx.to(index_dtype(olds[0].shape[0] + new_centers.shape[1])), lat, scales, zeros
 
 

@@ -50,11 +50,12 @@ def flush_history(rt: DeltaKV, seq) -> None:
         if seq.layer_lens[layer] != held:
             raise RuntimeError(f"deltakv: layer {layer} holds {seq.layer_lens[layer]} tokens, expected {held}")
     if st.compressed:  # every sparse layer at once: a few batched ops, not a round of small ones per layer
-        stores = [st.stores[layer] for layer in rt.sparse]
+        stores, checks = [st.stores[layer] for layer in rt.sparse], []
         new = codec.encode_tail_layers([s.centers[: s.c] for s in stores], same_history(stores),
                                        tail_kv(rt, rt.sparse, slots, positions), rt.down_stack, rt.stride,
-                                       rt.neighbors, rt.bits)
+                                       rt.neighbors, rt.bits, defer=checks)
         append_layers(stores, count, *new)
+        st.defer(checks)  # the overflow check, read at a later flush or when the request ends
     else:  # the first flush moves the whole prompt's history: a layer at a time bounds the memory
         for layer in rt.sparse:
             store = st.stores[layer] = rt._new_store(seq, layer)

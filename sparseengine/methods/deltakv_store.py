@@ -171,6 +171,37 @@ class RequestState:
     stores: dict[int, CodecStore] = field(default_factory=dict)  # each sparse layer's codec
     hist_end_t: torch.Tensor | None = None  # hist_end on the device (a captured step reads it)
     addresses: torch.Tensor | None = None  # [sparse layers, 5]: row i, the i-th store's CodecStore.addresses
+    # overflow checks of flushes not read yet: (host flag, event after its copy or None, message)
+    checks: list = field(default_factory=list)
+
+    def defer(self, checks: list) -> None:
+        """Keep a flush's ``(finite, message)`` checks (``deltakv_codec._finite_or_raise``):
+        on a GPU each flag goes to pinned host memory behind the work queued so far, and
+        is read once it is there (``settle``), not now: the flush then waits for nothing."""
+        for finite, message in checks:
+            if finite.is_cuda:
+                host = torch.empty((), dtype=torch.bool, pin_memory=True)
+                host.copy_(finite, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                self.checks.append((host, event, message))
+            else:
+                self.checks.append((finite, None, message))
+        self.settle()
+
+    def settle(self, wait: bool = False) -> None:
+        """Raise the first failed check that has reached the host (``wait``: all of them)."""
+        pending = []
+        for host, event, message in self.checks:
+            if event is not None and not event.query():
+                if not wait:
+                    pending.append((host, event, message))
+                    continue
+                event.synchronize()
+            if not bool(host):
+                self.checks = []
+                raise ValueError(message)
+        self.checks = pending
 
     @property
     def compressed(self) -> bool:

@@ -25,7 +25,7 @@ from sparseengine.engine import sequence
 from sparseengine.engine.page_allocator import PageAllocator
 from sparseengine.methods import deltakv
 
-from tests.methods.test_deltakv_engine import BUDGET, FULL, RECENT, SINK, SPARSE, _ids
+from tests.methods.test_deltakv_engine import BUDGET, FULL, PROMPT, PROMPT2, RECENT, SINK, SPARSE, _ids
 from tests.methods.test_deltakv_engine import ckpt32 as ckpt, folder  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/methods/conftest.py

@@ -98,3 +98,41 @@ def test_append_layers_stores_what_each_store_appends_alone(bits, capacity):
     together[0].n += 1
     with pytest.raises(RuntimeError, match="histories differ"):
         append_layers(together, m, *new)
+
+
+@pytest.mark.parametrize("bits", [4, 16])
+def test_a_flush_overflow_check_is_kept_then_raised(bits):
+    """A flush's latents overflowing float16: ``encode_tail_layers`` with ``defer`` returns
+    and leaves the failed check in the list; the request's state raises it when it settles
+    (on the CPU at once; on a GPU once the flag has reached the host, or when the request
+    ends)."""
+    from sparseengine.methods.deltakv_store import RequestState
+
+    kv = _kv(40, 64, seed=5)
+    down = torch.full((1, 64, 32), 1e4)  # latents ~1e6: past float16
+    checks = []
+    dk.encode_tail_layers(kv[None, :8], 8, kv[None, 8:], down, 4, 2, bits, defer=checks)
+    assert len(checks) == 1 and not bool(checks[0][0])
+    st = RequestState(hist_end=0)
+    with pytest.raises(ValueError, match="overflow"):
+        st.defer(checks)
+    ok = []
+    dk.encode_tail_layers(kv[None, :8], 8, kv[None, 8:], down / 1e4, 4, 2, bits, defer=ok)
+    st.defer(ok)
+    assert bool(ok[0][0]) and st.checks == []
+    with pytest.raises(ValueError, match="overflow"):  # without defer: at once
+        dk.encode_tail_layers(kv[None, :8], 8, kv[None, 8:], down, 4, 2, bits)
+
+
+@pytest.mark.gpu
+def test_a_deferred_check_is_read_once_it_reaches_the_host():
+    from sparseengine.methods.deltakv_store import RequestState
+
+    st = RequestState(hist_end=0)
+    bad = torch.tensor(False, device="cuda")
+    torch.cuda._sleep(1 << 28)  # keeps the device busy: the flag's copy waits behind it
+    st.defer([(bad, "overflowed")])  # returns without waiting: the check stays pending
+    assert len(st.checks) == 1
+    with pytest.raises(ValueError, match="overflowed"):
+        st.settle(wait=True)
+    assert st.checks == []
