@@ -127,3 +127,16 @@ def test_allocator_tiers():
         a.allocate(2)
     with pytest.raises(ValueError, match="narrow_pages must be"):
         PageAllocator(4, narrow_pages=5)
+
+
+@pytest.mark.gpu
+def test_tiers_generate_what_one_tier_generates_on_a_gpu(folder, ckpt):
+    """The same on CUDA: Triton kernels and decode graphs replayed between flushes (float32)."""
+    kw = dict(device="cuda", dtype="float32", gpu_memory_utilization=0.3)
+    prompts, sp = [_ids(300, 5), PROMPT, PROMPT2], _greedy(90)
+    want = [o.token_ids for o in _llm(folder, ckpt, kv_pool_tiers="off", **kw).generate(prompts, sp)]
+    llm = _llm(folder, ckpt, **kw)
+    assert llm.pool_plan.tiered
+    seen = _watch(llm)
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == want
+    assert seen["compressed"] > 0 and seen["narrow_past_bound"] == 0
