@@ -37,7 +37,9 @@ def _cycling(fn, weights, x):
     return call
 
 
-def bench_skinny_linear(out_path, rows=(1, 6, 16), min_bytes=512 << 20):
+def bench_skinny_linear(out_path, rows=(1, 6, 16), min_bytes=512 << 20, configs=None):
+    """``configs``: the Triton grid to sweep (default ``CONFIGS``; [] for cuBLAS beside the
+    engine's tiles alone)."""
     from sparseengine.kernels.skinny_linear import skinny_linear_triton
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -50,9 +52,10 @@ def bench_skinny_linear(out_path, rows=(1, 6, 16), min_bytes=512 << 20):
             want = F.linear(x.float(), weights[0].float())
             base = {"kind": "skinny_linear", "layer": name, "n": N, "k": K, "rows": M, "weight_copies": copies}
             variants = [("cublas", {}, lambda a, w: F.linear(a, w))]
-            variants += [("triton", kw, lambda a, w, kw=kw: skinny_linear_triton(a, w, **kw)) for kw in CONFIGS]
+            variants += [("triton", kw, lambda a, w, kw=kw: skinny_linear_triton(a, w, **kw))
+                         for kw in (CONFIGS if configs is None else configs)]
             variants += [("engine", kw, lambda a, w, kw=kw: skinny_linear_triton(a, w, **kw))
-                         for kw in engine_variants(N)]
+                         for kw in engine_variants(N, M)]
             for impl, kw, fn in variants:
                 try:
                     err = (fn(x, weights[0]).float() - want).abs().max().item()
@@ -66,12 +69,12 @@ def bench_skinny_linear(out_path, rows=(1, 6, 16), min_bytes=512 << 20):
         torch.cuda.empty_cache()
 
 
-def engine_variants(n: int) -> list[dict]:
-    """The model's launch of an N-feature layer (`engine_tiles`), its weight tiles through
-    TMA or not."""
+def engine_variants(n: int, rows: int = 1) -> list[dict]:
+    """The model's launch of an N-feature layer at ``rows`` rows (`engine_tiles`), its
+    weight tiles through TMA or not."""
     from sparseengine.kernels.skinny_linear import engine_tiles
 
-    return [dict(engine_tiles(n), tma=tma) for tma in (False, True)]
+    return [dict(engine_tiles(n, rows=rows), tma=tma) for tma in (False, True)]
 
 
 # The chain's GEMM launch configurations: the fastest of each layer in bench_skinny_linear

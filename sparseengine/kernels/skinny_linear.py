@@ -44,10 +44,10 @@ from .fused_ops import rms_norm_ref
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
 
-BLOCK_M = 16  # rows of x a program multiplies: tl.dot's smallest tile
+BLOCK_M = 16  # rows of x a program multiplies: tl.dot's smallest tile (32 for 17-32 rows: one row block)
 # The model's linear layers (layers/linear.py) use this kernel for at most this many rows on
 # a GPU (0: never, cuBLAS always; profile_decode_step.py --kernel-const sets it for A/Bs).
-ENGINE_MAX_ROWS = 16
+ENGINE_MAX_ROWS = 32
 # Whether the model's linear layers load the weight's tiles through a tensor descriptor
 # (`tma`; read at each call).
 TMA_LOADS = True  # A/B session 21 (results/ab_switches_h200.jsonl): Quest b=6 step -0.013 ms, vanilla b=1 -0.02
@@ -62,15 +62,20 @@ def streams(x: torch.Tensor) -> bool:
     return x.is_cuda and 0 < x.numel() // max(x.shape[-1], 1) <= ENGINE_MAX_ROWS
 
 
-def engine_tiles(n: int, dtype: torch.dtype = torch.bfloat16, device: torch.device | None = None) -> dict:
+def engine_tiles(n: int, dtype: torch.dtype = torch.bfloat16, device: torch.device | None = None,
+                 rows: int = 1) -> dict:
     """Launch knobs for an N-feature layer: the fastest of bench_gpu --skinny-linear's grid
     at 6 rows on the H200 (results/skinny_linear_h200.jsonl, d44d4d6, bf16): 64 features a
     program for the wide layers (qkv, gate_up, lm_head), 32 for the 4096-wide ones (o,
     down); 256 channels a step, 4 warps, 5 stages. A 4-byte dtype takes 128 channels a
     step: the same bytes a stage, inside the shared memory (bf16's tiles in float32 would
-    need 320 KB at 64 features). On a CUDA `device`: `tma` with TMA_LOADS."""
+    need 320 KB at 64 features). Above 16 ``rows``, row blocks of 32 (one for up to 32
+    rows: the weight is still read once) and 4 stages (5 would overflow the shared memory
+    at 64 features). On a CUDA `device`: `tma` with TMA_LOADS."""
     block_k = 512 // dtype.itemsize
     tiles = dict(block_n=64 if n >= 6144 else 32, block_k=block_k, num_warps=4, num_stages=5)
+    if rows > BLOCK_M:
+        tiles.update(block_m=2 * BLOCK_M, num_stages=4)
     if TMA_LOADS and device is not None and device.type == "cuda":
         tiles["tma"] = True
     return tiles
@@ -90,9 +95,11 @@ def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                          rms_eps: float | None = None, residual: torch.Tensor | None = None,
                          block_n: int = 16, block_k: int = 512, tma: bool = False,
-                         num_warps: int = 4, num_stages: int = 4, pdl: bool = False) -> torch.Tensor:
+                         num_warps: int = 4, num_stages: int = 4, pdl: bool = False,
+                         block_m: int = BLOCK_M) -> torch.Tensor:
     """`x [..., K]`, `weight [N, K]` (rows contiguous), `bias [N]` or None -> `[..., N]` in
-    x's dtype. `block_n`, `block_k`: powers of two, at least 16; `num_warps`, `num_stages`:
+    x's dtype. `block_n`, `block_k`, `block_m` (rows of x a program takes; the weight is
+    read once per block of rows): powers of two, at least 16; `num_warps`, `num_stages`:
     Triton's launch knobs. `pdl`: launch as a programmatic dependent launch (Hopper): the
     programs start while the previous kernel runs, load their first weight tile, and wait
     for it (`griddepcontrol.wait`) before reading x; once past their reduction loop they
@@ -117,7 +124,7 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                          f"{None if bias is None else bias.dtype}")
     if bias is not None and tuple(bias.shape) != (N,):
         raise ValueError(f"bias must be [N={N}], got {tuple(bias.shape)}")
-    for name, v in (("block_n", block_n), ("block_k", block_k)):
+    for name, v in (("block_n", block_n), ("block_k", block_k), ("block_m", block_m)):
         if int_arg(name, v, 16) & (v - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {v}")
     if rms_eps is not None and not (isinstance(rms_eps, (int, float)) and rms_eps >= 0):
@@ -147,11 +154,11 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if r2.stride(-1) != 1:
         r2 = r2.contiguous()
     if M and N:
-        _skinny_linear_kernel[(cdiv(N, block_n), cdiv(M, BLOCK_M))](
+        _skinny_linear_kernel[(cdiv(N, block_n), cdiv(M, block_m))](
             x2, weight, w_desc, weight if bias is None else bias, r2, y, M, N, K, x2.stride(0), weight.stride(0),
             r2.stride(0), y.stride(0), float(rms_eps or 0.0),
             HAS_BIAS=bias is not None, NORM=rms_eps is not None, RESIDUAL=residual is not None, TMA=tma,
-            BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             EVEN_N=N % block_n == 0, EVEN_K=K % block_k == 0, INTERPRET=interpreting(),
             DOT_PREC=dot_precision(x.dtype), PDL=pdl, num_warps=num_warps, num_stages=num_stages,
             **({"launch_pdl": True} if pdl else {}))

@@ -22,6 +22,6 @@ class Linear(nn.Linear):
         if skinny_linear.streams(x):
             return skinny_linear.skinny_linear_triton(
                 x, self.weight, self.bias, rms_eps=None if norm is None else norm.eps, residual=residual,
-                **skinny_linear.engine_tiles(self.out_features, x.dtype, x.device))
+                **skinny_linear.engine_tiles(self.out_features, x.dtype, x.device, x.numel() // x.shape[-1]))
         y = F.linear(x if norm is None else norm(x), self.weight, self.bias)
         return y if residual is None else y + residual

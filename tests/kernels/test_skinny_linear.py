@@ -55,6 +55,19 @@ def test_matches_linear(gen, device, M, N, K, bias, dtype, block_n, block_k, pdl
         assert torch.equal(y, skinny_linear_triton(x, w, b, block_n=block_n, block_k=block_k))
 
 
+@pytest.mark.parametrize("M,block_m", [(20, 32), (32, 32), (40, 32), (5, 32)])
+def test_row_blocks_of_32(gen, device, M, block_m):
+    """Rows in blocks of 32 (the engine's tiles above 16 rows): one block up to 32 rows,
+    the weight read once; a second, partial block past it; padding rows below it."""
+    x, w, b = _inputs(gen, device, M, 48, 100, torch.float32, True)
+    _check(skinny_linear_triton(x, w, b, block_n=16, block_k=32, block_m=block_m), x, w, b)
+    _check(skinny_linear_triton(x, w, b, block_n=16, block_k=32, block_m=block_m, rms_eps=1e-5,
+                                residual=torch.ones(M, 48, device=device)),
+           x, w, b, eps=1e-5, res=torch.ones(M, 48, device=device))
+    with pytest.raises(ValueError, match="block_m must be a power of two >= 16"):
+        skinny_linear_triton(x, w, b, block_m=24)
+
+
 @pytest.mark.parametrize("M,N,K,bias,dtype,block_n,block_k", [
     (6, 96, 384, True, torch.bfloat16, 32, 128),
     (6, 50, 200, False, torch.bfloat16, 16, 64),   # masked: padded channels must not count in the mean
@@ -179,7 +192,7 @@ def test_llama_shapes_on_gpu(gen, N, K, pdl):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 16, 17])
+@pytest.mark.parametrize("rows", [1, 16, 17, 32, 33])
 def test_model_linear_on_gpu(gen, rows):
     """The model's `Linear`: the Triton kernel with its layer's tiles up to ENGINE_MAX_ROWS
     rows, cuBLAS above."""
@@ -192,7 +205,8 @@ def test_model_linear_on_gpu(gen, rows):
         y = layer(x)
         _check(y, x, layer.weight, layer.bias)
         if rows <= skinny_linear.ENGINE_MAX_ROWS:
-            want = skinny_linear_triton(x, layer.weight, layer.bias, **skinny_linear.engine_tiles(96, x.dtype))
+            want = skinny_linear_triton(x, layer.weight, layer.bias,
+                                        **skinny_linear.engine_tiles(96, x.dtype, x.device, rows))
         else:
             want = F.linear(x, layer.weight, layer.bias)
         assert torch.equal(y, want)
@@ -206,7 +220,8 @@ def test_model_linear_wide_layer_every_dtype_on_gpu(gen, dtype):
     from sparseengine.layers.linear import Linear
 
     layer = Linear(4096, 6144, bias=False).cuda().to(dtype)
-    x = torch.randn(6, 4096, generator=gen).to(dtype).cuda()
-    with torch.no_grad():
-        _check(layer(x), x, layer.weight, None)
+    for rows in (6, 32):  # row blocks of 16 and of 32
+        x = torch.randn(rows, 4096, generator=gen).to(dtype).cuda()
+        with torch.no_grad():
+            _check(layer(x), x, layer.weight, None)
 
