@@ -225,3 +225,18 @@ def test_model_linear_wide_layer_every_dtype_on_gpu(gen, dtype):
         with torch.no_grad():
             _check(layer(x), x, layer.weight, None)
 
+
+
+def test_engine_tiles_by_rows():
+    """16 rows a block up to 16, 32 above (4 stages: 5 would overflow the shared memory);
+    TMA loads on a GPU, but not in the 4096-wide layers above 16 rows (slower there)."""
+    from sparseengine.kernels.skinny_linear import engine_tiles
+
+    gpu = torch.device("cuda")
+    assert engine_tiles(6144, torch.bfloat16, gpu, 6) == dict(block_n=64, block_k=256, num_warps=4, num_stages=5,
+                                                              tma=True)
+    assert engine_tiles(4096, torch.bfloat16, gpu, 6)["tma"]
+    wide, narrow = engine_tiles(28672, torch.bfloat16, gpu, 20), engine_tiles(4096, torch.bfloat16, gpu, 20)
+    assert wide["block_m"] == narrow["block_m"] == 32 and wide["num_stages"] == narrow["num_stages"] == 4
+    assert wide["tma"] and "tma" not in narrow
+    assert "block_m" not in engine_tiles(4096, torch.float32, None, 16)
