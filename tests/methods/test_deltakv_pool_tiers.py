@@ -140,3 +140,16 @@ def test_tiers_generate_what_one_tier_generates_on_a_gpu(folder, ckpt):
     seen = _watch(llm)
     assert [o.token_ids for o in llm.generate(prompts, sp)] == want
     assert seen["compressed"] > 0 and seen["narrow_past_bound"] == 0
+
+
+def test_a_full_pool_preempts_and_every_page_comes_back(folder, ckpt):
+    """More requests than both tiers hold: preemption by recompute frees pages of both tiers
+    (a recomputed request is prefilled into narrow pages again), every request finishes,
+    and no page is left in use."""
+    llm = _llm(folder, ckpt)
+    seen = _watch(llm)
+    outs = llm.generate([_ids(300, 10 + s) for s in range(8)], _greedy(150))
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 150 for o in outs)
+    assert sum(o.metrics["preemptions"] for o in outs) > 0
+    assert seen["compressed"] > 0  # (past the wide tier's room, pages stay narrow: allowed)
+    assert llm.allocator.num_used == 0 and llm.allocator.num_free == llm.allocator.num_pages
