@@ -14,10 +14,10 @@ from sparseengine.engine.cache_manager import CacheManager
 from sparseengine.engine.cuda_graphs import DecodeGraphs, table_pages
 from sparseengine.engine.inflight import NEEDS_TOKENS, PLACEHOLDER, Inflight
 from sparseengine.engine.kv_cache import KVCache, page_bytes
-from sparseengine.engine.pool_plan import PoolPlan, plan_pool
 from sparseengine.engine.model_runner import ModelRunner
 from sparseengine.engine.outputs import RequestOutput
 from sparseengine.engine.page_allocator import PageAllocator
+from sparseengine.engine.pool_plan import PoolPlan, plan_pool
 from sparseengine.engine.scheduler import Scheduler, SchedulerConfig
 from sparseengine.engine.sequence import Sequence, SequenceStatus
 from sparseengine.kernels import fused_ops, skinny_linear

@@ -59,7 +59,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # cache indices below which a request's narrow layers may hold tokens (None: all);
-        # set by the engine from its method (``max_narrow_tokens``)
+        # set by the engine from its method (``narrow_bound``)
         self.narrow_bound: Callable[[Sequence], int | None] = lambda seq: None
 
     # ---- admission -------------------------------------------------------------------
