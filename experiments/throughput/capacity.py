@@ -72,10 +72,12 @@ class Capacity:
         if batch > self.max_num_seqs:
             return f"batch {batch} > max_num_seqs={self.max_num_seqs}"
         need, room = self.pages(batch), self.narrow_tier
-        tier = "" if self.narrow_pages is None else (
-            f" narrow (the rest of its pages in the {self.num_pages - room}-page wide tier)")
-        where = "the pool holds" if self.narrow_pages is None else "the narrow tier holds"
-        return f"needs {need}{tier} KV pages, {where} {room}" + ("" if need > room else " (fits)")
+        if self.narrow_pages is None:
+            said = f"needs {need} KV pages, the pool holds {room}"
+        else:
+            said = (f"needs {need} narrow KV pages, the narrow tier holds {room} "
+                    f"(the wide tier's {self.num_pages - room} pages hold the rest)")
+        return said + ("" if need > room else " (fits)")
 
 
 def capacity_of(llm, prompt_len: int, output_len: int, lengths: tuple[int, ...] | None = None) -> Capacity:
