@@ -89,20 +89,19 @@ def capacity_of(llm, prompt_len: int, output_len: int, lengths: tuple[int, ...] 
         steady = llm.kv_tokens_needed(n, output_len)  # the method runtime's own account
         return -(-steady // cfg.page_size), -(-(n + output_len) // cfg.page_size)
 
-    def wide(n: int) -> int:
+    def wide(n: int) -> int:  # of the steady pages, those in the wide tier (0 in one tier)
         held = llm.narrow_tokens(n)
         return 0 if held is None else max(0, pages(n)[0] - -(-held // cfg.page_size))
 
-    steady, peak = pages(lengths[0] if lengths else prompt_len)
-    ragged = lengths and len(set(lengths)) > 1
-    pattern = tuple(pages(n) for n in lengths) if ragged else ()
-    tiered = llm.allocator.narrow_pages < llm.allocator.num_pages
+    sizes = tuple(lengths) if lengths and len(set(lengths)) > 1 else ((lengths or (prompt_len,))[0],)
+    steady, peak = pages(sizes[0])
+    tiered = llm.allocator.tiered
     return Capacity(num_pages=llm.allocator.num_pages, page_size=cfg.page_size, pages_per_request=steady,
-                    max_num_seqs=cfg.max_num_seqs, peak_pages_per_request=peak, pattern=pattern,
+                    max_num_seqs=cfg.max_num_seqs, peak_pages_per_request=peak,
+                    pattern=tuple(pages(n) for n in sizes) if len(sizes) > 1 else (),
                     narrow_pages=llm.allocator.narrow_pages if tiered else None,
-                    one_tier_pages=llm.pool_plan.one_tier_pages,
-                    wide_per_request=(tuple(wide(n) for n in lengths) if ragged
-                                      else (wide(lengths[0] if lengths else prompt_len),)) if tiered else ())
+                    wide_per_request=tuple(wide(n) for n in sizes) if tiered else (),
+                    one_tier_pages=llm.pool_plan.one_tier_pages)
 
 
 @dataclass(frozen=True)

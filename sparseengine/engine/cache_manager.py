@@ -195,10 +195,9 @@ class CacheManager:
         old = [seq.page_table[i] for i in at]
         ps, device = self.page_size, self.kv.device
         within = torch.arange(ps, device=device)
-        wide = [layer for layer in range(self.kv.num_layers) if layer not in self.kv.narrow_layers]
         for c in range(0, len(new), MOVE_CHUNK_PAGES):  # bounds the gathered copy's memory
             src, dst = ((self.upload(p[c:c + MOVE_CHUNK_PAGES])[:, None] * ps + within).flatten() for p in (old, new))
-            self.move_tokens(src, dst, wide)
+            self.move_tokens(src, dst, self.kv.wide_layers)
         for i, page in zip(at, new):
             seq.page_table[i] = page
         alloc.free(old)

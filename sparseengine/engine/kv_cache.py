@@ -58,6 +58,10 @@ class KVCache:
     def uniform(self) -> bool:
         return not self.narrow_layers
 
+    @property
+    def wide_layers(self) -> list[int]:
+        return [layer for layer in range(self.num_layers) if layer not in self.narrow_layers]
+
     def _whole(self, rows: torch.Tensor) -> torch.Tensor:
         if not self.uniform:
             raise ValueError(f"this pool's layers differ in pages (narrow layers {self.narrow_layers} hold "

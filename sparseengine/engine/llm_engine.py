@@ -13,11 +13,11 @@ from sparseengine.config import Config, ConfigError, resolve_device
 from sparseengine.engine.cache_manager import CacheManager
 from sparseengine.engine.cuda_graphs import DecodeGraphs, table_pages
 from sparseengine.engine.inflight import NEEDS_TOKENS, PLACEHOLDER, Inflight
-from sparseengine.engine.kv_cache import KVCache, page_bytes
+from sparseengine.engine.kv_cache import KVCache
 from sparseengine.engine.model_runner import ModelRunner
 from sparseengine.engine.outputs import RequestOutput
 from sparseengine.engine.page_allocator import PageAllocator
-from sparseengine.engine.pool_plan import PoolPlan, plan_pool
+from sparseengine.engine.pool_plan import PoolPlan, plan_for
 from sparseengine.engine.scheduler import Scheduler, SchedulerConfig
 from sparseengine.engine.sequence import Sequence, SequenceStatus
 from sparseengine.kernels import fused_ops, skinny_linear
@@ -102,18 +102,8 @@ class LLM:
         cfg, mc = self.config, self.model_config
         if cfg.num_kv_pages is not None:
             return PoolPlan(cfg.num_kv_pages, cfg.num_kv_pages)
-        runtime = get_spec(cfg.sparse_method).runtime
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        extra = runtime.bytes_per_pool_page(cfg, mc, elem)
         budget = self._pool_budget()
-        narrow = runtime.narrow_layers(cfg, mc) if cfg.kv_pool_tiers == "auto" else ()
-        held = runtime.narrow_tokens(cfg, mc, self.max_model_len) if narrow else None
-        page_all = page_bytes(mc, cfg.page_size, self.dtype) + extra
-        page_wide = (page_bytes(mc, cfg.page_size, self.dtype, mc.num_layers - len(narrow)) + extra
-                     + runtime.bytes_per_wide_page(cfg, mc, elem))
-        request = -(-self.max_model_len // cfg.page_size)
-        plan = plan_pool(budget, page_all, page_wide, tuple(narrow), request,
-                         request if held is None else -(-held // cfg.page_size))
+        plan = plan_for(get_spec(cfg.sparse_method).runtime, cfg, mc, self.dtype, budget, self.max_model_len)
         if plan.num_pages < 1:
             raise ConfigError(f"No room for the KV pool: {budget / 2**30:.2f} GiB left for it; "
                               "raise kv_cache_memory or gpu_memory_utilization")

@@ -43,6 +43,10 @@ class PageAllocator:
     def num_used(self) -> int:
         return len(self._used)
 
+    @property
+    def tiered(self) -> bool:
+        return self.narrow_pages < self.num_pages
+
     def is_narrow(self, page: int) -> bool:
         return page < self.narrow_pages
 

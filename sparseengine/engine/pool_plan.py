@@ -15,6 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from sparseengine.engine.kv_cache import page_bytes
+
 
 @dataclass(frozen=True)
 class PoolPlan:
@@ -53,3 +57,19 @@ def plan_pool(budget: float, page_all: int, page_wide: int, narrow_layers: tuple
     wide = b * wide_pages
     narrow += int((budget - narrow * page_all - wide * page_wide) // page_all)
     return PoolPlan(narrow + wide, narrow, tuple(sorted(narrow_layers)), b + 1, one)
+
+
+def plan_for(runtime, config, model, dtype: torch.dtype, budget: float, max_model_len: int) -> PoolPlan:
+    """``plan_pool`` for a method runtime class (its ``bytes_per_pool_page``,
+    ``narrow_layers``, ``narrow_tokens``, ``bytes_per_wide_page``) and the engine's config
+    (``page_size``; ``kv_pool_tiers="off"``: one tier)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    extra = runtime.bytes_per_pool_page(config, model, elem)
+    narrow = tuple(runtime.narrow_layers(config, model)) if config.kv_pool_tiers == "auto" else ()
+    held = runtime.narrow_tokens(config, model, max_model_len) if narrow else None
+    ps = config.page_size
+    page_all = page_bytes(model, ps, dtype) + extra
+    page_wide = (page_bytes(model, ps, dtype, model.num_layers - len(narrow)) + extra
+                 + runtime.bytes_per_wide_page(config, model, elem))
+    request = -(-max_model_len // ps)
+    return plan_pool(budget, page_all, page_wide, narrow, request, request if held is None else -(-held // ps))

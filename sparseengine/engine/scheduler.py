@@ -158,7 +158,7 @@ class Scheduler:
         have, want = len(seq.page_table), -(-(seq.num_cached_tokens + n) // ps)
         if want <= have:
             return 0, 0
-        bound = self.narrow_bound(seq) if self.allocator.narrow_pages < self.allocator.num_pages else None
+        bound = self.narrow_bound(seq) if self.allocator.tiered else None
         narrow_end = want if bound is None else min(want, max(have, -(-bound // ps)))
         return narrow_end - have, want - narrow_end
 

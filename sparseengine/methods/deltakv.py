@@ -61,6 +61,8 @@ components are ordered, so the first r columns are the best rank-r pair).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from sparseengine import kernels
@@ -71,7 +73,7 @@ from sparseengine.layers.rotary import rope_inv_freq
 from sparseengine.method_registry import MethodSpec
 from sparseengine.methods import deltakv_codec as codec
 from sparseengine.methods.base import SparseMethodRuntime
-from sparseengine.methods.deltakv_bytes import DeltaKVBytes, rebuild_read_bytes, request_bytes
+from sparseengine.methods.deltakv_bytes import DeltaKVBytes, rebuild_read_bytes, request_bytes, stored_bytes_per_token
 from sparseengine.methods.deltakv_fit import load_down_up
 from sparseengine.methods.deltakv_layout import map_chosen
 from sparseengine.methods.deltakv_flush import FLUSH_TOKENS, flush_history
@@ -154,26 +156,30 @@ class DeltaKV(SparseMethodRuntime):
         return tuple(layer_roles(model, str(config.knob("deltakv_full_layers")))[2])
 
     @classmethod
+    def sparse_held(cls, config) -> int:
+        """The most cache indices a compressed sparse layer holds: sink + scratch + a raw
+        tail of at most ``recent + FLUSH_TOKENS`` tokens (one more while a step's token
+        waits for its flush)."""
+        return config.sink_tokens + config.budget + config.recent_tokens + FLUSH_TOKENS + 1
+
+    @classmethod
     def narrow_tokens(cls, config, model, prompt_tokens: int) -> int | None:
-        """A compressed sparse layer holds sink + scratch + a raw tail of at most
-        ``recent + FLUSH_TOKENS`` tokens (one more while a step's token waits for its flush)."""
         total = config.sink_tokens + config.budget + config.recent_tokens
-        return None if prompt_tokens <= total else total + FLUSH_TOKENS + 1
+        return None if prompt_tokens <= total else cls.sparse_held(config)
 
     @classmethod
     def bytes_per_wide_page(cls, config, model, elem_bytes: int) -> int:
-        """The codec's bytes for a page of history tokens in every sparse layer (centers,
-        neighbour indices counted as int32, latents with their int4 scales and zeros)."""
-        dim = 2 * model.num_kv_heads * model.head_dim
-        stride = codec.center_stride(float(config.knob("deltakv_center_ratio")))
-        r, bits = int(config.knob("deltakv_latent_dim")), int(config.knob("deltakv_latent_bits"))
-        latent = r // 2 + 4 * (r // codec.QUANT_GROUP) if bits == 4 else 2 * r
-        per_token = dim * elem_bytes / stride + 4 * int(config.knob("deltakv_neighbors")) + latent
-        return int(per_token * len(cls.narrow_layers(config, model)) * config.page_size) + 1
+        """The codec's bytes for a page of history tokens in every sparse layer
+        (``deltakv_bytes.stored_bytes_per_token`` of a max_model_len history)."""
+        acct = stored_bytes_per_token(config.max_model_len or model.max_position_embeddings, model.num_kv_heads,
+                                      model.head_dim, int(config.knob("deltakv_latent_dim")),
+                                      float(config.knob("deltakv_center_ratio")), int(config.knob("deltakv_neighbors")),
+                                      int(config.knob("deltakv_latent_bits")), elem_bytes)
+        return math.ceil(acct.stored_per_token * config.page_size * len(cls.narrow_layers(config, model)))
 
     def narrow_bound(self, seq) -> int | None:
         st = self.cache.state(seq).get(STATE_KEY)
-        return None if st is None or not st.compressed else self.total + FLUSH_TOKENS + 1
+        return None if st is None or not st.compressed else self.sparse_held(self.config)
 
     def _pages_to_wide(self, seq) -> None:
         """After the first compression: the pages past what the sparse layers hold go to the
