@@ -7,6 +7,7 @@
 #   bash scripts/gpu_session.sh deltakv_tiles  # Nsight Compute over DeltaKV's rebuild, its tiles swept, the fastest profiled
 #   bash scripts/gpu_session.sh flush        # DeltaKV's history flushes at b=6, timed and one profiled
 #   bash scripts/gpu_session.sh ab           # GPU tests, then each decode-step switch (AB_CONSTS) on/off in alternating profiles
+#   VARIANTS='default;M.NAME=V ...' [BENCH='--flag'] bash scripts/gpu_session.sh variants  # kernel-const A/B profiles
 #   bash scripts/gpu_session.sh pick         # GPU tests (kernels, methods), OmniKV's pick side by side, OmniKV b6 profile
 #   bash scripts/gpu_session.sh balanced     # split-K decode tests (all, compiled), the balanced plan beside the per-row one
 #   bash scripts/gpu_session.sh ragged [hydra overrides]  # our dense decode beside FlashInfer's on ragged batches (carry
@@ -194,6 +195,30 @@ for f in sorted(glob.glob(sys.argv[1] + "/ab_*.json")):
 PY
   # one archive: a call brings back at most 8 files (session 21 lost 6 of 14 profiles)
   (cd "$OUT" && tar czf ab_profiles.tgz ab_*.json && rm -f ab_*.json)
+  ;;
+variants)
+  # BENCH (bench_gpu flags, optional) into $OUT/bench.jsonl, then one method's graph step with each of VARIANTS
+  # (';'-separated, each 'default' or space-separated MODULE.NAME=VALUE kernel consts) in alternating profiles,
+  # ROUNDS times (METHOD, BATCH: default quest 6); the profiles in one archive.
+  [ -z "${BENCH:-}" ] || timeout "${BENCH_TIMEOUT:-240}" python -m sparseengine.kernels.bench_gpu $BENCH \
+    --out "$OUT/bench.jsonl" 2>&1 | tail -3
+  IFS=';' read -ra variants <<< "${VARIANTS:-default}"
+  for round in $(seq "${ROUNDS:-2}"); do
+    for i in "${!variants[@]}"; do
+      args=(); for c in ${variants[$i]}; do [ "$c" = default ] || args+=(--kernel-const "$c"); done
+      timeout 150 python scripts/profile_decode_step.py --method "${METHOD:-quest}" --batch "${BATCH:-6}" --steps 8 \
+        --commit "$COMMIT" "${args[@]}" --out "$OUT/var_${i}_r$round.json" > /tmp/var.log 2>&1 || tail -5 /tmp/var.log
+    done
+  done
+  python - "$OUT" <<'PY'
+import glob, json, sys
+for f in sorted(glob.glob(sys.argv[1] + "/var_*.json"), key=lambda f: f.rsplit("_r", 1)[::-1]):
+    d = json.load(open(f))
+    top = sorted(d["graph_kernel_us_per_step"].items(), key=lambda kv: -kv[1])[:6]
+    print(f"{f.rsplit('/', 1)[-1]:16s} step {d['graph_step_ms']:.3f} ms  {d['kernel_consts']}  "
+          + " ".join(f"{k[:18]}={v:.0f}" for k, v in top))
+PY
+  (cd "$OUT" && tar czf variant_profiles.tgz var_*.json && rm -f var_*.json)
   ;;
 pick)
   timeout 240 python -m pytest tests/kernels tests/methods -q -m gpu -k "not flashinfer" -p no:cacheprovider -rs 2>&1 \

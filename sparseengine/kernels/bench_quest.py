@@ -132,6 +132,34 @@ def bench_quest_attention(out_path, B=6, P=8320, n=131072, width=129):
                         "us_per_launch": us, "GBps": nbytes / us / 1e3, "max_abs_diff_vs_default": err})
 
 
+def bench_quest_attention_splits(out_path, B=6, P=8320, n=131072, width=129):
+    """Quest's sparse-page attention at the 128K shape (as `bench_quest_attention`), the
+    grid's splits a row: fixed 64- and 128-token chunks (the default) against each row
+    cutting its own chosen pages into `row_splits` (so the grid is B x Hkv x row_splits
+    programs: whole waves of the SMs, or not), tiles of 16 and 32, 2 to 4 warps, 2 or 3
+    stages; each checked against the default launch."""
+    from sparseengine.kernels import sparse_page_decode_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k_cache, v_cache, table, kv_lens = _attention_inputs(B, P, n, gen)
+    chosen = torch.rand(B, HKV, n // PS, generator=gen, device="cuda").argsort(-1)[..., :width]
+    pages = chosen.sort(-1).values.contiguous()
+    counts = torch.full((B, HKV), width, dtype=torch.int32, device="cuda")
+    args = (q, k_cache, v_cache, table, kv_lens, pages, counts)
+    want = sparse_page_decode_triton(*args).float()
+    nbytes = 2 * B * HKV * width * PS * D * 2
+    configs = [dict(), dict(kv_chunk=64, block_n=32, num_warps=4, num_stages=2)]
+    for splits in (6, 8, 10, 11, 12, 14, 16, 17, 22, 33):
+        for block_n, num_warps, num_stages in ((32, 4, 2), (32, 4, 3), (16, 2, 2), (32, 2, 2)):
+            configs.append(dict(row_splits=splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages))
+    for kw in configs:
+        fn = lambda: sparse_page_decode_triton(*args, **kw)  # noqa: E731
+        err = (fn().float() - want).abs().max().item()
+        emit(out_path, {"kind": "quest_attention_splits", "batch": B, "hkv": HKV, "pages": width, "kv_len": n,
+                        **kw, "us_per_launch": (us := per_launch_us(fn)), "GBps": nbytes / us / 1e3,
+                        "max_abs_diff_vs_default": err})
+
+
 def bench_quest_attention_widths(out_path, B=6, P=8320, n=131072, widths=(1, 4, 16, 64, 129, 256, 512)):
     """Quest's sparse-page attention at its default launch, `widths` chosen pages a (request,
     KV head) at the 128K shape, per launch in a CUDA graph of 30 launches (the merge kernel
