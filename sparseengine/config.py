@@ -59,9 +59,14 @@ class Config:
     gpu_memory_utilization: float = 0.9
     # A method whose compressed layers keep a few tokens while its other layers keep all
     # of them (DeltaKV) gets a pool in two tiers (engine/pool_plan.py): "auto" where that
-    # fits more max_model_len requests than one tier; "off": every page in every layer
+    # fits more requests (of kv_pool_tier_tokens) than one tier; "off": every page in every layer
     # (more room for prompts that are never compressed, i.e. shorter than the budget).
     kv_pool_tiers: str = "auto"
+    # The request length (prompt + output tokens) the two tiers are sized for: one such
+    # request held whole until it is compressed, as many compressed ones beside it as fit.
+    # None: max_model_len. Shorter: more narrow pages, so more requests of that length (and
+    # more never-compressed short ones); a prompt longer than the narrow tier is refused.
+    kv_pool_tier_tokens: int | None = None
     enforce_eager: bool = False
     # Launch each step before reading the previous step's sampled tokens (the host's
     # scheduling overlaps the device's work): None is on for CUDA, off on the CPU (where
@@ -132,6 +137,10 @@ class Config:
             value = getattr(self, name)
             if value not in choices:
                 raise ConfigError(f"Invalid {name}={value!r}. Valid values: {', '.join(choices)}")
+        tier = self.kv_pool_tier_tokens
+        if tier is not None and (not isinstance(tier, int) or isinstance(tier, bool) or tier <= 0):
+            raise ConfigError(f"Invalid kv_pool_tier_tokens={tier!r}: must be a positive integer or None "
+                              "(None: size the tiers for max_model_len prompts)")
         positive = ["max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "page_size",
                     "long_prefill_threshold", "tensor_parallel_size"]
         for name in positive:

@@ -144,5 +144,7 @@ def test_growth_past_the_narrow_bound_takes_wide_pages():
 def test_validate_counts_only_narrow_pages_for_a_prompt():
     s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk_size=32, page_size=4,
                                   max_model_len=256), PageAllocator(40, narrow_pages=8))
-    assert "needs 9 KV pages but the pool holds 8 narrow pages (of 40)" in s.validate(seq(33))
+    said = s.validate(seq(33))
+    assert "needs 9 KV pages but the pool holds 8 narrow pages (of 40)" in said
+    assert "kv_pool_tier_tokens" in said and "kv_pool_tiers=off" in said  # what to change, by name
     assert s.validate(seq(32)) is None

@@ -7,8 +7,8 @@ layers' pages pin the sparse layers' memory too. ``plan_pool`` then splits the p
 *narrow* pages (every layer) for what a compressed request's narrow layers hold and for
 one prompt held whole until it is compressed, *wide* pages (the wide layers only, plus the
 method's memory per token outside the pool, e.g. DeltaKV's codec) for the rest. It sizes
-the tiers for requests of ``max_model_len`` tokens, and keeps one tier where two would not
-fit more of them.
+the tiers for requests of ``max_model_len`` tokens (``kv_pool_tier_tokens`` where set), and
+keeps one tier where two would not fit more of them.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sparseengine.config import ConfigError
 from sparseengine.engine.kv_cache import page_bytes
 
 
@@ -62,14 +63,19 @@ def plan_pool(budget: float, page_all: int, page_wide: int, narrow_layers: tuple
 def plan_for(runtime, config, model, dtype: torch.dtype, budget: float, max_model_len: int) -> PoolPlan:
     """``plan_pool`` for a method runtime class (its ``bytes_per_pool_page``,
     ``narrow_layers``, ``narrow_tokens``, ``bytes_per_wide_page``) and the engine's config
-    (``page_size``; ``kv_pool_tiers="off"``: one tier)."""
+    (``page_size``; ``kv_pool_tiers="off"``: one tier; ``kv_pool_tier_tokens``: the requests'
+    length, prompt and output, the tiers are sized for: at most ``max_model_len``, the default)."""
+    tokens = config.kv_pool_tier_tokens or max_model_len
+    if tokens > max_model_len:
+        raise ConfigError(f"kv_pool_tier_tokens={tokens} is longer than max_model_len={max_model_len}: "
+                          "the tiers are sized for prompts the engine admits")
     elem = torch.empty((), dtype=dtype).element_size()
     extra = runtime.bytes_per_pool_page(config, model, elem)
     narrow = tuple(runtime.narrow_layers(config, model)) if config.kv_pool_tiers == "auto" else ()
-    held = runtime.narrow_tokens(config, model, max_model_len) if narrow else None
+    held = runtime.narrow_tokens(config, model, tokens) if narrow else None
     ps = config.page_size
     page_all = page_bytes(model, ps, dtype) + extra
     page_wide = (page_bytes(model, ps, dtype, model.num_layers - len(narrow)) + extra
                  + runtime.bytes_per_wide_page(config, model, elem))
-    request = -(-max_model_len // ps)
+    request = -(-tokens // ps)
     return plan_pool(budget, page_all, page_wide, narrow, request, request if held is None else -(-held // ps))

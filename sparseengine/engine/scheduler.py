@@ -75,9 +75,13 @@ class Scheduler:
         pages = -(-(n if cache_tokens is None else cache_tokens) // self.config.page_size)
         room = self.allocator.narrow_pages  # a prompt is held whole in every layer until compressed
         if pages > room:
-            kind = "" if room == self.allocator.num_pages else f" narrow pages (of {self.allocator.num_pages})"
-            return (f"prompt needs {pages} KV pages but the pool holds {room}{kind}; "
-                    f"raise kv_cache_memory / gpu_memory_utilization or num_kv_pages")
+            if room == self.allocator.num_pages:
+                return (f"prompt needs {pages} KV pages but the pool holds {room}; "
+                        f"raise kv_cache_memory / gpu_memory_utilization or num_kv_pages")
+            return (f"prompt needs {pages} KV pages but the pool holds {room} narrow pages (of "
+                    f"{self.allocator.num_pages}), where a prompt is held whole until compressed; size the tiers "
+                    "for longer prompts (kv_pool_tier_tokens), turn them off (kv_pool_tiers=off), or raise "
+                    "kv_cache_memory / gpu_memory_utilization")
         return None
 
     def add(self, seq: Sequence) -> None:

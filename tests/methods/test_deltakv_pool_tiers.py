@@ -10,7 +10,8 @@ the wide tier, which stores only the full layers.
   every page past it is in the wide tier;
 - the same memory holds more max_model_len requests than one tier, and the throughput
   benchmark's capacity model's largest batch runs in it;
-- pages go back to their tier when requests finish.
+- pages go back to their tier when requests finish;
+- ``kv_pool_tier_tokens`` sizes the tiers for shorter requests: more of them fit.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pytest
 
 from experiments.throughput import capacity
 from sparseengine import LLM, SamplingParams
+from sparseengine.config import ConfigError
 from sparseengine.engine import sequence
 from sparseengine.engine.page_allocator import PageAllocator
 from sparseengine.methods import deltakv
@@ -115,6 +117,35 @@ def test_synthesized_prefill_in_tiers(folder, ckpt, monkeypatch):
     assert all(o.finish_reason == "length" for o in llm.generate(many, _greedy(70), prefill="synthesized"))
     assert cap.reason(largest + 1).startswith(
         f"needs {cap.pages(largest + 1)} narrow KV pages, the narrow tier holds {cap.narrow_tier} (the wide tier's ")
+
+
+def test_tiers_sized_for_shorter_requests(folder, ckpt, monkeypatch):
+    """kv_pool_tier_tokens: tiers sized for requests of 240 tokens (200 prompt + 40 output;
+    max_model_len 512) hold more narrow pages and more such requests than tiers sized for
+    max_model_len (the capacity model's count, which is the plan's); its largest batch of
+    them runs, and they decode as in one tier."""
+    prompt, out = 200, 40
+    default, sized = _llm(folder, ckpt), _llm(folder, ckpt, kv_pool_tier_tokens=prompt + out)
+    assert sized.pool_plan.tiered and sized.pool_plan.narrow_pages > default.pool_plan.narrow_pages
+    largest = [capacity.max_batch(capacity.capacity_of(e, prompt, out).fits).largest for e in (default, sized)]
+    assert largest[1] == sized.pool_plan.requests > largest[0]
+    prompts = [_ids(prompt, s) for s in range(3)]
+    runs = []
+    for engine in (_llm(folder, ckpt, kv_pool_tiers="off"), sized):
+        monkeypatch.setattr(sequence, "_ids", itertools.count(2000))
+        runs.append([o.token_ids for o in engine.generate(prompts, _greedy(out), prefill="synthesized")])
+    assert runs[0] == runs[1]
+    many = [_ids(prompt, s) for s in range(largest[1])]  # held at once: a synthesised batch that does not fit raises
+    assert all(o.finish_reason == "length" for o in sized.generate(many, _greedy(out), prefill="synthesized"))
+    assert sized.allocator.num_used == 0
+
+
+def test_tier_tokens_are_checked(folder, ckpt):
+    with pytest.raises(ConfigError, match="kv_pool_tier_tokens=513 is longer than max_model_len=512"):
+        _llm(folder, ckpt, kv_pool_tier_tokens=MAX_LEN + 1)
+    for bad in (0, -5, 1.5, True):
+        with pytest.raises(ConfigError, match=f"Invalid kv_pool_tier_tokens={bad!r}: must be a positive integer"):
+            _llm(folder, ckpt, kv_pool_tier_tokens=bad)
 
 
 def test_allocator_tiers():
