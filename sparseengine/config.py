@@ -141,6 +141,9 @@ class Config:
         if tier is not None and (not isinstance(tier, int) or isinstance(tier, bool) or tier <= 0):
             raise ConfigError(f"Invalid kv_pool_tier_tokens={tier!r}: must be a positive integer or None "
                               "(None: size the tiers for max_model_len prompts)")
+        if tier is not None and self.kv_pool_tiers == "off":
+            raise ConfigError(f"kv_pool_tier_tokens={tier} sizes two tiers, but kv_pool_tiers='off' keeps one: "
+                              "set one of them")
         positive = ["max_num_seqs", "max_num_batched_tokens", "prefill_chunk_size", "page_size",
                     "long_prefill_threshold", "tensor_parallel_size"]
         for name in positive:

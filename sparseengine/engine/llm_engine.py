@@ -17,6 +17,7 @@ from sparseengine.engine.kv_cache import KVCache
 from sparseengine.engine.model_runner import ModelRunner
 from sparseengine.engine.outputs import RequestOutput
 from sparseengine.engine.page_allocator import PageAllocator
+from sparseengine.engine.pool_budget import pool_budget
 from sparseengine.engine.pool_plan import PoolPlan, plan_for
 from sparseengine.engine.scheduler import Scheduler, SchedulerConfig
 from sparseengine.engine.sequence import Sequence, SequenceStatus
@@ -102,58 +103,12 @@ class LLM:
         cfg, mc = self.config, self.model_config
         if cfg.num_kv_pages is not None:
             return PoolPlan(cfg.num_kv_pages, cfg.num_kv_pages)
-        budget = self._pool_budget()
+        budget = pool_budget(self.model, cfg, mc, self.dtype, self.device, self.max_model_len)
         plan = plan_for(get_spec(cfg.sparse_method).runtime, cfg, mc, self.dtype, budget, self.max_model_len)
         if plan.num_pages < 1:
             raise ConfigError(f"No room for the KV pool: {budget / 2**30:.2f} GiB left for it; "
                               "raise kv_cache_memory or gpu_memory_utilization")
         return plan
-
-    def _pool_budget(self) -> float:
-        """Bytes for the KV pool: on a GPU what ``gpu_memory_utilization`` leaves after the
-        weights, the largest prefill step's activations and the graphs' logits; on a CPU
-        ``kv_cache_memory`` GiB."""
-        cfg = self.config
-        if self.device.type == "cuda":
-            peak = self._warmup_peak_bytes()
-            free, total = torch.cuda.mem_get_info(self.device)
-            logits = cfg.max_num_seqs * self.model_config.vocab_size * 4 * 2  # graph pools hold them
-            return total * cfg.gpu_memory_utilization - (total - free) - peak - logits
-        return cfg.kv_cache_memory * (1 << 30)
-
-    @torch.inference_mode()
-    def _warmup_peak_bytes(self) -> int:
-        """Run the largest prefill step once over a throwaway KV cache and measure the
-        activation memory it needs on top of the weights."""
-        from sparseengine.engine.step_context import LayerView, StepContext, set_step_context
-        from sparseengine.methods.base import SparseMethodRuntime
-
-        cfg, mc = self.config, self.model_config
-        tokens = min(cfg.max_num_batched_tokens, self.max_model_len)
-        pages = -(-tokens // cfg.page_size)
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        kv = KVCache(mc, pages, cfg.page_size, self.dtype, self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
-        pos = torch.arange(tokens, device=self.device)
-        table = torch.arange(pages, dtype=torch.int32, device=self.device)[None]
-        lens = torch.tensor([tokens], dtype=torch.int32, device=self.device)
-        view = LayerView(pos.clone(), lens, (tokens,), table)
-        ctx = StepContext(seqs=[None], q_lens=(tokens,), cu_q_lens=torch.tensor([0, tokens], dtype=torch.int32,
-                          device=self.device), is_decode=False, views=[view] * mc.num_layers, kv_cache=kv,
-                          provider=make_provider(cfg.attention_provider, self.device, cfg.decode_split_plan),
-                          method=SparseMethodRuntime(cfg, mc, None), positions=pos)
-        set_step_context(ctx)
-        try:
-            self.model.compute_logits(self.model(ids, pos)[-1:])
-        finally:
-            set_step_context(None)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - base
-        del kv, ctx, view
-        torch.cuda.empty_cache()
-        return int(peak * 1.1) + (256 << 20)
 
     # ---- requests -------------------------------------------------------------------
     def _tokenize(self, prompt: str | list[int], chat: bool) -> list[int]:

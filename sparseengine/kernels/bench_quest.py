@@ -101,12 +101,10 @@ def _attention_inputs(B, P, n, gen):
     return q, k_cache, v_cache, table, kv_lens
 
 
-def bench_quest_attention(out_path, B=6, P=8320, n=131072, width=129):
-    """Quest's sparse layers' attention at the 128K decode benchmark's shape: every (request,
-    KV head) attends over `width` chosen pages (4 sink + 92 top + 33 recent) of an
-    8320-page table scattered over the pool, per launch in a CUDA graph of 30 launches:
-    the split plan (tokens per split) x tile x warps x stages, the splits merged by a second
-    kernel or by each row's last program."""
+def _chosen_pages_case(B, P, n, width):
+    """The sparse-page attention's arguments at the 128K shape (`width` random pages a
+    (request, KV head), ascending), the default launch's output (float32), and the K/V
+    bytes a launch reads."""
     from sparseengine.kernels import sparse_page_decode_triton
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -115,8 +113,18 @@ def bench_quest_attention(out_path, B=6, P=8320, n=131072, width=129):
     pages = chosen.sort(-1).values.contiguous()
     counts = torch.full((B, HKV), width, dtype=torch.int32, device="cuda")
     args = (q, k_cache, v_cache, table, kv_lens, pages, counts)
-    want = sparse_page_decode_triton(*args).float()
-    nbytes = 2 * B * HKV * width * PS * D * 2
+    return args, sparse_page_decode_triton(*args).float(), 2 * B * HKV * width * PS * D * 2
+
+
+def bench_quest_attention(out_path, B=6, P=8320, n=131072, width=129):
+    """Quest's sparse layers' attention at the 128K decode benchmark's shape: every (request,
+    KV head) attends over `width` chosen pages (4 sink + 92 top + 33 recent) of an
+    8320-page table scattered over the pool, per launch in a CUDA graph of 30 launches:
+    the split plan (tokens per split) x tile x warps x stages, the splits merged by a second
+    kernel or by each row's last program."""
+    from sparseengine.kernels import sparse_page_decode_triton
+
+    args, want, nbytes = _chosen_pages_case(B, P, n, width)
     for chunk, block_n, num_warps, num_stages, fused in (
             (None, 64, 4, 2, None), (128, 64, 4, 2, None), (128, 32, 4, 2, None), (128, 32, 2, 3, None),
             (64, 32, 2, 2, None), (64, 16, 2, 2, None), (256, 32, 4, 3, None), (256, 64, 4, 3, None),
@@ -140,14 +148,7 @@ def bench_quest_attention_splits(out_path, B=6, P=8320, n=131072, width=129):
     stages; each checked against the default launch."""
     from sparseengine.kernels import sparse_page_decode_triton
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k_cache, v_cache, table, kv_lens = _attention_inputs(B, P, n, gen)
-    chosen = torch.rand(B, HKV, n // PS, generator=gen, device="cuda").argsort(-1)[..., :width]
-    pages = chosen.sort(-1).values.contiguous()
-    counts = torch.full((B, HKV), width, dtype=torch.int32, device="cuda")
-    args = (q, k_cache, v_cache, table, kv_lens, pages, counts)
-    want = sparse_page_decode_triton(*args).float()
-    nbytes = 2 * B * HKV * width * PS * D * 2
+    args, want, nbytes = _chosen_pages_case(B, P, n, width)
     configs = [dict(), dict(kv_chunk=64, block_n=32, num_warps=4, num_stages=2)]
     for splits in (6, 8, 10, 11, 12, 14, 16, 17, 22, 33):
         for block_n, num_warps, num_stages in ((32, 4, 2), (32, 4, 3), (16, 2, 2), (32, 2, 2)):

@@ -34,15 +34,8 @@ back to ``S + B + R`` slots.
 Raw tail tokens older than the last ``recent_tokens`` that the full layers choose are read
 exact (never worse than rebuilding them).
 
-Memory. The engine keeps one page table per request, as long as its longest layer. Once a
-request is compressed its sparse layers hold only its first ``narrow_tokens`` cache
-indices (sink, scratch, raw tail), so they are the pool's narrow layers
-(``engine/pool_plan.py``): the pool gives them pages only in its narrow tier, and right
-after the first compression the request's pages past those indices move to the wide tier
-(``CacheManager.move_to_wide``), which stores only the full layers (and reserves the
-codec's bytes per token, ``bytes_per_wide_page``). With ``kv_pool_tiers=off`` every page
-stays in every layer and the full layers pin the whole prompt's pages in all of them.
-:meth:`DeltaKV.stored_bytes` reports what the request really keeps (full layers + raw
+Memory. ``deltakv_pool``: the layers' roles, and the request's place in the two-tier KV
+pool. :meth:`DeltaKV.stored_bytes` reports what the request really keeps (full layers + raw
 sink/scratch/tail of sparse layers + centers + latents + neighbour indices) against dense,
 from the codec's used rows, and the pool bytes its page table pins (codec buffers are
 sized for prompt + max_tokens: a request that stops early holds more than it used).
@@ -61,8 +54,6 @@ components are ordered, so the first r columns are the best rank-r pair).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from sparseengine import kernels
@@ -72,34 +63,17 @@ from sparseengine.kernels import deltakv_rebuild
 from sparseengine.layers.rotary import rope_inv_freq
 from sparseengine.method_registry import MethodSpec
 from sparseengine.methods import deltakv_codec as codec
-from sparseengine.methods.base import SparseMethodRuntime
-from sparseengine.methods.deltakv_bytes import DeltaKVBytes, rebuild_read_bytes, request_bytes, stored_bytes_per_token
+from sparseengine.methods.deltakv_bytes import DeltaKVBytes, rebuild_read_bytes, request_bytes
 from sparseengine.methods.deltakv_fit import load_down_up
 from sparseengine.methods.deltakv_layout import map_chosen
-from sparseengine.methods.deltakv_flush import FLUSH_TOKENS, flush_history
-from sparseengine.methods.deltakv_store import CodecStore, RequestState
+from sparseengine.methods.deltakv_flush import flush_history
+from sparseengine.methods.deltakv_pool import FULL_LAYERS, DeltaKVPool, layer_roles  # noqa: F401 (FULL_LAYERS: here too)
+from sparseengine.methods.deltakv_store import STATE_KEY, CodecStore, RequestState
 from sparseengine.methods import omnikv
-from sparseengine.methods.omnikv import FILTER_LAYERS, choose_tokens, filter_layers_for
-
-# The full layers choose tokens exactly as OmniKV's filter layers do: same per-model table.
-FULL_LAYERS = FILTER_LAYERS
-STATE_KEY = "deltakv"
+from sparseengine.methods.omnikv import choose_tokens
 
 
-# --------------------------------------------------------------------------- layers
-
-
-def layer_roles(model, given: str) -> tuple[list[int], list[int], list[int]]:
-    """``(filters, full, sparse)``: the layers that choose tokens (``deltakv_full_layers``),
-    every layer keeping its whole KV (those and all layers before the first), and the
-    compressed ones."""
-    filters = filter_layers_for(model, given, "deltakv_full_layers", FULL_LAYERS)
-    full = sorted(set(filters) | set(range(filters[0])))
-    sparse = [layer for layer in range(model.num_layers) if layer not in full]
-    return filters, full, sparse
-
-
-class DeltaKV(SparseMethodRuntime):
+class DeltaKV(DeltaKVPool):
     def __init__(self, config, model, cache) -> None:
         super().__init__(config, model, cache)
         self.filters, self.full, self.sparse = layer_roles(model, str(self.knob("deltakv_full_layers")))
@@ -143,51 +117,7 @@ class DeltaKV(SparseMethodRuntime):
         self._no_history = torch.tensor(-1, dtype=torch.long, device=self.device)  # rows not compressed
         self._no_codec = torch.zeros(len(self.sparse), 5, dtype=torch.int64, device=self.device)  # their addresses
 
-    # ---- engine hooks ---------------------------------------------------------------------
-    @classmethod
-    def kv_tokens_needed(cls, config, prompt_len: int, output_len: int) -> int:
-        """Pool tokens per layer a request pins: all of them (full layers keep every token
-        and the page table is shared by all layers)."""
-        return prompt_len + output_len
-
-    @classmethod
-    def narrow_layers(cls, config, model) -> tuple[int, ...]:
-        """The sparse layers."""
-        return tuple(layer_roles(model, str(config.knob("deltakv_full_layers")))[2])
-
-    @classmethod
-    def sparse_held(cls, config) -> int:
-        """The most cache indices a compressed sparse layer holds: sink + scratch + a raw
-        tail of at most ``recent + FLUSH_TOKENS`` tokens (one more while a step's token
-        waits for its flush)."""
-        return config.sink_tokens + config.budget + config.recent_tokens + FLUSH_TOKENS + 1
-
-    @classmethod
-    def narrow_tokens(cls, config, model, prompt_tokens: int) -> int | None:
-        total = config.sink_tokens + config.budget + config.recent_tokens
-        return None if prompt_tokens <= total else cls.sparse_held(config)
-
-    @classmethod
-    def bytes_per_wide_page(cls, config, model, elem_bytes: int) -> int:
-        """The codec's bytes for a page of history tokens in every sparse layer
-        (``deltakv_bytes.stored_bytes_per_token`` of a max_model_len history)."""
-        acct = stored_bytes_per_token(config.max_model_len or model.max_position_embeddings, model.num_kv_heads,
-                                      model.head_dim, int(config.knob("deltakv_latent_dim")),
-                                      float(config.knob("deltakv_center_ratio")), int(config.knob("deltakv_neighbors")),
-                                      int(config.knob("deltakv_latent_bits")), elem_bytes)
-        return math.ceil(acct.stored_per_token * config.page_size * len(cls.narrow_layers(config, model)))
-
-    def narrow_bound(self, seq) -> int | None:
-        st = self.cache.state(seq).get(STATE_KEY)
-        return None if st is None or not st.compressed else self.sparse_held(self.config)
-
-    def _pages_to_wide(self, seq) -> None:
-        """After the first compression: the pages past what the sparse layers hold go to the
-        pool's wide tier (a one-tier pool: nothing moves)."""
-        bound = self.narrow_bound(seq)
-        if bound is not None:
-            self.cache.move_to_wide(seq, -(-bound // self.cache.page_size))
-
+    # ---- engine hooks (the pool's: deltakv_pool) ------------------------------------------
     def cache_lens_after_prefill(self, prompt_tokens: int) -> list[int]:
         cfg = self.config
         if prompt_tokens <= self.total:

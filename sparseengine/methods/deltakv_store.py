@@ -163,6 +163,9 @@ def append_layers(stores: list[CodecStore], count: int, centers, neighbors, late
         store.c, store.m = store.c + centers.shape[1], store.m + neighbors.shape[1]
 
 
+STATE_KEY = "deltakv"  # a request's RequestState in its CacheManager state
+
+
 @dataclass
 class RequestState:
     """A request's DeltaKV state."""

@@ -146,6 +146,8 @@ def test_tier_tokens_are_checked(folder, ckpt):
     for bad in (0, -5, 1.5, True):
         with pytest.raises(ConfigError, match=f"Invalid kv_pool_tier_tokens={bad!r}: must be a positive integer"):
             _llm(folder, ckpt, kv_pool_tier_tokens=bad)
+    with pytest.raises(ConfigError, match="kv_pool_tier_tokens=256 sizes two tiers, but kv_pool_tiers='off'"):
+        _llm(folder, ckpt, kv_pool_tier_tokens=256, kv_pool_tiers="off")
 
 
 def test_allocator_tiers():
