@@ -355,6 +355,8 @@ PARTS = {
                       "bench_linear", ("bench_skinny_linear",)),
     "pdl-chain": ("the decode step's GEMM chain: cuBLAS, the skinny Triton linear, and both with PDL", "bench_linear",
                   ("bench_pdl_chain",)),
+    "omnikv-attention": ("OmniKV's sparse-layer attention: the split planner's launch against fixed chunks",
+                         "bench_omnikv", ("bench_omnikv_attention",)),
     "omnikv-select": ("OmniKV's token pick, Triton variants beside the torch path", "bench_omnikv",
                       ("bench_omnikv_select", "bench_pick_at_quest_shape")),
 }

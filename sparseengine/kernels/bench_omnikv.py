@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from sparseengine.kernels.bench_gpu import HKV, PS, emit, per_launch_us
+from sparseengine.kernels.bench_gpu import BF16, D, HKV, HQ, PS, emit, per_launch_us
 
 
 def bench_omnikv_select(out_path, B=6, L=133120, n=131072, sink=64, budget=1472, recent=512):
@@ -56,3 +56,41 @@ def bench_pick_at_quest_shape(out_path, B=6, P=8320, n=131072):
             same = torch.equal(got, pages[..., :got.shape[-1]]) and bool((pages[..., got.shape[-1]:] == -1).all())
         emit(out_path, {"kind": "pick_at_quest_shape", "kernel": name, "rows": B * HKV, "pages": P,
                         "us_per_launch": per_launch_us(fn), "same_pages_as_quest": same})
+
+
+def bench_omnikv_attention(out_path, B=6, P=8320, n=131072, sink=64, budget=1472, recent=512):
+    """OmniKV's sparse layers' attention at the 128K shape: one set of `sink + budget +
+    recent` tokens a request (the sink, `budget` random middle tokens, the recent window;
+    ascending), shared by the 8 KV heads (OmniKV's selection: a stride-0 view), over an
+    8320-page table scattered over the pool, per launch in a CUDA graph of 30 (the merge
+    launch included): the split planner's launch (the engine's until session 30) against
+    fixed chunks of the selection's tokens, tiles, warps and stages; each checked against
+    the planner's output."""
+    from sparseengine.kernels import sparse_decode_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    pool = B * P
+    k_cache, v_cache = (torch.randn(pool, PS, HKV, D, generator=gen, device="cuda").to(BF16) for _ in range(2))
+    table = torch.randperm(pool, generator=gen, device="cuda").int().view(B, P)
+    kv_lens = torch.full((B,), n, dtype=torch.int32, device="cuda")
+    q = torch.randn(B, HQ, D, generator=gen, device="cuda").to(BF16)
+    middle = torch.rand(B, n - sink - recent, generator=gen, device="cuda").argsort(-1)[:, :budget] + sink
+    idx = torch.cat([torch.arange(sink, device="cuda").expand(B, sink), middle.sort(-1).values,
+                     torch.arange(n - recent, n, device="cuda").expand(B, recent)], 1).int()
+    width = idx.shape[1]
+    sel = idx[:, None, :].expand(B, HKV, width)
+    counts = torch.full((B, HKV), width, dtype=torch.int32, device="cuda")
+    args = (q, k_cache, v_cache, table, kv_lens, sel, counts)
+    want = sparse_decode_triton(*args).float()
+    nbytes = 2 * B * HKV * width * D * 2
+    configs = [dict()]
+    for chunk, block_n, num_warps, num_stages in ((128, 32, 4, 2), (128, 64, 4, 2), (128, 32, 4, 3), (128, 32, 2, 2),
+                                                  (256, 32, 4, 2), (256, 64, 4, 3), (256, 32, 4, 3), (64, 32, 4, 2),
+                                                  (64, 64, 4, 2), (64, 16, 2, 2), (512, 64, 4, 3), (128, 16, 2, 2)):
+        configs.append(dict(kv_chunk=chunk, block_n=block_n, num_warps=num_warps, num_stages=num_stages))
+    for kw in configs:
+        fn = lambda: sparse_decode_triton(*args, **kw)  # noqa: E731
+        err = (fn().float() - want).abs().max().item()
+        us = per_launch_us(fn)
+        emit(out_path, {"kind": "omnikv_attention", "batch": B, "hkv": HKV, "tokens": width, "kv_len": n, **kw,
+                        "us_per_launch": us, "GBps": nbytes / us / 1e3, "max_abs_diff_vs_planner": err})

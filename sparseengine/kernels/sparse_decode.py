@@ -27,6 +27,13 @@ from .paged_decode import MODE_PAGES, MODE_TOKENS, split_k_decode
 # launch 8.406 ms, merged in the split kernel 8.890 (chunks of 256: 8.725).
 PAGE_CHUNK = 128
 PAGE_MERGE_IN_SPLIT: bool | None = None
+# The token variant's launch for rows too few to fill the GPU alone (OmniKV's and DeltaKV's
+# sparse layers at 128K: 6 x 8 rows of 2048 chosen tokens), read at each call: None keeps
+# the split planner's; else splits of TOKEN_CHUNK chosen tokens, tiles of TOKEN_BLOCK_N,
+# TOKEN_STAGES stages.
+TOKEN_CHUNK: int | None = None
+TOKEN_BLOCK_N = 32
+TOKEN_STAGES = 2
 
 
 def _selected_attention_ref(q, k_cache, v_cache, page_table, kv_lens, tokens_of, scale, return_lse):
@@ -56,11 +63,20 @@ def sparse_decode_ref(q, k_cache, v_cache, page_table, kv_lens, indices, num_sel
 
 
 def sparse_decode_triton(q, k_cache, v_cache, page_table, kv_lens, indices, num_selected, scale=None,
-                         return_lse=False, *, kv_chunk=None, balanced=None, counters=None):
+                         return_lse=False, *, kv_chunk=None, balanced=None, counters=None, **tuning):
+    """`kv_chunk` (tokens a split), `tuning` (`split_k_decode`'s block_n, num_warps,
+    num_stages): by default the split planner's launch, or with `TOKEN_CHUNK` set and rows
+    (B x Hkv) too few to fill the GPU alone, splits of that many chosen tokens in tiles of
+    `TOKEN_BLOCK_N`, `TOKEN_STAGES` stages."""
     _check_selection(q, k_cache, indices, num_selected)
+    if (TOKEN_CHUNK and kv_chunk is None and balanced is None
+            and q.shape[0] * k_cache.shape[2] < 4 * _common.num_sms(q.device)):
+        kv_chunk = TOKEN_CHUNK
+        tuning.setdefault("block_n", TOKEN_BLOCK_N)
+        tuning.setdefault("num_stages", TOKEN_STAGES)
     return split_k_decode(q, k_cache, v_cache, page_table, kv_lens, mode=MODE_TOKENS,
                           capacity=indices.shape[2], sel=indices, num_sel=num_selected, scale=scale,
-                          return_lse=return_lse, kv_chunk=kv_chunk, balanced=balanced, counters=counters)
+                          return_lse=return_lse, kv_chunk=kv_chunk, balanced=balanced, counters=counters, **tuning)
 
 
 def sparse_page_decode_ref(q, k_cache, v_cache, page_table, kv_lens, page_indices, num_pages_selected,

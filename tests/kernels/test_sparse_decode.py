@@ -110,6 +110,32 @@ def test_the_page_launch_constants_are_read_at_each_call(merge, monkeypatch, gen
         sparse_page_decode_triton(*args)
 
 
+@pytest.mark.parametrize("chunk", [16, 32])
+def test_the_token_launch_constants_are_read_at_each_call(chunk, monkeypatch, gen, device):
+    """sparse_decode.TOKEN_CHUNK (with TOKEN_BLOCK_N, TOKEN_STAGES: the token variant's
+    launch for rows too few to fill the GPU, A/B-able) is read at each call: fixed chunks
+    of chosen tokens give the reference's attention, also with a selection shared by the
+    KV heads (OmniKV's stride-0 view), and a chunk that is not a power of two is refused."""
+    from sparseengine.kernels import sparse_decode
+
+    hq, hkv, d, ps, lens = 8, 2, 32, 4, [70, 33]
+    q, kv = _inputs((hq, hkv, d, ps, lens), gen, device)
+    idx, num = _token_selection(lens, hkv, 40, gen, device)
+    shared = idx[:, :1].expand_as(idx)  # every KV head the first head's choice
+    shared_num = num[:, :1].expand_as(num).contiguous()
+    monkeypatch.setattr(sparse_decode, "TOKEN_BLOCK_N", 16)
+    for sel, n in ((idx, num), (shared, shared_num)):
+        args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, sel, n)
+        out_ref, lse_ref = sparse_decode_ref(*args, return_lse=True)
+        monkeypatch.setattr(sparse_decode, "TOKEN_CHUNK", chunk)
+        out, lse = sparse_decode_triton(*args, return_lse=True)
+        assert_close(out, out_ref, 1e-4, "out")
+        assert_close(lse, lse_ref, 1e-4, "lse")
+    monkeypatch.setattr(sparse_decode, "TOKEN_CHUNK", 24)
+    with pytest.raises(ValueError, match="kv_chunk must be a power of two >= 16, got 24"):
+        sparse_decode_triton(*args)
+
+
 def test_full_selection_is_dense(gen, device):
     from sparseengine.kernels import paged_decode_ref
 
