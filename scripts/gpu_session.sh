@@ -202,12 +202,15 @@ variants)
   # ROUNDS times (METHOD, BATCH: default quest 6); the profiles in one archive.
   [ -z "${BENCH:-}" ] || timeout "${BENCH_TIMEOUT:-240}" python -m sparseengine.kernels.bench_gpu $BENCH \
     --out "$OUT/bench.jsonl" 2>&1 | tail -3
+  extra=()  # DeltaKV: a checkpoint fitted here
+  [ "${METHOD:-quest}" = deltakv ] && { deltakv_checkpoint; extra=(--engine-arg "deltakv_checkpoint_path=$dk"); }
   IFS=';' read -ra variants <<< "${VARIANTS:-default}"
   for round in $(seq "${ROUNDS:-2}"); do
     for i in "${!variants[@]}"; do
       args=(); for c in ${variants[$i]}; do [ "$c" = default ] || args+=(--kernel-const "$c"); done
       timeout 150 python scripts/profile_decode_step.py --method "${METHOD:-quest}" --batch "${BATCH:-6}" --steps 8 \
-        --commit "$COMMIT" "${args[@]}" --out "$OUT/var_${i}_r$round.json" > /tmp/var.log 2>&1 || tail -5 /tmp/var.log
+        --commit "$COMMIT" "${args[@]}" "${extra[@]}" --out "$OUT/var_${i}_r$round.json" > /tmp/var.log 2>&1 \
+        || tail -5 /tmp/var.log
     done
   done
   python - "$OUT" <<'PY'

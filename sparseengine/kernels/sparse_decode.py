@@ -28,12 +28,16 @@ from .paged_decode import MODE_PAGES, MODE_TOKENS, split_k_decode
 PAGE_CHUNK = 128
 PAGE_MERGE_IN_SPLIT: bool | None = None
 # The token variant's launch for rows too few to fill the GPU alone (OmniKV's and DeltaKV's
-# sparse layers at 128K: 6 x 8 rows of 2048 chosen tokens), read at each call: None keeps
-# the split planner's; else splits of TOKEN_CHUNK chosen tokens, tiles of TOKEN_BLOCK_N,
-# TOKEN_STAGES stages.
+# sparse layers at 128K: 6 x 8 rows of 2048 chosen tokens), read at each call: splits of
+# TOKEN_CHUNK chosen tokens (None: the split planner's chunk, 256 there), tiles of
+# TOKEN_BLOCK_N, TOKEN_STAGES stages. H200, OmniKV b=6 at 128K, graph step (session 30,
+# results/omnikv_attention_h200.jsonl, two alternating rounds): the planner's chunks with 3
+# stages 9.164 / 9.165 ms against 9.333 / 9.328 with its 2 (split kernels 4631 / 4637 us a
+# step against 4783 / 4787); fixed 64-, 128- or 256-token chunks in tiles of 32, 2 stages,
+# 9.38-9.43 ms.
 TOKEN_CHUNK: int | None = None
-TOKEN_BLOCK_N = 32
-TOKEN_STAGES = 2
+TOKEN_BLOCK_N = 64
+TOKEN_STAGES = 3
 
 
 def _selected_attention_ref(q, k_cache, v_cache, page_table, kv_lens, tokens_of, scale, return_lse):
@@ -65,12 +69,11 @@ def sparse_decode_ref(q, k_cache, v_cache, page_table, kv_lens, indices, num_sel
 def sparse_decode_triton(q, k_cache, v_cache, page_table, kv_lens, indices, num_selected, scale=None,
                          return_lse=False, *, kv_chunk=None, balanced=None, counters=None, **tuning):
     """`kv_chunk` (tokens a split), `tuning` (`split_k_decode`'s block_n, num_warps,
-    num_stages): by default the split planner's launch, or with `TOKEN_CHUNK` set and rows
-    (B x Hkv) too few to fill the GPU alone, splits of that many chosen tokens in tiles of
-    `TOKEN_BLOCK_N`, `TOKEN_STAGES` stages."""
+    num_stages): by default the split planner's launch, and where rows (B x Hkv) are too
+    few to fill the GPU alone (the planner's fixed chunks), `TOKEN_CHUNK` tokens a split
+    (None: the planner's), tiles of `TOKEN_BLOCK_N`, `TOKEN_STAGES` stages."""
     _check_selection(q, k_cache, indices, num_selected)
-    if (TOKEN_CHUNK and kv_chunk is None and balanced is None
-            and q.shape[0] * k_cache.shape[2] < 4 * _common.num_sms(q.device)):
+    if kv_chunk is None and balanced is None and q.shape[0] * k_cache.shape[2] < 4 * _common.num_sms(q.device):
         kv_chunk = TOKEN_CHUNK
         tuning.setdefault("block_n", TOKEN_BLOCK_N)
         tuning.setdefault("num_stages", TOKEN_STAGES)
