@@ -27,6 +27,8 @@ from .paged_decode import MODE_PAGES, MODE_TOKENS, split_k_decode
 # launch 8.406 ms, merged in the split kernel 8.890 (chunks of 256: 8.725).
 PAGE_CHUNK = 128
 PAGE_MERGE_IN_SPLIT: bool | None = None
+PAGE_BLOCK_N = 32  # its tiles; and its stages (None: 2 for 128-token splits, else 3)
+PAGE_STAGES: int | None = None
 # The token variant's launch for rows too few to fill the GPU alone (OmniKV's and DeltaKV's
 # sparse layers at 128K: 6 x 8 rows of 2048 chosen tokens), read at each call: splits of
 # TOKEN_CHUNK chosen tokens (None: the split planner's chunk, 256 there), tiles of
@@ -106,8 +108,10 @@ def sparse_page_decode_triton(q, k_cache, v_cache, page_table, kv_lens, page_ind
     52e1017)."""
     if kv_chunk is None and q.shape[0] * k_cache.shape[2] < 4 * _common.num_sms(q.device):
         kv_chunk = PAGE_CHUNK  # rows too few to fill the GPU alone (else the planner's one program a row)
-        tuning.setdefault("block_n", 32)
+        tuning.setdefault("block_n", PAGE_BLOCK_N)
         tuning.setdefault("fused_combine", PAGE_MERGE_IN_SPLIT)
+        if PAGE_STAGES:
+            tuning.setdefault("num_stages", PAGE_STAGES)
     tuning.setdefault("num_stages", 2 if kv_chunk == 128 else 3)
     _check_selection(q, k_cache, page_indices, num_pages_selected)
     return split_k_decode(q, k_cache, v_cache, page_table, kv_lens, mode=MODE_PAGES,
