@@ -87,6 +87,14 @@ def test_pages(case, gen, device):
     assert_close(lse, lse_ref, 1e-4, "lse")
 
 
+def _matches_ref(ref, triton_fn, args):
+    """The Triton attention's output and lse equal the reference's (float32 rounding)."""
+    out_ref, lse_ref = ref(*args, return_lse=True)
+    out, lse = triton_fn(*args, return_lse=True)
+    assert_close(out, out_ref, 1e-4, "out")
+    assert_close(lse, lse_ref, 1e-4, "lse")
+
+
 @pytest.mark.parametrize("merge", [None, True, False])
 def test_the_page_launch_constants_are_read_at_each_call(merge, monkeypatch, gen, device):
     """sparse_decode.PAGE_CHUNK and PAGE_MERGE_IN_SPLIT (the launch for rows too few to fill
@@ -99,12 +107,9 @@ def test_the_page_launch_constants_are_read_at_each_call(merge, monkeypatch, gen
     q, kv = _inputs((hq, hkv, d, ps, lens), gen, device)
     idx, num = _page_selection(lens, hkv, ps, 18, gen, device)
     args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, idx, num)
-    out_ref, lse_ref = sparse_page_decode_ref(*args, return_lse=True)
     monkeypatch.setattr(sparse_decode, "PAGE_CHUNK", 16)
     monkeypatch.setattr(sparse_decode, "PAGE_MERGE_IN_SPLIT", merge)
-    out, lse = sparse_page_decode_triton(*args, return_lse=True)
-    assert_close(out, out_ref, 1e-4, "out")
-    assert_close(lse, lse_ref, 1e-4, "lse")
+    _matches_ref(sparse_page_decode_ref, sparse_page_decode_triton, args)
     monkeypatch.setattr(sparse_decode, "PAGE_CHUNK", 24)
     with pytest.raises(ValueError, match="kv_chunk must be a power of two >= 16, got 24"):
         sparse_page_decode_triton(*args)
@@ -126,11 +131,8 @@ def test_the_token_launch_constants_are_read_at_each_call(chunk, monkeypatch, ge
     monkeypatch.setattr(sparse_decode, "TOKEN_BLOCK_N", 16)
     for sel, n in ((idx, num), (shared, shared_num)):
         args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, sel, n)
-        out_ref, lse_ref = sparse_decode_ref(*args, return_lse=True)
         monkeypatch.setattr(sparse_decode, "TOKEN_CHUNK", chunk)
-        out, lse = sparse_decode_triton(*args, return_lse=True)
-        assert_close(out, out_ref, 1e-4, "out")
-        assert_close(lse, lse_ref, 1e-4, "lse")
+        _matches_ref(sparse_decode_ref, sparse_decode_triton, args)
     monkeypatch.setattr(sparse_decode, "TOKEN_CHUNK", 24)
     with pytest.raises(ValueError, match="kv_chunk must be a power of two >= 16, got 24"):
         sparse_decode_triton(*args)
