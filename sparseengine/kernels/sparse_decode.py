@@ -36,7 +36,8 @@ PAGE_STAGES: int | None = None
 # results/omnikv_attention_h200.jsonl, two alternating rounds): the planner's chunks with 3
 # stages 9.164 / 9.165 ms against 9.333 / 9.328 with its 2 (split kernels 4631 / 4637 us a
 # step against 4783 / 4787); fixed 64-, 128- or 256-token chunks in tiles of 32, 2 stages,
-# 9.38-9.43 ms.
+# 9.38-9.43 ms. From ~10 requests on the planner cuts each row by its own length; DeltaKV
+# b=20 (160 rows) took 35.721 ms with 3 stages against 35.654 with 2 (one profile each).
 TOKEN_CHUNK: int | None = None
 TOKEN_BLOCK_N = 64
 TOKEN_STAGES = 3
@@ -71,9 +72,9 @@ def sparse_decode_ref(q, k_cache, v_cache, page_table, kv_lens, indices, num_sel
 def sparse_decode_triton(q, k_cache, v_cache, page_table, kv_lens, indices, num_selected, scale=None,
                          return_lse=False, *, kv_chunk=None, balanced=None, counters=None, **tuning):
     """`kv_chunk` (tokens a split), `tuning` (`split_k_decode`'s block_n, num_warps,
-    num_stages): by default the split planner's launch, and where rows (B x Hkv) are too
-    few to fill the GPU alone (the planner's fixed chunks), `TOKEN_CHUNK` tokens a split
-    (None: the planner's), tiles of `TOKEN_BLOCK_N`, `TOKEN_STAGES` stages."""
+    num_stages): by default the split planner's launch, and where rows (B x Hkv) are under
+    4 programs an SM, `TOKEN_CHUNK` tokens a split (None: the planner's chunks, fixed or
+    each row's own), tiles of `TOKEN_BLOCK_N`, `TOKEN_STAGES` stages."""
     _check_selection(q, k_cache, indices, num_selected)
     if kv_chunk is None and balanced is None and q.shape[0] * k_cache.shape[2] < 4 * _common.num_sms(q.device):
         kv_chunk = TOKEN_CHUNK
