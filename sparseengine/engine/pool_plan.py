@@ -26,7 +26,7 @@ class PoolPlan:
     num_pages: int
     narrow_pages: int  # page ids below it hold every layer; the rest, the wide layers only
     narrow_layers: tuple[int, ...] = ()
-    requests: int | None = None  # max_model_len requests the tiers were sized for (None: one tier)
+    requests: int | None = None  # requests of the planned length the tiers hold (None: one tier)
     one_tier_pages: int | None = None  # what one tier would hold in the same budget (None: num_pages)
 
     @property
@@ -39,8 +39,8 @@ def plan_pool(budget: float, page_all: int, page_wide: int, narrow_layers: tuple
     """``budget`` bytes for the pool; ``page_all``: bytes of a page in every layer (with the
     method's state per page); ``page_wide``: bytes of a page in the wide layers only (with
     the method's memory per page outside the pool); ``request_pages``: pages of a request
-    of ``max_model_len`` tokens, ``narrow_request_pages`` of which its narrow layers hold
-    once compressed.
+    of the planned length (``plan_for``), ``narrow_request_pages`` of which its narrow
+    layers hold once compressed.
 
     Two tiers hold one such prompt whole (narrow) and ``b`` compressed requests beside it
     (each ``narrow_request_pages`` narrow and the rest wide), ``b`` as large as the budget

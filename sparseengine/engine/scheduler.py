@@ -75,7 +75,7 @@ class Scheduler:
         pages = -(-(n if cache_tokens is None else cache_tokens) // self.config.page_size)
         room = self.allocator.narrow_pages  # a prompt is held whole in every layer until compressed
         if pages > room:
-            if room == self.allocator.num_pages:
+            if not self.allocator.tiered:
                 return (f"prompt needs {pages} KV pages but the pool holds {room}; "
                         f"raise kv_cache_memory / gpu_memory_utilization or num_kv_pages")
             return (f"prompt needs {pages} KV pages but the pool holds {room} narrow pages (of "
