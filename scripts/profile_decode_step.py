@@ -109,8 +109,11 @@ def _around_steps(llm, prompts, steps: int, start, stop) -> None:
         del llm.step
 
 
-def kernel_table(llm, prompts, steps: int) -> dict[str, float]:
-    """Device microseconds per decode step, per kernel name, over ``steps`` profiled steps."""
+def kernel_table(llm, prompts, steps: int, sequence: dict | None = None) -> dict[str, float]:
+    """Device microseconds per decode step, per kernel name, over ``steps`` profiled steps.
+    ``sequence`` (``{"pattern": REGEX}``): receives under ``"launches"`` the kernels whose
+    name matches, in launch order, each with its median over the steps (see
+    :func:`launch_sequence`)."""
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CUDA])
@@ -119,7 +122,32 @@ def kernel_table(llm, prompts, steps: int) -> dict[str, float]:
     for e in prof.key_averages():
         if e.device_type.name == "CUDA" and e.device_time_total > 0:
             per_kernel[e.key[:120]] += e.device_time_total / steps
+    if sequence is not None:
+        sequence["launches"] = launch_sequence(prof.events(), steps, sequence["pattern"])
     return dict(sorted(per_kernel.items(), key=lambda kv: -kv[1]))
+
+
+def launch_sequence(events, steps: int, pattern: str) -> list[dict] | str:
+    """The device kernels matching ``pattern`` in launch order over ``steps`` equal steps:
+    position i of a step (its layer, for a kernel launched once a layer) with its name and
+    its median microseconds over the steps. A string says why not, when the matching
+    launches do not split into ``steps`` equal runs."""
+    import re
+    import statistics
+
+    rx = re.compile(pattern)
+    runs = sorted(((e.time_range.start, e.name, e.time_range.elapsed_us()) for e in events
+                   if e.device_type.name == "CUDA" and rx.search(e.name)), key=lambda r: r[0])
+    if not runs or len(runs) % steps:
+        return f"{len(runs)} matching launches over {steps} steps"
+    per = len(runs) // steps
+    out = []
+    for i in range(per):
+        same = [runs[s * per + i] for s in range(steps)]
+        if len({name for _, name, _ in same}) != 1:
+            return f"position {i} differs between steps"
+        out.append({"name": same[0][1][:60], "us": round(statistics.median(us for _, _, us in same), 2)})
+    return out
 
 
 def host_profile(llm, prompts, steps: int, top: int = 30) -> list[dict]:
@@ -228,6 +256,9 @@ def main() -> None:
                          "the default 3 profiles in the lane's state; 0: as profiles before session 23")
     ap.add_argument("--graph-only", action="store_true",
                     help="only the graph window: no kernel tables, no eager engine")
+    ap.add_argument("--launch-sequence", default="", metavar="REGEX",
+                    help="also record the graph's kernels matching REGEX one by one, in launch order "
+                         "(median over the steps): e.g. each layer's attention")
     ap.add_argument("--host-profile", action="store_true",
                     help="also cProfile the eager steps: where their host time goes")
     ap.add_argument("--commit", default=os.environ.get("SPARSEENGINE_GIT_COMMIT", ""),
@@ -288,7 +319,10 @@ def main() -> None:
             print(json.dumps(out, indent=1))
             Path(args.out).write_text(json.dumps(out, indent=1))
             return
-        graph_table = kernel_table(llm, prompts, args.steps)  # the kernels the graph replays
+        sequence = {"pattern": args.launch_sequence} if args.launch_sequence else None
+        graph_table = kernel_table(llm, prompts, args.steps, sequence)  # the kernels the graph replays
+        if sequence is not None:
+            out["graph_launch_sequence"] = sequence
         # the KV and metadata the method's step reads (as the throughput records count them)
         cost = roofline.decode_step_cost(llm.model_config, llm.config, 2, args.batch, sum(lengths) // len(lengths),
                                          measured=reads[0] if reads else None)
