@@ -43,11 +43,16 @@ from .split_plan import fine_splits_for, min_chunk_for, split_plan
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
 
-MODE_DENSE, MODE_TOKENS, MODE_PAGES = 0, 1, 2
+MODE_DENSE, MODE_TOKENS, MODE_PAGES, MODE_ROWS = 0, 1, 2, 3
 # What the split kernel writes: partials only (a combine kernel follows), partials then the
 # last program merges, or the output itself (one split).
 _PARTIALS, _LAST_MERGES, _DIRECT = 0, 1, 2
 MAX_SPLIT_COUNTERS = 1 << 16
+# With the group's max logits stored (OmniKV's filter layers) and fixed chunks, whether a
+# program keeps its chunk's maxima in the dot's register layout, a row a tile, and stores
+# them once after its loop (read at each call; False: a store a tile, whose layout change
+# goes through shared memory, two barriers a tile).
+KEEP_GROUP_MAXIMA = True
 # Auto merge of several splits: in the split kernel (last program of a row) or in a second
 # kernel. Side by side on the H200, vanilla b=1 at 128K in a CUDA graph (commit 1272974,
 # results/profile_vanilla_b1{,_merge}_h200.json): two kernels 4.03 + 0.20 ms per step, graph
@@ -187,6 +192,7 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
         MODE=mode, STORE_LOGITS=store_logits, DOT_PREC=_common.dot_precision(q.dtype),
         COMBINE=combine, FINE=fine > 0, BALANCED=balanced,
         BLOCK_R=min(next_pow2(rows), balanced_plan.BALANCED_ROW_BLOCK) if balanced else 1, SLACK=balanced_plan.BALANCED_SLACK,
+        KEEP_MAXIMA=KEEP_GROUP_MAXIMA,
         **merge_args, num_warps=num_warps, num_stages=num_stages,
     )
     if combine == _PARTIALS:  # a program per (query row, COMBINE_D_TILE channels): more programs than rows
@@ -238,7 +244,7 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
     STORE_LOGITS: tl.constexpr, DOT_PREC: tl.constexpr, COMBINE: tl.constexpr, BLOCK_S: tl.constexpr,
     STORE_LSE: tl.constexpr, FINE: tl.constexpr, BALANCED: tl.constexpr, BLOCK_R: tl.constexpr,
-    SLACK: tl.constexpr,
+    SLACK: tl.constexpr, KEEP_MAXIMA: tl.constexpr,
 ):
     if BALANCED:  # a flat grid over the batch's chunks (`balanced_plan.py`): one a program, the rest idle
         r, split, first, n_active, chunk, n_items = balanced_chunk(
@@ -254,7 +260,7 @@ def _decode_split_kernel(
                           stride_sel_h, stride_ob, stride_oh, logits_len, HKV, HQ,
                           r, split, chunk, n_items, n_active, tl.program_id(0) * GROUP, 1, first * GROUP, GROUP,
                           GROUP, BLOCK_H, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, MODE, STORE_LOGITS, DOT_PREC,
-                          COMBINE, BLOCK_S, STORE_LSE, True)
+                          COMBINE, BLOCK_S, STORE_LSE, True, 0)
     else:  # a (row, split) grid
         pid_bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -262,7 +268,7 @@ def _decode_split_kernel(
         kvh = pid_bh % HKV
         if MODE == 0:
             n_items = tl.load(kv_lens_ptr + b)
-        elif MODE == 1:
+        elif MODE != 2:  # tokens or pool rows: one item an entry
             n_items = tl.load(num_sel_ptr + b * stride_ns_b + kvh * stride_ns_h)
         else:
             n_items = tl.load(num_sel_ptr + b * stride_ns_b + kvh * stride_ns_h) * PAGE_SIZE
@@ -286,7 +292,8 @@ def _decode_split_kernel(
                       stride_ob, stride_oh, logits_len, HKV, HQ,
                       pid_bh, split, chunk, n_items, n_active, head0 + split, num_splits, head0, 1,
                       GROUP, BLOCK_H, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, MODE, STORE_LOGITS, DOT_PREC,
-                      COMBINE, BLOCK_S, STORE_LSE, False)
+                      COMBINE, BLOCK_S, STORE_LSE, False,
+                      CHUNK // BLOCK_N if (STORE_LOGITS == 2) and (CHUNK > 0) and KEEP_MAXIMA else 0)
 
 
 def _attend_chunk(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, sel_ptr, part_out_ptr, part_lse_ptr, logits_ptr,
@@ -296,7 +303,7 @@ def _attend_chunk(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, sel_ptr, par
                   GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, STORE_LOGITS: tl.constexpr,
                   DOT_PREC: tl.constexpr, COMBINE: tl.constexpr, BLOCK_S: tl.constexpr, STORE_LSE: tl.constexpr,
-                  BALANCED: tl.constexpr):
+                  BALANCED: tl.constexpr, LOGIT_TILES: tl.constexpr):
     """Chunk `split` (items [split * chunk, min(n_items, ...))) of row `pid_bh` (request x
     KV head) for the group's query heads: its partial at slots `slot + i * slot_h` (query
     head i of the group), or the output itself where the row has one chunk with items (or
@@ -321,21 +328,32 @@ def _attend_chunk(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, sel_ptr, par
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    if LOGIT_TILES > 0:  # the chunk's group maxima, a row a tile, stored once after the loop
+        tile_of = tl.arange(0, LOGIT_TILES)
+        tile_max = tl.full([LOGIT_TILES, BLOCK_N], float("-inf"), tl.float32)
     for n0 in range(start, end, BLOCK_N):
         items = n0 + tl.arange(0, BLOCK_N)
         valid = items < end
-        if MODE == 0:
-            tok = items
-        elif MODE == 1:
-            tok = tl.load(sel_row + items, mask=valid, other=0)
-            valid = valid & (tok >= 0) & (tok < kv_len)
+        if MODE == 3:  # the pool's own token rows (page * PAGE_SIZE + offset): no page-table load
+            pool_row = tl.load(sel_row + items, mask=valid, other=-1)
+            valid = valid & (pool_row >= 0)
+            pool_row = tl.where(valid, pool_row, 0)
+            page = (pool_row // PAGE_SIZE).to(tl.int64)
+            off = pool_row % PAGE_SIZE
+            tok = items  # (logits are DENSE only)
         else:
-            lp = tl.load(sel_row + items // PAGE_SIZE, mask=valid, other=0)
-            tok = lp * PAGE_SIZE + items % PAGE_SIZE
-            valid = valid & (lp >= 0) & (tok < kv_len)
-        tok = tl.where(valid, tok, 0)
-        page = tl.load(pt_row + tok // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
-        off = tok % PAGE_SIZE
+            if MODE == 0:
+                tok = items
+            elif MODE == 1:
+                tok = tl.load(sel_row + items, mask=valid, other=0)
+                valid = valid & (tok >= 0) & (tok < kv_len)
+            else:
+                lp = tl.load(sel_row + items // PAGE_SIZE, mask=valid, other=0)
+                tok = lp * PAGE_SIZE + items % PAGE_SIZE
+                valid = valid & (lp >= 0) & (tok < kv_len)
+            tok = tl.where(valid, tok, 0)
+            page = tl.load(pt_row + tok // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+            off = tok % PAGE_SIZE
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + page[:, None] * stride_kp + off[:, None] * stride_ko + kvh * stride_kh
                     + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -346,14 +364,20 @@ def _attend_chunk(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, sel_ptr, par
             tl.store(l_ptrs, s, mask=h_mask[:, None] & valid[None, :] & (items < logits_len)[None, :])
         elif STORE_LOGITS == 2:  # the group's max, back in natural units
             s_max = tl.max(tl.where(h_mask[:, None], s, float("-inf")), 0) * 0.6931471805599453
-            tl.store(logits_ptr + pid_bh.to(tl.int64) * logits_len + items, s_max,
-                     mask=valid & (items < logits_len))
+            if LOGIT_TILES > 0:  # kept in the dot's layout: a store a tile would cross the warps through
+                tile_max = tl.where(tile_of[:, None] == (n0 - start) // BLOCK_N, s_max[None, :], tile_max)
+            else:  # shared memory (two barriers a tile)
+                tl.store(logits_ptr + pid_bh.to(tl.int64) * logits_len + items, s_max,
+                         mask=valid & (items < logits_len))
         m_new, alpha, p, l_i = softmax_step(s, m_i, l_i)
         v = tl.load(v_ptr + page[:, None] * stride_vp + off[:, None] * stride_vo + kvh * stride_vh
                     + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 
+    if LOGIT_TILES > 0:
+        at = start + tile_of[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tl.store(logits_ptr + pid_bh.to(tl.int64) * logits_len + at, tile_max, mask=(at < end) & (at < logits_len))
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))  # log2 domain
     hd_mask = h_mask[:, None] & d_mask[None, :]

@@ -62,13 +62,13 @@ for store, combine in ((0, 0), (0, 2), (1, 0), (2, 0), (2, 1), (2, 2)):
         "paged_decode", "_decode_split_kernel", SPLIT_HELPERS, SPLIT_TYPES,
         dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16, CHUNK=2048, BLOCK_N=64, MODE=0,
              STORE_LOGITS=store, DOT_PREC="tf32", COMBINE=combine, BLOCK_S=64, STORE_LSE=True,
-             FINE=combine != 2, BALANCED=False, BLOCK_R=1, SLACK=2), 4)
+             FINE=combine != 2, BALANCED=False, BLOCK_R=1, SLACK=2, KEEP_MAXIMA=True), 4)
 for mode, combine in ((0, 0), (0, 1), (2, 0), (2, 1)):
     BUILDS[f"split_decode-balanced-mode{mode}-combine{combine}"] = (
         "paged_decode", "_decode_split_kernel", SPLIT_HELPERS, SPLIT_TYPES,
         dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16, CHUNK=0, BLOCK_N=64, MODE=mode,
              STORE_LOGITS=0, DOT_PREC="tf32", COMBINE=combine, BLOCK_S=64, STORE_LSE=False, FINE=False,
-             BALANCED=True, BLOCK_R=1024, SLACK=2), 4)
+             BALANCED=True, BLOCK_R=1024, SLACK=2, KEEP_MAXIMA=True), 4)
 
 # DeltaKV's fused rebuild at a GPU tile (64 entries): int4 and float16 latents into a bf16
 # cache (float16 product), and a float32 engine's (exact product). The first version

@@ -70,6 +70,27 @@ def test_decode_max_logits(case, kv_chunk, gen, device):
     assert_close(got.amax(1), full, 1e-4, "max over KV heads")
 
 
+@pytest.mark.parametrize("plan", [dict(kv_chunk=64, block_n=16), dict(kv_chunk=32, block_n=32),
+                                  dict(row_splits=2, block_n=16)], ids=["4-tiles-a-chunk", "1-tile", "per-row"])
+def test_group_max_logits_by_launch(plan, gen, device):
+    """The group max logits the split kernel stores, whatever the launch: fixed chunks of
+    several tiles (each chunk's maxima kept in registers and stored after its loop), of one
+    tile, and each row cut by its own length (stored a tile at a time); a row's last chunk
+    partial, and nothing past a row's length written."""
+    from sparseengine.kernels.paged_decode import MODE_DENSE, split_k_decode
+
+    hq, hkv, d, ps, lens = 8, 2, 32, 4, [150, 37, 64]
+    q, kv = _inputs((hq, hkv, d, ps, lens), gen, device)
+    L = kv.page_table.shape[1] * ps
+    out_ref, ref = decode_max_logits_ref(q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, L)
+    got = torch.full((len(lens), hkv, L), float("-inf"), device=device)
+    out = split_k_decode(q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, mode=MODE_DENSE, capacity=L,
+                         logits=got, logits_group_max=True, **plan)
+    assert torch.equal(torch.isinf(got), torch.isinf(ref))
+    assert_close(got, ref, 1e-4, "scores")
+    assert_close(out, out_ref, 1e-4, "out")
+
+
 def test_decode_max_logits_needs_room(gen, device):
     q, kv = _inputs((4, 2, 16, 4, [9, 3]), gen, device)
     out, scores = decode_max_logits_triton(q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens)
