@@ -100,6 +100,9 @@ class TritonAttentionProvider(AttentionProvider):
         """Decode rows ``q [B, Hq, d]`` over their selected tokens or pages."""
         split = self.split_kw(q.device)
         if not selection.page_size:
+            if selection.pool_rows is not None:  # no page-table load a token
+                return kernels.sparse_rows_decode_triton(q, k_cache, v_cache, table, lens, selection.pool_rows,
+                                                         selection.num_selected, **split)
             return kernels.sparse_decode_triton(q, k_cache, v_cache, table, lens, selection.token_indices,
                                                 selection.num_selected, **split)
         if selection.page_size != k_cache.shape[1]:

@@ -39,12 +39,20 @@ class Selection:
     ``page_size`` 0: the entries are logical token indices. ``page_size`` > 0 (it equals
     the KV cache's page size): they are logical page indices and ``num_selected`` counts
     pages; page p stands for tokens ``[p * page_size, (p + 1) * page_size)`` below the
-    request's cache length."""
+    request's cache length.
+
+    ``pool_rows`` (token entries only; optional): the same entries as rows of the paged
+    cache, ``page_table[b, t // ps] * ps + t % ps`` (-1 where an entry does not count), as
+    OmniKV's pick writes them once for the layers up to its next filter layer; every layer
+    keeps a request's pages under its one page table, so the rows hold in each. A provider
+    may read them instead of looking each token up (the Triton one does); the tokens
+    stay the definition."""
 
     token_indices: torch.Tensor
     num_selected: torch.Tensor
     dense: tuple[bool, ...]
     page_size: int = 0
+    pool_rows: torch.Tensor | None = None
 
     def request_tokens(self, b: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Request b's selected logical tokens ``[Hkv, W]`` and which entries count (within

@@ -26,7 +26,7 @@ from .quest_select import quest_select_pages_triton
 from .row_argmax import row_argmax_ref, row_argmax_triton
 from .skinny_linear import skinny_linear_ref, skinny_linear_triton
 from .sparse_decode import (sparse_decode_ref, sparse_decode_triton, sparse_page_decode_ref,
-                            sparse_page_decode_triton)
+                            sparse_page_decode_triton, sparse_rows_decode_ref, sparse_rows_decode_triton)
 
 __all__ = [
     "add_rms_norm_ref",
@@ -80,6 +80,8 @@ __all__ = [
     "sparse_decode_triton",
     "sparse_page_decode_ref",
     "sparse_page_decode_triton",
+    "sparse_rows_decode_ref",
+    "sparse_rows_decode_triton",
     "update_page_minmax_ref",
     "update_page_minmax_triton",
 ]

@@ -39,11 +39,18 @@ if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing need
     import triton.language as tl
 
 PASSES = 4  # bytes of a 32-bit key
+# Whether OmniKV asks its fused pick for the chosen tokens' pool rows (read at each step; an
+# A/B switch: False, its later layers look each token up in the page table)
+EMIT_POOL_ROWS = True
 
 
 def omnikv_select_triton(scores, kv_lens, sink_tokens, budget, recent_tokens, *, block: int = 1024,
-                         num_warps: int = 4):
-    """`block`: tokens per program (a power of two >= 16); `num_warps`: per program."""
+                         num_warps: int = 4, page_table=None, page_size: int = 0):
+    """`block`: tokens per program (a power of two >= 16); `num_warps`: per program.
+    `page_table [B, P]` with `page_size`: also the chosen tokens' pool rows, a third output
+    `[B, K]` int32 (`page_table[b, t // page_size] * page_size + t % page_size`, -1 past a
+    request's count), written beside the tokens (the rows variant of the sparse decode
+    reads them with no page-table load)."""
     check_scores(scores, (2, 3), "[B, L] or [B, H, L]")
     if scores.dim() == 2:
         scores = scores[:, None, :]
@@ -58,8 +65,19 @@ def omnikv_select_triton(scores, kv_lens, sink_tokens, budget, recent_tokens, *,
     total = sink + budget + recent
     everything = torch.arange(total, device=device).expand(B, total)
     counts = kv_lens.clamp(max=total).to(torch.int32)
+    with_rows = page_table is not None
+    if with_rows:
+        if page_table.dim() != 2 or page_table.shape[0] != B or int_arg("page_size", page_size, 1) < 1:
+            raise ValueError(f"page_table must be [B={B}, P] with page_size >= 1, got "
+                             f"{tuple(page_table.shape)} and {page_size}")
+        rows = torch.empty((B, total), dtype=torch.int32, device=device)  # every slot written
     if L <= total or B == 0:  # no request can hold more than the total
-        return everything, counts
+        if not with_rows:
+            return everything, counts
+        within = everything < counts[:, None]
+        tok = torch.where(within, everything, 0)
+        pages = page_table.long().gather(1, tok // page_size)
+        return everything, counts, torch.where(within, pages * page_size + tok % page_size, -1).int()
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
     n_blocks = cdiv(L, block)
@@ -73,8 +91,10 @@ def omnikv_select_triton(scores, kv_lens, sink_tokens, budget, recent_tokens, *,
         _hist_kernel[grid](scores, kv_lens, keys, hist, scores.stride(0), scores.stride(1), L, H=H, PASS=p, **common)
     _count_kernel[grid](keys, hist, kv_lens, block_counts, L, n_blocks, **common)
     _emit_kernel[grid](keys, hist, kv_lens, block_counts, indices, L, n_blocks,
+                       page_table if with_rows else kv_lens, rows if with_rows else indices,
+                       page_table.stride(0) if with_rows else 0, PAGE_SIZE=page_size if with_rows else 0,
                        BLOCK_N=next_pow2(n_blocks), BLOCK_K=next_pow2(total), **common)
-    return indices, counts
+    return (indices, counts, rows) if with_rows else (indices, counts)
 
 
 def _ordered_keys(s):
@@ -153,9 +173,9 @@ def _count_kernel(keys_ptr, hist_ptr, kv_lens_ptr, counts_ptr, L, n_blocks,
 
 
 @lazy_jit
-def _emit_kernel(keys_ptr, hist_ptr, kv_lens_ptr, counts_ptr, out_ptr, L, n_blocks,
-                 SINK: tl.constexpr, BUDGET: tl.constexpr, RECENT: tl.constexpr, BLOCK: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _emit_kernel(keys_ptr, hist_ptr, kv_lens_ptr, counts_ptr, out_ptr, L, n_blocks, pt_ptr, rows_ptr, stride_pt,
+                 PAGE_SIZE: tl.constexpr, SINK: tl.constexpr, BUDGET: tl.constexpr, RECENT: tl.constexpr,
+                 BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     TOTAL: tl.constexpr = SINK + BUDGET + RECENT
     b, offs, middle, n = _block(kv_lens_ptr, L, SINK, RECENT, BLOCK)
     blk = tl.program_id(1)
@@ -166,6 +186,8 @@ def _emit_kernel(keys_ptr, hist_ptr, kv_lens_ptr, counts_ptr, out_ptr, L, n_bloc
         fixed = everything | (j < SINK) | (j >= SINK + BUDGET)
         token = tl.where(everything | (j < SINK), j, n - TOTAL + j)
         tl.store(out + j, token.to(tl.int64), mask=(j < TOTAL) & fixed)
+        if PAGE_SIZE > 0:
+            _store_rows(pt_ptr, rows_ptr, stride_pt, b, TOTAL, j, token, (j < TOTAL) & fixed, token < n, PAGE_SIZE)
     if n > TOTAL:
         key = tl.load(keys_ptr + b.to(tl.int64) * L + offs, mask=middle, other=-2147483648)
         t, ties = _threshold(hist_ptr, b, BUDGET)
@@ -179,3 +201,13 @@ def _emit_kernel(keys_ptr, hist_ptr, kv_lens_ptr, counts_ptr, out_ptr, L, n_bloc
         pick = (middle & ((key > t) | ((eq > 0) & (tied + tl.cumsum(eq, 0) - eq < ties)))).to(tl.int32)
         slot = SINK + taken + tl.cumsum(pick, 0) - pick
         tl.store(out + slot, offs.to(tl.int64), mask=pick > 0)
+        if PAGE_SIZE > 0:
+            _store_rows(pt_ptr, rows_ptr, stride_pt, b, TOTAL, slot, offs, pick > 0, pick > 0, PAGE_SIZE)
+
+
+def _store_rows(pt_ptr, rows_ptr, stride_pt, b, TOTAL: tl.constexpr, slot, token, store, counted,
+                PAGE_SIZE: tl.constexpr):
+    """Row b's pool rows at `slot` where `store`: the token's row where `counted`, else -1."""
+    page = tl.load(pt_ptr + b.to(tl.int64) * stride_pt + token // PAGE_SIZE, mask=store & counted, other=0)
+    row = tl.where(counted, page * PAGE_SIZE + token % PAGE_SIZE, -1)
+    tl.store(rows_ptr + b.to(tl.int64) * TOTAL + slot, row.to(tl.int32), mask=store)

@@ -8,6 +8,10 @@ page_size]`, offset `i % page_size`. Out-of-range ids (< 0 or >= kv_lens) are sk
 duplicates are attended twice (callers pass sets). A row with nothing selected gives a
 zero output and lse -inf.
 
+Rows variant: the token variant with each entry already the pool row it names (`page *
+page_size + offset`, OmniKV's choice translated once at its filter layer for the layers
+after it), so a tile skips the page-table load.
+
 Triton: the split-K kernel of `paged_decode.py`, whose items are the selection entries
 (split over K entries, or P * page_size tokens) instead of the token range.
 """
@@ -17,7 +21,7 @@ import torch
 
 from . import _common
 from ._common import check_cache
-from .paged_decode import MODE_PAGES, MODE_TOKENS, split_k_decode
+from .paged_decode import MODE_PAGES, MODE_ROWS, MODE_TOKENS, split_k_decode
 
 # The page variant's launch when the rows are too few to fill the GPU alone (Quest's 128K
 # shape: 6 x 8 rows), read at each call (profile_decode_step.py --kernel-const sets them for
@@ -75,14 +79,48 @@ def sparse_decode_triton(q, k_cache, v_cache, page_table, kv_lens, indices, num_
     num_stages): by default the split planner's launch, and where rows (B x Hkv) are under
     4 programs an SM, `TOKEN_CHUNK` tokens a split (None: the planner's chunks, fixed or
     each row's own), tiles of `TOKEN_BLOCK_N`, `TOKEN_STAGES` stages."""
-    _check_selection(q, k_cache, indices, num_selected)
+    return _entries_launch(MODE_TOKENS, q, k_cache, v_cache, page_table, kv_lens, indices, num_selected, scale,
+                           return_lse, kv_chunk, balanced, counters, tuning)
+
+
+def _entries_launch(mode, q, k_cache, v_cache, page_table, kv_lens, sel, num_sel, scale, return_lse, kv_chunk,
+                    balanced, counters, tuning):
+    """The token and rows variants' launch: one item an entry."""
+    _check_selection(q, k_cache, sel, num_sel)
     if kv_chunk is None and balanced is None and q.shape[0] * k_cache.shape[2] < 4 * _common.num_sms(q.device):
         kv_chunk = TOKEN_CHUNK
         tuning.setdefault("block_n", TOKEN_BLOCK_N)
         tuning.setdefault("num_stages", TOKEN_STAGES)
-    return split_k_decode(q, k_cache, v_cache, page_table, kv_lens, mode=MODE_TOKENS,
-                          capacity=indices.shape[2], sel=indices, num_sel=num_selected, scale=scale,
-                          return_lse=return_lse, kv_chunk=kv_chunk, balanced=balanced, counters=counters, **tuning)
+    return split_k_decode(q, k_cache, v_cache, page_table, kv_lens, mode=mode, capacity=sel.shape[2], sel=sel,
+                          num_sel=num_sel, scale=scale, return_lse=return_lse, kv_chunk=kv_chunk, balanced=balanced,
+                          counters=counters, **tuning)
+
+
+def sparse_rows_decode_ref(q, k_cache, v_cache, rows, num_selected, scale=None, return_lse=False):
+    """The token variant over pool rows: `rows [B, Hkv, K]` int32 or int64, entry `page *
+    page_size + offset` of the cache itself (no page table), the first `num_selected [B,
+    Hkv]` valid; a negative entry is skipped."""
+    page_size = k_cache.shape[1]
+    pool = torch.arange(k_cache.shape[0], device=q.device, dtype=torch.long)[None]  # the identity page table
+    B = q.shape[0]
+
+    def tokens_of(b, h):
+        r = rows[b, h, : int(num_selected[b, h])].long()
+        return r[r >= 0]
+
+    lens = torch.full((B,), k_cache.shape[0] * page_size, device=q.device, dtype=torch.long)
+    return _selected_attention_ref(q, k_cache, v_cache, pool.expand(B, -1), lens, tokens_of, scale, return_lse)
+
+
+def sparse_rows_decode_triton(q, k_cache, v_cache, page_table, kv_lens, rows, num_selected, scale=None,
+                              return_lse=False, *, kv_chunk=None, balanced=None, counters=None, **tuning):
+    """`sparse_rows_decode_ref` with the token variant's launch (`sparse_decode_triton`'s
+    knobs, `TOKEN_*`): each tile loads its rows and then the K and V they name, where the
+    token variant first looks each token's page up in the page table (a load in between).
+    `page_table`, `kv_lens`: the step's, checked as the token variant's (the rows must
+    belong to those requests' pages; the kernel does not read them)."""
+    return _entries_launch(MODE_ROWS, q, k_cache, v_cache, page_table, kv_lens, rows, num_selected, scale,
+                           return_lse, kv_chunk, balanced, counters, tuning)
 
 
 def sparse_page_decode_ref(q, k_cache, v_cache, page_table, kv_lens, page_indices, num_pages_selected,

@@ -148,9 +148,13 @@ class OmniKV(SparseMethodRuntime):
         return max_logit_rows(layer, ctx) if layer in self.filter_set and self._fused(ctx) else None
 
     def observe(self, layer, q, colsums, ctx):
-        """The filter layer's choice from its attention's max logits ``[B, Hkv, L]``."""
-        self._selection = self._selection_of(*pick_from_max_logits(colsums, ctx.views[layer].kv_lens, self.config,
-                                                                   ctx.provider.triton_kernels))
+        """The filter layer's choice from its attention's max logits ``[B, Hkv, L]``; the
+        Triton pick also writes the chosen tokens' pool rows (``Selection.pool_rows``)."""
+        view, triton = ctx.views[layer], ctx.provider.triton_kernels
+        wants_rows = triton and kernels.omnikv_select.EMIT_POOL_ROWS
+        rows_of = (view.page_table, ctx.kv_cache.layer(layer)[0].shape[1]) if wants_rows else None
+        self._selection = self._selection_of(*pick_from_max_logits(colsums, view.kv_lens, self.config, triton,
+                                                                   rows_of))
 
     def _fused(self, ctx) -> bool:
         return self.mode == "logits" and pure_decode(ctx)
@@ -183,11 +187,13 @@ class OmniKV(SparseMethodRuntime):
         cfg = self.config
         return self._selection_of(*pick(scores, view.kv_lens, cfg.sink_tokens, cfg.budget, cfg.recent_tokens))
 
-    def _selection_of(self, idx: torch.Tensor, counts: torch.Tensor) -> Selection:
-        """``pick_tokens``' choice, one index set shared by every KV head."""
+    def _selection_of(self, idx: torch.Tensor, counts: torch.Tensor, pool_rows: torch.Tensor | None = None
+                      ) -> Selection:
+        """``pick_tokens``' choice, one index set (and its pool rows) shared by every KV head."""
         rows, hkv = idx.shape[0], self.model.num_kv_heads
-        return Selection(idx[:, None, :].expand(rows, hkv, idx.shape[1]),
-                         counts[:, None].expand(rows, hkv).contiguous(), dense=(False,) * rows)
+        shared = (lambda t: t[:, None, :].expand(rows, hkv, t.shape[1]))  # noqa: E731
+        return Selection(shared(idx), counts[:, None].expand(rows, hkv).contiguous(), dense=(False,) * rows,
+                         pool_rows=None if pool_rows is None else shared(pool_rows))
 
     def _choose_per_request(self, layer, q, ctx) -> Selection | None:
         chosen = choose_tokens(self, layer, q, ctx, self.mode)
@@ -205,13 +211,17 @@ def max_logit_rows(layer: int, ctx) -> ScoreRows:
 
 
 def pick_from_max_logits(colsums: torch.Tensor, kv_lens: torch.Tensor, config,
-                         triton: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                         triton: bool = False, rows_of: tuple[torch.Tensor, int] | None = None) -> tuple:
     """``pick_tokens`` over the max over KV heads of a filter layer's max logits
-    ``[B, Hkv, L]`` (the ``logits`` score); ``triton``: the Triton pick, which takes the
-    max over heads itself (six kernels and a memset instead of torch's max, top-k and sort)."""
+    ``[B, Hkv, L]`` (the ``logits`` score) -> (indices, counts); ``triton``: the Triton pick,
+    which takes the max over heads itself (six kernels and a memset instead of torch's max,
+    top-k and sort), and given ``rows_of`` (page table, page size) also returns the chosen
+    tokens' pool rows."""
     cfg = config
     if triton:
-        return kernels.omnikv_select_triton(colsums, kv_lens, cfg.sink_tokens, cfg.budget, cfg.recent_tokens)
+        table, page_size = rows_of if rows_of is not None else (None, 0)
+        return kernels.omnikv_select_triton(colsums, kv_lens, cfg.sink_tokens, cfg.budget, cfg.recent_tokens,
+                                            page_table=table, page_size=page_size)
     return pick_tokens(colsums.amax(dim=1), kv_lens, cfg.sink_tokens, cfg.budget, cfg.recent_tokens)
 
 

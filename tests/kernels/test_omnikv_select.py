@@ -108,6 +108,33 @@ def test_a_gap_right_below_the_budget_th_score(knobs):
     assert idx.cpu().tolist() == _definition(values, lens, sink, budget, recent)
 
 
+@pytest.mark.parametrize("case, block", [(CASES[0], 16), (CASES[3], 1024)], ids=["block16", "block1024"])
+def test_pool_rows_of_the_pick(case, block):
+    """With a page table the pick also gives each chosen token's pool row (its page's
+    number times the page size plus its offset), -1 past a request's count, beside the
+    tokens and counts of the torch path; with many blocks a request and with one, and a
+    width within the total (every request takes all it has). A table that does not match
+    the batch is refused."""
+    lens, H, L, sink, budget, recent = case
+    gen = torch.Generator().manual_seed(len(lens) * 7 + L)
+    values = torch.randn(len(lens), H, L, generator=gen)
+    scores = _scores(values, lens, recent).to(DEVICE)
+    kv_lens = torch.tensor(lens, device=DEVICE)
+    for ps, width in ((16, L), (4, sink + budget + recent)):
+        pages = -(-width // ps)
+        table = torch.stack([torch.randperm(len(lens) * pages, generator=gen)[:pages] for _ in lens]).int()
+        idx, counts, rows = omnikv_select_triton(scores[..., :width], kv_lens, sink, budget, recent, block=block,
+                                                 page_table=table.to(DEVICE), page_size=ps)
+        want_idx, want_counts = pick_tokens(values[..., :width].amax(1), torch.tensor(lens), sink, budget, recent)
+        assert torch.equal(idx.cpu(), want_idx) and torch.equal(counts.cpu(), want_counts)
+        counted = torch.arange(want_idx.shape[1])[None, :] < want_counts[:, None]
+        tok = torch.where(counted, want_idx, 0)
+        want = torch.where(counted, table.long().gather(1, tok // ps) * ps + tok % ps, -1)
+        assert rows.dtype == torch.int32 and torch.equal(rows.cpu().long(), want), (ps, width)
+    with pytest.raises(ValueError, match="page_table must be"):
+        omnikv_select_triton(scores, kv_lens, sink, budget, recent, page_table=table[:1].to(DEVICE), page_size=16)
+
+
 def test_2d_scores_and_a_width_within_the_total():
     gen = torch.Generator().manual_seed(2)
     lens = [100, 33]

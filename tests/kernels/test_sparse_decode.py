@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from sparseengine.kernels import (sparse_decode_ref, sparse_decode_triton, sparse_page_decode_ref,
-                                  sparse_page_decode_triton)
+                                  sparse_page_decode_triton, sparse_rows_decode_ref, sparse_rows_decode_triton)
 from sparseengine.kernels.testing import CASES, assert_close, case_id, random_paged_kv, randn
 
 
@@ -67,6 +67,42 @@ def test_tokens(case, gen, device):
     out, lse = sparse_decode_triton(*args, return_lse=True, kv_chunk=16)
     assert_close(out, out_ref, 1e-4, "out")
     assert_close(lse, lse_ref, 1e-4, "lse")
+
+
+def pool_rows_of(page_table, idx, num, page_size):
+    """Each counted entry's pool row (page * page_size + offset), -1 elsewhere."""
+    valid = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
+    tok = torch.where(valid, idx, 0).long()
+    rows = page_table.long().gather(1, (tok // page_size).flatten(1)).view_as(tok) * page_size + tok % page_size
+    return torch.where(valid, rows, -1).int()
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_rows(case, gen, device):
+    """The rows variant over a token selection's pool rows attends what the token variant
+    does over the tokens (reference and kernel), a negative entry skipped, and with the
+    selection shared by the KV heads (OmniKV's stride-0 view) at the default launch."""
+    q, kv = _inputs(case, gen, device)
+    hq, hkv, d, ps, lens = case
+    idx, num = _token_selection(lens, hkv, 24, gen, device)
+    base = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens)
+    rows = pool_rows_of(kv.page_table, idx, num, ps)
+    out_ref, lse_ref = sparse_decode_ref(*base, idx, num, return_lse=True)
+    out, lse = sparse_rows_decode_ref(q, kv.k_cache, kv.v_cache, rows, num, return_lse=True)
+    assert_close(out, out_ref, 1e-5, "rows ref")
+    assert_close(lse, lse_ref, 1e-5, "rows ref lse")
+    out, lse = sparse_rows_decode_triton(*base, rows, num, return_lse=True, kv_chunk=16, block_n=16)
+    assert_close(out, out_ref, 1e-4, "out")
+    assert_close(lse, lse_ref, 1e-4, "lse")
+    skipped = rows.clone()
+    skipped[:, :, 0] = -1  # every row's first entry: the tokens variant without it
+    without = torch.cat([idx[:, :, 1:], idx[:, :, :1]], -1)
+    fewer = (num - 1).clamp(min=0)
+    out_ref = sparse_decode_ref(*base, without, fewer)
+    assert_close(sparse_rows_decode_triton(*base, skipped, num, kv_chunk=16, block_n=16), out_ref, 1e-4, "skipped")
+    shared, shared_num = rows[:, :1].expand_as(rows), num[:, :1].expand_as(num).contiguous()
+    out_ref = sparse_decode_ref(*base, idx[:, :1].expand_as(idx), shared_num)
+    assert_close(sparse_rows_decode_triton(*base, shared, shared_num), out_ref, 1e-4, "shared")
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)

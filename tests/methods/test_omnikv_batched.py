@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -23,9 +24,9 @@ from sparseengine import LLM, SamplingParams
 from sparseengine.attention.provider import make_provider
 from sparseengine.config import Config
 from sparseengine.engine.step_context import LayerView, ScoreRows, StepContext
-from sparseengine.kernels import omnikv_scores_ref
+from sparseengine.kernels import omnikv_scores_ref, sparse_decode_ref
 from sparseengine.kernels.omnikv_scores import omnikv_scores_torch
-from sparseengine.kernels.testing import random_paged_kv, randn
+from sparseengine.kernels.testing import assert_close, random_paged_kv, randn
 from sparseengine.methods import omnikv
 from sparseengine.methods.selection import omnikv_select, omnikv_token_scores
 
@@ -190,7 +191,22 @@ def test_triton_scores_choose_what_torch_scores_choose(mode):
     rt = runtime(2, sink, budget, recent, mode)
     ctx = graph_context(rt, kv, provider="triton")
     attend_layer(rt, 1, q, ctx)
-    check_requests(rt.select(3, q, ctx), q.cpu(), kv_on_cpu(kv), sink, budget, recent, mode, "triton provider")
+    sel = rt.select(3, q, ctx)
+    check_requests(sel, q.cpu(), kv_on_cpu(kv), sink, budget, recent, mode, "triton provider")
+    if mode == "probs":  # scored in select(), not by the fused pick
+        assert sel.pool_rows is None
+        return
+    # the fused pick also wrote the chosen tokens' pool rows, and the provider's attention
+    # reads them: with the token ids zeroed it still attends over the chosen tokens
+    counted = torch.arange(sel.token_indices.shape[-1], device=device) < sel.num_selected[..., None]
+    tok = torch.where(counted, sel.token_indices, 0)
+    pages = kv.page_table.long()[:, None, :].expand(-1, tok.shape[1], -1).gather(2, tok // 8)
+    assert torch.equal(sel.pool_rows.long(), torch.where(counted, pages * 8 + tok % 8, -1))
+    want = sparse_decode_ref(q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, sel.token_indices,
+                             sel.num_selected)
+    blind = dataclasses.replace(sel, token_indices=torch.zeros_like(sel.token_indices))
+    out, _ = ctx.provider.attend(q, kv.k_cache, kv.v_cache, ctx, ctx.views[3], blind, None)
+    assert_close(out, want, 1e-4, "attention over the pool rows")
 
 
 def kv_on_cpu(kv):
