@@ -357,6 +357,10 @@ PARTS = {
                   ("bench_pdl_chain",)),
     "omnikv-attention": ("OmniKV's sparse-layer attention: the split planner's launch against fixed chunks",
                          "bench_omnikv", ("bench_omnikv_attention",)),
+    "omnikv-attention-cold": ("OmniKV's sparse-layer attention from DRAM: token ids against pool rows",
+                              "bench_omnikv", ("bench_omnikv_attention_cold",)),
+    "omnikv-filter": ("OmniKV's filter layers: dense attention storing max logits against plain dense",
+                      "bench_omnikv", ("bench_omnikv_filter_layer",)),
     "omnikv-select": ("OmniKV's token pick, Triton variants beside the torch path", "bench_omnikv",
                       ("bench_omnikv_select", "bench_pick_at_quest_shape")),
 }

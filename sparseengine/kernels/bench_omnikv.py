@@ -94,3 +94,123 @@ def bench_omnikv_attention(out_path, B=6, P=8320, n=131072, sink=64, budget=1472
         us = per_launch_us(fn)
         emit(out_path, {"kind": "omnikv_attention", "batch": B, "hkv": HKV, "tokens": width, "kv_len": n, **kw,
                         "us_per_launch": us, "GBps": nbytes / us / 1e3, "max_abs_diff_vs_planner": err})
+
+
+def bench_omnikv_attention_cold(out_path, B=6, P=8320, n=131072, sink=64, budget=1472, recent=512, sets=8):
+    """OmniKV's sparse-layer attention as the engine meets it: each launch of the graph of
+    30 takes the next of `sets` selections over its own page table (as each layer reads its
+    own cache), so L2 holds no launch's rows from the one before. The token ids (the page
+    table looked up a tile at a time) against the same tokens as pool rows (`MODE_ROWS`,
+    `page * 16 + offset`: no page-table load), by launch; beside them Quest's page variant
+    over 129 random pages a row, the same way."""
+    from sparseengine.kernels import sparse_decode_triton, sparse_page_decode_triton
+    from sparseengine.kernels.paged_decode import MODE_ROWS, split_k_decode
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    pool = sets * B * P // 2
+    k_cache, v_cache = (torch.randn(pool, PS, HKV, D, generator=gen, device="cuda").to(BF16) for _ in range(2))
+    kv_lens = torch.full((B,), n, dtype=torch.int32, device="cuda")
+    q = torch.randn(B, HQ, D, generator=gen, device="cuda").to(BF16)
+    cases = []
+    for _ in range(sets):
+        table = torch.randperm(pool, generator=gen, device="cuda")[:B * P].int().view(B, P)
+        middle = torch.rand(B, n - sink - recent, generator=gen, device="cuda").argsort(-1)[:, :budget] + sink
+        idx = torch.cat([torch.arange(sink, device="cuda").expand(B, sink), middle.sort(-1).values,
+                         torch.arange(n - recent, n, device="cuda").expand(B, recent)], 1).int()
+        rows = (table.gather(1, (idx // PS).long()) * PS + idx % PS).int()
+        pages = torch.rand(B, HKV, n // PS, generator=gen, device="cuda").argsort(-1)[..., :129].int()
+        cases.append((table, idx[:, None, :].expand(B, HKV, idx.shape[1]), rows[:, None, :].expand(B, HKV, idx.shape[1]),
+                      pages))
+    width = cases[0][1].shape[-1]
+    counts = torch.full((B, HKV), width, dtype=torch.int32, device="cuda")
+    page_counts = torch.full((B, HKV), 129, dtype=torch.int32, device="cuda")
+    it = iter(range(1 << 30))
+
+    def case():
+        return cases[next(it) % sets]
+
+    def tokens(**kw):
+        table, idx, _, _ = case()
+        return sparse_decode_triton(q, k_cache, v_cache, table, kv_lens, idx, counts, **kw)
+
+    def rows(kv_chunk=256, block_n=64, num_stages=3, num_warps=4):
+        table, _, r, _ = case()
+        return split_k_decode(q, k_cache, v_cache, table, kv_lens, mode=MODE_ROWS, capacity=width, sel=r,
+                              num_sel=counts, kv_chunk=kv_chunk, block_n=block_n, num_stages=num_stages,
+                              num_warps=num_warps)
+
+    def quest():
+        table, _, _, pages = case()
+        return sparse_page_decode_triton(q, k_cache, v_cache, table, kv_lens, pages, page_counts)
+
+    table, idx, r, _ = cases[0]
+    want = sparse_decode_triton(q, k_cache, v_cache, table, kv_lens, idx, counts).float()
+    got = split_k_decode(q, k_cache, v_cache, table, kv_lens, mode=MODE_ROWS, capacity=width, sel=r,
+                         num_sel=counts, kv_chunk=256, block_n=64, num_stages=3).float()
+    shape = {"batch": B, "hkv": HKV, "tokens": width, "kv_len": n, "sets": sets}
+    nbytes = 2 * B * HKV * width * D * 2
+    emit(out_path, {"kind": "omnikv_attention_cold", "check_rows_vs_tokens": (got - want).abs().max().item(), **shape})
+    variants = [("tokens", {}, tokens), ("rows", {}, rows), ("quest_pages_129", {}, quest)]
+    for chunk, block_n, stages, warps in ((128, 32, 2, 4), (128, 64, 3, 4), (256, 32, 3, 4), (512, 64, 3, 4),
+                                          (256, 64, 4, 4), (256, 64, 3, 8), (128, 16, 3, 2)):
+        kw = dict(kv_chunk=chunk, block_n=block_n, num_stages=stages, num_warps=warps)
+        variants += [("tokens", kw, tokens), ("rows", kw, rows)]
+    for name, kw, fn in variants:
+        us = per_launch_us(lambda: fn(**kw))  # noqa: B023
+        emit(out_path, {"kind": "omnikv_attention_cold", "path": name, **kw, **shape, "us_per_launch": us,
+                        "GBps": (nbytes if name != "quest_pages_129" else 2 * B * HKV * 129 * PS * D * 2) / us / 1e3})
+
+
+def bench_omnikv_filter_layer(out_path, B=6, P=8320, n=131072, layers=6):
+    """OmniKV's filter layers' dense attention, which also stores each token's max logit per
+    KV head (`decode_max_logits_triton`), beside the plain dense attention, per launch in
+    a CUDA graph of 30 that cycles over `layers` caches (each its own page table over the
+    pool, as each layer reads its own cache: no launch finds the one before's rows in L2).
+    The store's share: the same launch storing nothing (a one-token-wide logits table) or
+    every query head's logits, and other tiles."""
+    from sparseengine.kernels.omnikv_scores import decode_max_logits_triton
+    from sparseengine.kernels.paged_decode import MODE_DENSE, split_k_decode
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    caches = []
+    for _ in range(layers):
+        k, v = (torch.randn(B * P, PS, HKV, D, generator=gen, device="cuda").to(BF16) for _ in range(2))
+        caches.append((k, v, torch.randperm(B * P, generator=gen, device="cuda").int().view(B, P)))
+    kv_lens = torch.full((B,), n, dtype=torch.int32, device="cuda")
+    q = torch.randn(B, HQ, D, generator=gen, device="cuda").to(BF16)
+    width = P * PS
+    group_max = torch.empty(B, HKV, width, device="cuda")
+    one_wide = torch.empty(B, HKV, 1, device="cuda")
+    per_head = torch.empty(B, HQ, width, device="cuda")
+    it = iter(range(1 << 30))
+
+    def split(logits=None, group=False, **kw):
+        k, v, table = caches[next(it) % layers]
+        return split_k_decode(q, k, v, table, kv_lens, mode=MODE_DENSE, capacity=width, logits=logits,
+                              logits_group_max=group, **kw)
+
+    def engine():
+        k, v, table = caches[next(it) % layers]
+        return decode_max_logits_triton(q, k, v, table, kv_lens, width)
+
+    variants = [("dense", split, {}), ("max_logits_engine", engine, {}),
+                ("max_logits_no_fill", split, dict(logits=group_max, group=True)),
+                ("max_logits_store_none", split, dict(logits=one_wide, group=True)),
+                ("all_head_logits", split, dict(logits=per_head)),
+                ("max_logits_block128", split, dict(logits=group_max, group=True, block_n=128)),
+                ("max_logits_block32", split, dict(logits=group_max, group=True, block_n=32)),
+                ("max_logits_warps8", split, dict(logits=group_max, group=True, num_warps=8)),
+                ("max_logits_stages3", split, dict(logits=group_max, group=True, num_stages=3)),
+                ("dense_stages3", split, dict(num_stages=3))]
+    # The group max leaves the dot's layout as a slice over the warps' columns; the store's
+    # layout puts element i in warp i // 32: the two agree (no shared-memory round trip) when
+    # each warp holds 32 columns (tiles of 32 x warps)
+    for block_n, warps, stages in ((128, 4, 2), (128, 4, 3), (64, 2, 2), (64, 2, 3), (256, 8, 2), (32, 1, 2)):
+        tile = dict(block_n=block_n, num_warps=warps, num_stages=stages)
+        variants += [("dense", split, tile), ("max_logits_no_fill", split, dict(logits=group_max, group=True, **tile))]
+    nbytes = 2 * B * HKV * n * D * 2
+    for name, fn, kw in variants:
+        us = per_launch_us(lambda: fn(**kw))  # noqa: B023
+        emit(out_path, {"kind": "omnikv_filter_layer", "path": name, "batch": B, "kv_len": n, "layers": layers,
+                        **{k: v for k, v in kw.items() if k not in ("logits", "group")},
+                        "us_per_launch": us, "GBps": nbytes / us / 1e3})
