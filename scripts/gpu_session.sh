@@ -199,7 +199,9 @@ PY
 variants)
   # BENCH (bench_gpu flags, optional) into $OUT/bench.jsonl, then one method's graph step with each of VARIANTS
   # (';'-separated, each 'default' or space-separated MODULE.NAME=VALUE kernel consts) in alternating profiles,
-  # ROUNDS times (METHOD, BATCH: default quest 6); the profiles in one archive.
+  # ROUNDS times (METHOD, BATCH: default quest 6; LAUNCH_SEQ: a kernel-name regex whose launches each profile
+  # also lists one by one); the profiles in one archive.
+  install_wheels .whl/hydra
   [ -z "${BENCH:-}" ] || timeout "${BENCH_TIMEOUT:-240}" python -m sparseengine.kernels.bench_gpu $BENCH \
     --out "$OUT/bench.jsonl" 2>&1 | tail -3
   extra=()  # DeltaKV: a checkpoint fitted here
@@ -209,7 +211,8 @@ variants)
     for i in "${!variants[@]}"; do
       args=(); for c in ${variants[$i]}; do [ "$c" = default ] || args+=(--kernel-const "$c"); done
       timeout 150 python scripts/profile_decode_step.py --method "${METHOD:-quest}" --batch "${BATCH:-6}" --steps 8 \
-        --commit "$COMMIT" "${args[@]}" "${extra[@]}" --out "$OUT/var_${i}_r$round.json" > /tmp/var.log 2>&1 \
+        --commit "$COMMIT" "${args[@]}" "${extra[@]}" ${LAUNCH_SEQ:+--launch-sequence "$LAUNCH_SEQ"} \
+        --out "$OUT/var_${i}_r$round.json" > /tmp/var.log 2>&1 \
         || tail -5 /tmp/var.log
     done
   done
@@ -220,6 +223,9 @@ for f in sorted(glob.glob(sys.argv[1] + "/var_*.json"), key=lambda f: f.rsplit("
     top = sorted(d["graph_kernel_us_per_step"].items(), key=lambda kv: -kv[1])[:6]
     print(f"{f.rsplit('/', 1)[-1]:16s} step {d['graph_step_ms']:.3f} ms  {d['kernel_consts']}  "
           + " ".join(f"{k[:18]}={v:.0f}" for k, v in top))
+    seq = d.get("graph_launch_sequence", {}).get("launches")
+    if isinstance(seq, list):
+        print("    launches (us):", " ".join(f"{r['us']:.1f}" for r in seq))
 PY
   (cd "$OUT" && tar czf variant_profiles.tgz var_*.json && rm -f var_*.json)
   ;;

@@ -150,7 +150,26 @@ def bench_omnikv_attention_cold(out_path, B=6, P=8320, n=131072, sink=64, budget
     shape = {"batch": B, "hkv": HKV, "tokens": width, "kv_len": n, "sets": sets}
     nbytes = 2 * B * HKV * width * D * 2
     emit(out_path, {"kind": "omnikv_attention_cold", "check_rows_vs_tokens": (got - want).abs().max().item(), **shape})
-    variants = [("tokens", {}, tokens), ("rows", {}, rows), ("quest_pages_129", {}, quest)]
+    def rows_runs(pages_contiguous: bool):
+        """The rows of tokens 0..width-1 of each request: runs of 16 (each set's own random
+        pages) or one run (pages numbered in order, a set a quarter of the pool further):
+        where the bytes are differs, not how many."""
+        runs = []
+        for i, (table, _, _, _) in enumerate(cases):
+            if pages_contiguous:
+                table = (torch.arange(B * P, device="cuda").view(B, P) + (i % 4) * B * P).int()
+            r = (table[:, :width // PS, None] * PS + torch.arange(PS, device="cuda")).flatten(1).int()
+            runs.append((table, r[:, None, :].expand(B, HKV, width)))
+        it_runs = iter(range(1 << 30))
+
+        def fn(**kw):
+            table, r = runs[next(it_runs) % sets]
+            return split_k_decode(q, k_cache, v_cache, table, kv_lens, mode=MODE_ROWS, capacity=width, sel=r,
+                                  num_sel=counts, kv_chunk=256, block_n=64, num_stages=3)
+        return fn
+
+    variants = [("tokens", {}, tokens), ("rows", {}, rows), ("quest_pages_129", {}, quest),
+                ("rows_in_runs_of_16", {}, rows_runs(False)), ("rows_in_one_run", {}, rows_runs(True))]
     for chunk, block_n, stages, warps in ((128, 32, 2, 4), (128, 64, 3, 4), (256, 32, 3, 4), (512, 64, 3, 4),
                                           (256, 64, 4, 4), (256, 64, 3, 8), (128, 16, 3, 2)):
         kw = dict(kv_chunk=chunk, block_n=block_n, num_stages=stages, num_warps=warps)
