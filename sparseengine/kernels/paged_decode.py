@@ -48,11 +48,14 @@ MODE_DENSE, MODE_TOKENS, MODE_PAGES, MODE_ROWS = 0, 1, 2, 3
 # last program merges, or the output itself (one split).
 _PARTIALS, _LAST_MERGES, _DIRECT = 0, 1, 2
 MAX_SPLIT_COUNTERS = 1 << 16
-# With the group's max logits stored (OmniKV's filter layers) and fixed chunks, whether a
-# program keeps its chunk's maxima in the dot's register layout, a row a tile, and stores
-# them once after its loop (read at each call; False: a store a tile, whose layout change
-# goes through shared memory, two barriers a tile).
+# With the group's max logits stored (OmniKV's and DeltaKV's filter layers), whether a
+# program keeps its tiles' maxima in the dot's register layout, a row a tile, and stores
+# them together: a fixed chunk's once after its loop, else ROW_MAXIMA_TILES at a time (read
+# at each call; False: a store a tile, whose layout change goes through shared memory, two
+# barriers a tile; `_maxima_tiles`).
 KEEP_GROUP_MAXIMA = True
+MAX_MAXIMA_TILES = 32  # a fixed chunk of at most this many tiles is held whole (16 registers a thread at 64 x 4 warps)
+ROW_MAXIMA_TILES = 8  # else the maxima of this many tiles are held, then stored
 # Auto merge of several splits: in the split kernel (last program of a row) or in a second
 # kernel. Side by side on the H200, vanilla b=1 at 128K in a CUDA graph (commit 1272974,
 # results/profile_vanilla_b1{,_merge}_h200.json): two kernels 4.03 + 0.20 ms per step, graph
@@ -192,7 +195,7 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
         MODE=mode, STORE_LOGITS=store_logits, DOT_PREC=_common.dot_precision(q.dtype),
         COMBINE=combine, FINE=fine > 0, BALANCED=balanced,
         BLOCK_R=min(next_pow2(rows), balanced_plan.BALANCED_ROW_BLOCK) if balanced else 1, SLACK=balanced_plan.BALANCED_SLACK,
-        KEEP_MAXIMA=KEEP_GROUP_MAXIMA,
+        **_maxima_tiles(store_logits, chunk, block_n, balanced),
         **merge_args, num_warps=num_warps, num_stages=num_stages,
     )
     if combine == _PARTIALS:  # a program per (query row, COMBINE_D_TILE channels): more programs than rows
@@ -203,6 +206,19 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
             BALANCED=balanced, num_warps=4,
         )
     return (out, lse) if return_lse else out
+
+
+def _maxima_tiles(store_logits: int, chunk: int, block_n: int, balanced: bool) -> dict:
+    """How a program holds the group's max logits it stores (`KEEP_GROUP_MAXIMA`):
+    LOGIT_TILES register rows of a tile each (0: a store a tile), all stored after the loop
+    where a fixed chunk fits them (MAXIMA_ONCE), else stored each time they fill (a row's
+    own chunk, whose length the launch does not know, or a chunk past MAX_MAXIMA_TILES)."""
+    if store_logits != 2 or not KEEP_GROUP_MAXIMA or balanced:
+        return dict(LOGIT_TILES=0, MAXIMA_ONCE=False)
+    tiles = chunk // block_n if chunk else 0
+    if 0 < tiles <= MAX_MAXIMA_TILES:
+        return dict(LOGIT_TILES=next_pow2(tiles), MAXIMA_ONCE=True)
+    return dict(LOGIT_TILES=ROW_MAXIMA_TILES, MAXIMA_ONCE=False)
 
 
 def _merge_block_s(tile: int, num_splits: int, balanced: bool) -> int:
@@ -244,7 +260,7 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
     STORE_LOGITS: tl.constexpr, DOT_PREC: tl.constexpr, COMBINE: tl.constexpr, BLOCK_S: tl.constexpr,
     STORE_LSE: tl.constexpr, FINE: tl.constexpr, BALANCED: tl.constexpr, BLOCK_R: tl.constexpr,
-    SLACK: tl.constexpr, KEEP_MAXIMA: tl.constexpr,
+    SLACK: tl.constexpr, LOGIT_TILES: tl.constexpr, MAXIMA_ONCE: tl.constexpr,
 ):
     if BALANCED:  # a flat grid over the batch's chunks (`balanced_plan.py`): one a program, the rest idle
         r, split, first, n_active, chunk, n_items = balanced_chunk(
@@ -260,7 +276,7 @@ def _decode_split_kernel(
                           stride_sel_h, stride_ob, stride_oh, logits_len, HKV, HQ,
                           r, split, chunk, n_items, n_active, tl.program_id(0) * GROUP, 1, first * GROUP, GROUP,
                           GROUP, BLOCK_H, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, MODE, STORE_LOGITS, DOT_PREC,
-                          COMBINE, BLOCK_S, STORE_LSE, True, 0)
+                          COMBINE, BLOCK_S, STORE_LSE, True, 0, 0)
     else:  # a (row, split) grid
         pid_bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -293,7 +309,7 @@ def _decode_split_kernel(
                       pid_bh, split, chunk, n_items, n_active, head0 + split, num_splits, head0, 1,
                       GROUP, BLOCK_H, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, MODE, STORE_LOGITS, DOT_PREC,
                       COMBINE, BLOCK_S, STORE_LSE, False,
-                      CHUNK // BLOCK_N if (STORE_LOGITS == 2) and (CHUNK > 0) and KEEP_MAXIMA else 0)
+                      LOGIT_TILES, MAXIMA_ONCE)
 
 
 def _attend_chunk(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, sel_ptr, part_out_ptr, part_lse_ptr, logits_ptr,
@@ -303,7 +319,7 @@ def _attend_chunk(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, sel_ptr, par
                   GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, STORE_LOGITS: tl.constexpr,
                   DOT_PREC: tl.constexpr, COMBINE: tl.constexpr, BLOCK_S: tl.constexpr, STORE_LSE: tl.constexpr,
-                  BALANCED: tl.constexpr, LOGIT_TILES: tl.constexpr):
+                  BALANCED: tl.constexpr, LOGIT_TILES: tl.constexpr, MAXIMA_ONCE: tl.constexpr):
     """Chunk `split` (items [split * chunk, min(n_items, ...))) of row `pid_bh` (request x
     KV head) for the group's query heads: its partial at slots `slot + i * slot_h` (query
     head i of the group), or the output itself where the row has one chunk with items (or
@@ -328,7 +344,7 @@ def _attend_chunk(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, sel_ptr, par
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    if LOGIT_TILES > 0:  # the chunk's group maxima, a row a tile, stored once after the loop
+    if LOGIT_TILES > 0:  # group maxima, a row a tile: stored after the loop (MAXIMA_ONCE), else every LOGIT_TILES
         tile_of = tl.arange(0, LOGIT_TILES)
         tile_max = tl.full([LOGIT_TILES, BLOCK_N], float("-inf"), tl.float32)
     for n0 in range(start, end, BLOCK_N):
@@ -365,7 +381,13 @@ def _attend_chunk(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, sel_ptr, par
         elif STORE_LOGITS == 2:  # the group's max, back in natural units
             s_max = tl.max(tl.where(h_mask[:, None], s, float("-inf")), 0) * 0.6931471805599453
             if LOGIT_TILES > 0:  # kept in the dot's layout: a store a tile would cross the warps through
-                tile_max = tl.where(tile_of[:, None] == (n0 - start) // BLOCK_N, s_max[None, :], tile_max)
+                held = ((n0 - start) // BLOCK_N) % LOGIT_TILES
+                tile_max = tl.where(tile_of[:, None] == held, s_max[None, :], tile_max)
+                if not MAXIMA_ONCE:  # more tiles than the register rows: stored LOGIT_TILES at a time
+                    if (held == LOGIT_TILES - 1) | (n0 + BLOCK_N >= end):
+                        at = n0 + (tile_of[:, None] - held) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+                        tl.store(logits_ptr + pid_bh.to(tl.int64) * logits_len + at, tile_max,
+                                 mask=(tile_of[:, None] <= held) & (at < end) & (at < logits_len))
             else:  # shared memory (two barriers a tile)
                 tl.store(logits_ptr + pid_bh.to(tl.int64) * logits_len + items, s_max,
                          mask=valid & (items < logits_len))
@@ -375,7 +397,7 @@ def _attend_chunk(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, sel_ptr, par
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 
-    if LOGIT_TILES > 0:
+    if (LOGIT_TILES > 0) & MAXIMA_ONCE:
         at = start + tile_of[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         tl.store(logits_ptr + pid_bh.to(tl.int64) * logits_len + at, tile_max, mask=(at < end) & (at < logits_len))
     l_safe = tl.where(l_i > 0, l_i, 1.0)
