@@ -55,7 +55,12 @@ MAX_SPLIT_COUNTERS = 1 << 16
 # barriers a tile; `_maxima_tiles`).
 KEEP_GROUP_MAXIMA = True
 MAX_MAXIMA_TILES = 32  # a fixed chunk of at most this many tiles is held whole (16 registers a thread at 64 x 4 warps)
-ROW_MAXIMA_TILES = 8  # else the maxima of this many tiles are held, then stored
+# Else (a row's own chunk, or a longer one) the maxima of this many tiles are held, then
+# stored (0: a store a tile). Off: DeltaKV b=20 at 128K (its filter layers cut by their own
+# lengths) took 35.822 ms a graph step with 8 against 35.766 with a store a tile, the filter
+# layers 2818 us against 2821 (session 31, results/omnikv_filter_rows_s31.jsonl, one profile
+# each): there the layers' 15% over plain dense is the max itself, not its stores.
+ROW_MAXIMA_TILES = 0
 # Auto merge of several splits: in the split kernel (last program of a row) or in a second
 # kernel. Side by side on the H200, vanilla b=1 at 128K in a CUDA graph (commit 1272974,
 # results/profile_vanilla_b1{,_merge}_h200.json): two kernels 4.03 + 0.20 ms per step, graph
@@ -212,13 +217,14 @@ def _maxima_tiles(store_logits: int, chunk: int, block_n: int, balanced: bool) -
     """How a program holds the group's max logits it stores (`KEEP_GROUP_MAXIMA`):
     LOGIT_TILES register rows of a tile each (0: a store a tile), all stored after the loop
     where a fixed chunk fits them (MAXIMA_ONCE), else stored each time they fill (a row's
-    own chunk, whose length the launch does not know, or a chunk past MAX_MAXIMA_TILES)."""
+    own chunk, whose length the launch does not know, or a chunk past MAX_MAXIMA_TILES:
+    ROW_MAXIMA_TILES, off by default)."""
     if store_logits != 2 or not KEEP_GROUP_MAXIMA or balanced:
         return dict(LOGIT_TILES=0, MAXIMA_ONCE=False)
     tiles = chunk // block_n if chunk else 0
     if 0 < tiles <= MAX_MAXIMA_TILES:
         return dict(LOGIT_TILES=next_pow2(tiles), MAXIMA_ONCE=True)
-    return dict(LOGIT_TILES=ROW_MAXIMA_TILES, MAXIMA_ONCE=False)
+    return dict(LOGIT_TILES=next_pow2(ROW_MAXIMA_TILES) if ROW_MAXIMA_TILES else 0, MAXIMA_ONCE=False)
 
 
 def _merge_block_s(tile: int, num_splits: int, balanced: bool) -> int:

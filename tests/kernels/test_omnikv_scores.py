@@ -79,13 +79,14 @@ def test_decode_max_logits(case, kv_chunk, gen, device):
 def test_group_max_logits_by_launch(plan, keep, gen, device, monkeypatch):
     """The group max logits the split kernel stores, whatever the launch: fixed chunks of
     several tiles (their maxima held in registers, stored after the loop), of one tile, and
-    of more tiles than it holds (stored 8 tiles at a time, `ROW_MAXIMA_TILES`); each row
-    cut by its own length (the same, 5 and 10 tiles a chunk); the balanced plan and
-    `KEEP_GROUP_MAXIMA` off (a store a tile); a row's last chunk partial, and nothing past
-    a row's length written."""
+    of more tiles than it holds (`ROW_MAXIMA_TILES`: stored 8 tiles at a time where set,
+    else a tile at a time); each row cut by its own length (the same, 5 and 10 tiles a
+    chunk); the balanced plan and `KEEP_GROUP_MAXIMA` off (a store a tile); a row's last
+    chunk partial, and nothing past a row's length written."""
     from sparseengine.kernels import paged_decode
 
     monkeypatch.setattr(paged_decode, "KEEP_GROUP_MAXIMA", keep)
+    monkeypatch.setattr(paged_decode, "ROW_MAXIMA_TILES", 8 if keep else 0)
     from sparseengine.kernels.paged_decode import MODE_DENSE, split_k_decode
 
     hq, hkv, d, ps, lens = 8, 2, 32, 4, [150, 37, 64]
