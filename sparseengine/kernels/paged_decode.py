@@ -54,7 +54,7 @@ MAX_MAXIMA_TILES = 32  # a fixed chunk of at most this many tiles is held whole 
 # stored (0: a store a tile). Off: DeltaKV b=20 at 128K (its filter layers cut by their own
 # lengths) took 35.822 ms a graph step with 8 against 35.766 with a store a tile, the filter
 # layers 2818 us against 2821 (session 31, results/omnikv_filter_rows_s31.jsonl, one profile
-# each): there the layers' 15% over plain dense is the max itself, not its stores.
+# each): there the layers' 15% over plain dense is not their stores.
 ROW_MAXIMA_TILES = 0
 # Auto merge of several splits: in the split kernel (last program of a row) or in a second
 # kernel. Side by side on the H200, vanilla b=1 at 128K in a CUDA graph (commit 1272974,
