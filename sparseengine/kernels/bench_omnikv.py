@@ -103,8 +103,7 @@ def bench_omnikv_attention_cold(out_path, B=6, P=8320, n=131072, sink=64, budget
     table looked up a tile at a time) against the same tokens as pool rows (`MODE_ROWS`,
     `page * 16 + offset`: no page-table load), by launch; beside them Quest's page variant
     over 129 random pages a row, the same way."""
-    from sparseengine.kernels import sparse_decode_triton, sparse_page_decode_triton
-    from sparseengine.kernels.paged_decode import MODE_ROWS, split_k_decode
+    from sparseengine.kernels import sparse_decode_triton, sparse_page_decode_triton, sparse_rows_decode_triton
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     pool = sets * B * P // 2
@@ -133,11 +132,9 @@ def bench_omnikv_attention_cold(out_path, B=6, P=8320, n=131072, sink=64, budget
         table, idx, _, _ = case()
         return sparse_decode_triton(q, k_cache, v_cache, table, kv_lens, idx, counts, **kw)
 
-    def rows(kv_chunk=256, block_n=64, num_stages=3, num_warps=4):
+    def rows(**kw):
         table, _, r, _ = case()
-        return split_k_decode(q, k_cache, v_cache, table, kv_lens, mode=MODE_ROWS, capacity=width, sel=r,
-                              num_sel=counts, kv_chunk=kv_chunk, block_n=block_n, num_stages=num_stages,
-                              num_warps=num_warps)
+        return sparse_rows_decode_triton(q, k_cache, v_cache, table, kv_lens, r, counts, **kw)
 
     def quest():
         table, _, _, pages = case()
@@ -145,11 +142,11 @@ def bench_omnikv_attention_cold(out_path, B=6, P=8320, n=131072, sink=64, budget
 
     table, idx, r, _ = cases[0]
     want = sparse_decode_triton(q, k_cache, v_cache, table, kv_lens, idx, counts).float()
-    got = split_k_decode(q, k_cache, v_cache, table, kv_lens, mode=MODE_ROWS, capacity=width, sel=r,
-                         num_sel=counts, kv_chunk=256, block_n=64, num_stages=3).float()
+    got = sparse_rows_decode_triton(q, k_cache, v_cache, table, kv_lens, r, counts).float()
     shape = {"batch": B, "hkv": HKV, "tokens": width, "kv_len": n, "sets": sets}
     nbytes = 2 * B * HKV * width * D * 2
     emit(out_path, {"kind": "omnikv_attention_cold", "check_rows_vs_tokens": (got - want).abs().max().item(), **shape})
+
     def rows_runs(pages_contiguous: bool):
         """The rows of tokens 0..width-1 of each request: runs of 16 (each set's own random
         pages) or one run (pages numbered in order, a set a quarter of the pool further):
@@ -164,8 +161,7 @@ def bench_omnikv_attention_cold(out_path, B=6, P=8320, n=131072, sink=64, budget
 
         def fn(**kw):
             table, r = runs[next(it_runs) % sets]
-            return split_k_decode(q, k_cache, v_cache, table, kv_lens, mode=MODE_ROWS, capacity=width, sel=r,
-                                  num_sel=counts, kv_chunk=256, block_n=64, num_stages=3)
+            return sparse_rows_decode_triton(q, k_cache, v_cache, table, kv_lens, r, counts, **kw)
         return fn
 
     variants = [("tokens", {}, tokens), ("rows", {}, rows), ("quest_pages_129", {}, quest),
@@ -221,9 +217,8 @@ def bench_omnikv_filter_layer(out_path, B=6, P=8320, n=131072, layers=6):
                 ("max_logits_warps8", split, dict(logits=group_max, group=True, num_warps=8)),
                 ("max_logits_stages3", split, dict(logits=group_max, group=True, num_stages=3)),
                 ("dense_stages3", split, dict(num_stages=3))]
-    # The group max leaves the dot's layout as a slice over the warps' columns; the store's
-    # layout puts element i in warp i // 32: the two agree (no shared-memory round trip) when
-    # each warp holds 32 columns (tiles of 32 x warps)
+    # tiles, warps and stages, plain and with the group max (its store's layout change goes
+    # through shared memory at every one of these: the sm_90 build of each, session 31)
     for block_n, warps, stages in ((128, 4, 2), (128, 4, 3), (64, 2, 2), (64, 2, 3), (256, 8, 2), (32, 1, 2)):
         tile = dict(block_n=block_n, num_warps=warps, num_stages=stages)
         variants += [("dense", split, tile), ("max_logits_no_fill", split, dict(logits=group_max, group=True, **tile))]

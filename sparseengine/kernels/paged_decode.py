@@ -43,19 +43,16 @@ MODE_DENSE, MODE_TOKENS, MODE_PAGES, MODE_ROWS = 0, 1, 2, 3
 # last program merges, or the output itself (one split).
 _PARTIALS, _LAST_MERGES, _DIRECT = 0, 1, 2
 MAX_SPLIT_COUNTERS = 1 << 16
-# With the group's max logits stored (OmniKV's and DeltaKV's filter layers), whether a
-# program keeps its tiles' maxima in the dot's register layout, a row a tile, and stores
-# them together: a fixed chunk's once after its loop, else ROW_MAXIMA_TILES at a time (read
-# at each call; False: a store a tile, whose layout change goes through shared memory, two
-# barriers a tile; `_maxima_tiles`).
+# With the group's max logits stored (OmniKV's and DeltaKV's filter layers) over fixed chunks
+# of at most MAX_MAXIMA_TILES tiles, whether a program keeps its chunk's maxima in the dot's
+# register layout, a row a tile, and stores them once after its loop (read at each call;
+# False, and for a row's own chunks or longer ones: a store a tile, whose layout change goes
+# through shared memory, two barriers a tile). Session 31 (results/omnikv_filter_rows_s31.jsonl):
+# OmniKV b=6 filter layers 815 us against 835; 8 tiles held at a time for a row's own chunks
+# (DeltaKV b=20, 5e99455) moved its filter layers 2818 us against 2821, graph step 35.822 ms
+# against 35.766: not kept.
 KEEP_GROUP_MAXIMA = True
-MAX_MAXIMA_TILES = 32  # a fixed chunk of at most this many tiles is held whole (16 registers a thread at 64 x 4 warps)
-# Else (a row's own chunk, or a longer one) the maxima of this many tiles are held, then
-# stored (0: a store a tile). Off: DeltaKV b=20 at 128K (its filter layers cut by their own
-# lengths) took 35.822 ms a graph step with 8 against 35.766 with a store a tile, the filter
-# layers 2818 us against 2821 (session 31, results/omnikv_filter_rows_s31.jsonl, one profile
-# each): there the layers' 15% over plain dense is not their stores.
-ROW_MAXIMA_TILES = 0
+MAX_MAXIMA_TILES = 32  # 16 registers a thread at tiles of 64, 4 warps
 # Auto merge of several splits: in the split kernel (last program of a row) or in a second
 # kernel. Side by side on the H200, vanilla b=1 at 128K in a CUDA graph (commit 1272974,
 # results/profile_vanilla_b1{,_merge}_h200.json): two kernels 4.03 + 0.20 ms per step, graph
@@ -209,17 +206,11 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
 
 
 def _maxima_tiles(store_logits: int, chunk: int, block_n: int, balanced: bool) -> dict:
-    """How a program holds the group's max logits it stores (`KEEP_GROUP_MAXIMA`):
-    LOGIT_TILES register rows of a tile each (0: a store a tile), all stored after the loop
-    where a fixed chunk fits them (MAXIMA_ONCE), else stored each time they fill (a row's
-    own chunk, whose length the launch does not know, or a chunk past MAX_MAXIMA_TILES:
-    ROW_MAXIMA_TILES, off by default)."""
-    if store_logits != 2 or not KEEP_GROUP_MAXIMA or balanced:
-        return dict(LOGIT_TILES=0, MAXIMA_ONCE=False)
-    tiles = chunk // block_n if chunk else 0
-    if 0 < tiles <= MAX_MAXIMA_TILES:
-        return dict(LOGIT_TILES=next_pow2(tiles), MAXIMA_ONCE=True)
-    return dict(LOGIT_TILES=next_pow2(ROW_MAXIMA_TILES) if ROW_MAXIMA_TILES else 0, MAXIMA_ONCE=False)
+    """LOGIT_TILES: the register rows in which a program holds its chunk's group maxima
+    (`KEEP_GROUP_MAXIMA`), 0 for a store a tile."""
+    tiles = chunk // block_n if chunk and not balanced else 0
+    keep = store_logits == 2 and KEEP_GROUP_MAXIMA and 0 < tiles <= MAX_MAXIMA_TILES
+    return dict(LOGIT_TILES=next_pow2(tiles) if keep else 0)
 
 
 def _merge_block_s(tile: int, num_splits: int, balanced: bool) -> int:

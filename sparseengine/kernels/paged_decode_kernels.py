@@ -32,7 +32,7 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
     STORE_LOGITS: tl.constexpr, DOT_PREC: tl.constexpr, COMBINE: tl.constexpr, BLOCK_S: tl.constexpr,
     STORE_LSE: tl.constexpr, FINE: tl.constexpr, BALANCED: tl.constexpr, BLOCK_R: tl.constexpr,
-    SLACK: tl.constexpr, LOGIT_TILES: tl.constexpr, MAXIMA_ONCE: tl.constexpr,
+    SLACK: tl.constexpr, LOGIT_TILES: tl.constexpr,
 ):
     if BALANCED:  # a flat grid over the batch's chunks (`balanced_plan.py`): one a program, the rest idle
         r, split, first, n_active, chunk, n_items = balanced_chunk(
@@ -48,7 +48,7 @@ def _decode_split_kernel(
                           stride_sel_h, stride_ob, stride_oh, logits_len, HKV, HQ,
                           r, split, chunk, n_items, n_active, tl.program_id(0) * GROUP, 1, first * GROUP, GROUP,
                           GROUP, BLOCK_H, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, MODE, STORE_LOGITS, DOT_PREC,
-                          COMBINE, BLOCK_S, STORE_LSE, True, 0, 0)
+                          COMBINE, BLOCK_S, STORE_LSE, True, 0)
     else:  # a (row, split) grid
         pid_bh = tl.program_id(0)
         split = tl.program_id(1)
@@ -81,7 +81,7 @@ def _decode_split_kernel(
                       pid_bh, split, chunk, n_items, n_active, head0 + split, num_splits, head0, 1,
                       GROUP, BLOCK_H, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_N, MODE, STORE_LOGITS, DOT_PREC,
                       COMBINE, BLOCK_S, STORE_LSE, False,
-                      LOGIT_TILES, MAXIMA_ONCE)
+                      LOGIT_TILES)
 
 
 def _attend_chunk(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, sel_ptr, part_out_ptr, part_lse_ptr, logits_ptr,
@@ -91,7 +91,7 @@ def _attend_chunk(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, sel_ptr, par
                   GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr, STORE_LOGITS: tl.constexpr,
                   DOT_PREC: tl.constexpr, COMBINE: tl.constexpr, BLOCK_S: tl.constexpr, STORE_LSE: tl.constexpr,
-                  BALANCED: tl.constexpr, LOGIT_TILES: tl.constexpr, MAXIMA_ONCE: tl.constexpr):
+                  BALANCED: tl.constexpr, LOGIT_TILES: tl.constexpr):
     """Chunk `split` (items [split * chunk, min(n_items, ...))) of row `pid_bh` (request x
     KV head) for the group's query heads: its partial at slots `slot + i * slot_h` (query
     head i of the group), or the output itself where the row has one chunk with items (or
@@ -116,7 +116,7 @@ def _attend_chunk(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, sel_ptr, par
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    if LOGIT_TILES > 0:  # group maxima, a row a tile: stored after the loop (MAXIMA_ONCE), else every LOGIT_TILES
+    if LOGIT_TILES > 0:  # the chunk's group maxima, a row a tile, stored once after the loop
         tile_of = tl.arange(0, LOGIT_TILES)
         tile_max = tl.full([LOGIT_TILES, BLOCK_N], float("-inf"), tl.float32)
     for n0 in range(start, end, BLOCK_N):
@@ -152,13 +152,7 @@ def _attend_chunk(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, sel_ptr, par
         elif STORE_LOGITS == 2:  # the group's max, back in natural units
             s_max = tl.max(tl.where(h_mask[:, None], s, float("-inf")), 0) * 0.6931471805599453
             if LOGIT_TILES > 0:  # kept in the dot's layout: a store a tile would cross the warps through
-                held = ((n0 - start) // BLOCK_N) % LOGIT_TILES
-                tile_max = tl.where(tile_of[:, None] == held, s_max[None, :], tile_max)
-                if not MAXIMA_ONCE:  # more tiles than the register rows: stored LOGIT_TILES at a time
-                    if (held == LOGIT_TILES - 1) | (n0 + BLOCK_N >= end):
-                        at = n0 + (tile_of[:, None] - held) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-                        tl.store(logits_ptr + pid_bh.to(tl.int64) * logits_len + at, tile_max,
-                                 mask=(tile_of[:, None] <= held) & (at < end) & (at < logits_len))
+                tile_max = tl.where(tile_of[:, None] == (n0 - start) // BLOCK_N, s_max[None, :], tile_max)
             else:  # shared memory (two barriers a tile)
                 tl.store(logits_ptr + pid_bh.to(tl.int64) * logits_len + items, s_max,
                          mask=valid & (items < logits_len))
@@ -168,7 +162,7 @@ def _attend_chunk(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, sel_ptr, par
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 
-    if (LOGIT_TILES > 0) & MAXIMA_ONCE:
+    if LOGIT_TILES > 0:
         at = start + tile_of[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         tl.store(logits_ptr + pid_bh.to(tl.int64) * logits_len + at, tile_max, mask=(at < end) & (at < logits_len))
     l_safe = tl.where(l_i > 0, l_i, 1.0)

@@ -58,26 +58,24 @@ BUILDS["quest_select-total8192"] = (
 # and over selected pages (Quest), merged by either
 SPLIT_HELPERS = None  # found from the kernel's code
 # (the group max held in registers, 32 tiles of a 2048-token chunk stored after the loop, as
-# `_maxima_tiles` gives it; a row's own chunk, 8 tiles at a time; and a store a tile)
+# `_maxima_tiles` gives it, and a store a tile: a row's own chunk)
 for store, combine in ((0, 0), (0, 2), (1, 0), (2, 0), (2, 1), (2, 2)):
     BUILDS[f"split_decode-logits{store}-combine{combine}"] = (
         "paged_decode", "_decode_split_kernel", SPLIT_HELPERS, SPLIT_TYPES,
         dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16, CHUNK=2048, BLOCK_N=64, MODE=0,
              STORE_LOGITS=store, DOT_PREC="tf32", COMBINE=combine, BLOCK_S=64, STORE_LSE=True,
-             FINE=combine != 2, BALANCED=False, BLOCK_R=1, SLACK=2, LOGIT_TILES=32 if store == 2 else 0,
-             MAXIMA_ONCE=store == 2), 4)
-for chunk, tiles in ((0, 8), (2048, 0)):
-    BUILDS[f"split_decode-logits2-chunk{chunk}-tiles{tiles}"] = (
-        "paged_decode", "_decode_split_kernel", SPLIT_HELPERS, SPLIT_TYPES,
-        dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16, CHUNK=chunk, BLOCK_N=64, MODE=0,
-             STORE_LOGITS=2, DOT_PREC="tf32", COMBINE=0, BLOCK_S=64, STORE_LSE=False, FINE=False, BALANCED=False,
-             BLOCK_R=1, SLACK=2, LOGIT_TILES=tiles, MAXIMA_ONCE=False), 4)
+             FINE=combine != 2, BALANCED=False, BLOCK_R=1, SLACK=2, LOGIT_TILES=32 if store == 2 else 0), 4)
+BUILDS["split_decode-logits2-row-chunks"] = (
+    "paged_decode", "_decode_split_kernel", SPLIT_HELPERS, SPLIT_TYPES,
+    dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16, CHUNK=0, BLOCK_N=64, MODE=0,
+         STORE_LOGITS=2, DOT_PREC="tf32", COMBINE=0, BLOCK_S=64, STORE_LSE=False, FINE=False, BALANCED=False,
+         BLOCK_R=1, SLACK=2, LOGIT_TILES=0), 4)
 for mode, combine in ((0, 0), (0, 1), (2, 0), (2, 1)):
     BUILDS[f"split_decode-balanced-mode{mode}-combine{combine}"] = (
         "paged_decode", "_decode_split_kernel", SPLIT_HELPERS, SPLIT_TYPES,
         dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16, CHUNK=0, BLOCK_N=64, MODE=mode,
              STORE_LOGITS=0, DOT_PREC="tf32", COMBINE=combine, BLOCK_S=64, STORE_LSE=False, FINE=False,
-             BALANCED=True, BLOCK_R=1024, SLACK=2, LOGIT_TILES=0, MAXIMA_ONCE=False), 4)
+             BALANCED=True, BLOCK_R=1024, SLACK=2, LOGIT_TILES=0), 4)
 
 # DeltaKV's fused rebuild at a GPU tile (64 entries): int4 and float16 latents into a bf16
 # cache (float16 product), and a float32 engine's (exact product). The first version

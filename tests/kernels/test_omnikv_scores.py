@@ -72,23 +72,19 @@ def test_decode_max_logits(case, kv_chunk, gen, device):
 
 @pytest.mark.parametrize("plan", [dict(kv_chunk=64, block_n=16), dict(kv_chunk=32, block_n=32),
                                   dict(kv_chunk=1024, block_n=16), dict(row_splits=2, block_n=16),
-                                  dict(row_splits=1, block_n=16), dict(row_splits=2, block_n=16, balanced=True)],
-                         ids=["4-tiles-a-chunk", "1-tile", "64-tiles-a-chunk", "per-row", "per-row-10-tiles",
-                              "balanced"])
+                                  dict(row_splits=2, block_n=16, balanced=True)],
+                         ids=["4-tiles-a-chunk", "1-tile", "64-tiles-a-chunk", "per-row", "balanced"])
 @pytest.mark.parametrize("keep", [True, False])
 def test_group_max_logits_by_launch(plan, keep, gen, device, monkeypatch):
     """The group max logits the split kernel stores, whatever the launch: fixed chunks of
-    several tiles (their maxima held in registers, stored after the loop), of one tile, and
-    of more tiles than it holds (`ROW_MAXIMA_TILES`: stored 8 tiles at a time where set,
-    else a tile at a time); each row cut by its own length (the same, 5 and 10 tiles a
-    chunk); the balanced plan and `KEEP_GROUP_MAXIMA` off (a store a tile); a row's last
-    chunk partial, and nothing past a row's length written."""
+    several tiles and of one (their maxima held in registers, stored after the loop), and
+    a store a tile where a chunk has more tiles than it holds (`MAX_MAXIMA_TILES`), where
+    each row cuts its own length, under the balanced plan, and with `KEEP_GROUP_MAXIMA`
+    off; a row's last chunk partial, and nothing past a row's length written."""
     from sparseengine.kernels import paged_decode
-
-    monkeypatch.setattr(paged_decode, "KEEP_GROUP_MAXIMA", keep)
-    monkeypatch.setattr(paged_decode, "ROW_MAXIMA_TILES", 8 if keep else 0)
     from sparseengine.kernels.paged_decode import MODE_DENSE, split_k_decode
 
+    monkeypatch.setattr(paged_decode, "KEEP_GROUP_MAXIMA", keep)
     hq, hkv, d, ps, lens = 8, 2, 32, 4, [150, 37, 64]
     q, kv = _inputs((hq, hkv, d, ps, lens), gen, device)
     L = kv.page_table.shape[1] * ps
