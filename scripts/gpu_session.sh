@@ -8,6 +8,7 @@
 #   bash scripts/gpu_session.sh flush        # DeltaKV's history flushes at b=6, timed and one profiled
 #   bash scripts/gpu_session.sh ab           # GPU tests, then each decode-step switch (AB_CONSTS) on/off in alternating profiles
 #   VARIANTS='default;M.NAME=V ...' [BENCH='--flag'] bash scripts/gpu_session.sh variants  # kernel-const A/B profiles
+#   bash scripts/gpu_session.sh quest_scores # Quest's score tests, its scoring launches swept, the fastest A/B in b6 profiles
 #   bash scripts/gpu_session.sh pick         # GPU tests (kernels, methods), OmniKV's pick side by side, OmniKV b6 profile
 #   bash scripts/gpu_session.sh balanced     # split-K decode tests (all, compiled), the balanced plan beside the per-row one
 #   bash scripts/gpu_session.sh ragged [hydra overrides]  # our dense decode beside FlashInfer's on ragged batches (carry
@@ -228,6 +229,28 @@ for f in sorted(glob.glob(sys.argv[1] + "/var_*.json"), key=lambda f: f.rsplit("
         print("    launches (us):", " ".join(f"{r['us']:.1f}" for r in seq))
 PY
   (cd "$OUT" && tar czf variant_profiles.tgz var_*.json && rm -f var_*.json)
+  ;;
+quest_scores)  # Quest's page scores: its GPU tests, the scoring launches swept as the decode step launches them
+  # (bench_gpu --quest-score-launches), then the fastest against the default in alternating b=6 graph-step profiles
+  install_wheels .whl/hydra
+  timeout 150 python -m pytest tests/kernels/test_quest.py tests/methods -q -m gpu -k "quest" -p no:cacheprovider -rs \
+    2>&1 | tail -4 | tee "$OUT/gpu_tests.log"
+  timeout 150 python -m sparseengine.kernels.bench_gpu --quest-score-launches --out "$OUT/score_launches.jsonl" \
+    2>&1 | tail -3
+  best=$(python -c "
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if '\"quest_score_launch\"' in l]
+ok = [r for r in rows if r['maxima_equal_default'] and r['max_abs_diff_vs_default'] < 1e-2]
+for r in rows: print(r['block_p'], r['iters'], r['num_warps'], r['num_stages'], r['keep_tiles'], r['pages_as_rows'],
+                     round(r['us_per_launch'], 2), file=sys.stderr)
+r = min(ok, key=lambda r: r['us_per_launch'])
+print(r['block_p'], r['iters'], r['num_warps'], r['num_stages'], r['keep_tiles'], r['pages_as_rows'])" \
+    "$OUT/score_launches.jsonl")
+  echo "fastest (BLOCK_P ITERS WARPS STAGES KEEP ROWS): $best"
+  set -- $best
+  VARIANTS="default;quest.SCORE_BLOCK_P=$1 quest.SCORE_ITERS=$2 quest.SCORE_WARPS=$3 quest.SCORE_STAGES=$4 \
+quest.KEEP_SCORE_TILES=$5 quest.PAGES_AS_ROWS=$6${EXTRA_VARIANTS:+;$EXTRA_VARIANTS}" ROUNDS=${ROUNDS:-2} METHOD=quest \
+    BATCH=6 bash "$0" variants
   ;;
 pick)
   timeout 240 python -m pytest tests/kernels tests/methods -q -m gpu -k "not flashinfer" -p no:cacheprovider -rs 2>&1 \

@@ -71,6 +71,42 @@ def bench_quest_scores(out_path, B=6, P=8320, n=131072):
     bench_quest_fold(out_path, q, kmax, kmin, table, kv_lens)
 
 
+# The scoring launches `bench_quest_score_launches` sweeps: (pages a tile, tiles a program, warps,
+# stages, keep the tiles' scores in registers until after the loop, pages as the dot's rows).
+SCORE_LAUNCHES = [(64, 2, 4, 2, False, False), (64, 2, 4, 2, True, False), (64, 2, 4, 2, False, True),
+                  (64, 2, 4, 2, True, True), (64, 4, 4, 2, True, False), (64, 4, 4, 3, True, False),
+                  (64, 4, 4, 2, True, True), (64, 4, 4, 3, True, True), (64, 8, 4, 3, True, True),
+                  (64, 8, 4, 3, True, False), (32, 4, 2, 3, True, False), (32, 8, 2, 3, True, False),
+                  (32, 4, 4, 3, True, False), (128, 2, 4, 2, True, True), (128, 2, 8, 2, True, True),
+                  (128, 2, 8, 3, True, False), (128, 4, 4, 2, True, True), (64, 1, 4, 1, True, True)]
+
+
+def bench_quest_score_launches(out_path, B=6, P=8320, n=131072):
+    """The page scores as Quest's decode step launches them (the step's keys folded in, the
+    shortlist's group maxima of 32 pages from the same launch; sink 64, recent 512 tokens) at
+    the 128K shape, pages scattered over a pool of B * P pages, per launch in a CUDA graph of
+    30 launches: each of `SCORE_LAUNCHES`, checked against the default launch's output."""
+    from sparseengine.kernels.quest import quest_page_scores_and_maxima_triton
+
+    q, kmax, kmin, table, kv_lens = _score_inputs(B, P, n)
+    k_cache = torch.randn(kmax.shape[0], PS, HKV, D, device="cuda").to(BF16)
+    slots = table[:, (n - 1) // PS].long() * PS + (n - 1) % PS
+    args = (q, kmax, kmin, table, kv_lens, PS)
+    step = dict(group=32, sink_pages=4, recent_tokens=512, k_cache=k_cache, new_slots=slots)
+    want = quest_page_scores_and_maxima_triton(*args, **step)
+    nbytes = 2 * B * (n // PS) * HKV * D * 2
+    for block_p, iters, num_warps, num_stages, keep, rows in SCORE_LAUNCHES:
+        launch = dict(block_p=block_p, iters=iters, num_warps=num_warps, num_stages=num_stages, keep_tiles=keep,
+                      pages_as_rows=rows)
+        fn = lambda: quest_page_scores_and_maxima_triton(*args, **step, **launch)  # noqa: E731
+        got = fn()
+        err = (got[0] - want[0]).abs().nan_to_num(0.0).max().item()
+        us = per_launch_us(fn)
+        emit(out_path, {"kind": "quest_score_launch", "batch": B, "hkv": HKV, "pages": P, "kv_len": n, **launch,
+                        "us_per_launch": us, "GBps": nbytes / us / 1e3, "max_abs_diff_vs_default": err,
+                        "maxima_equal_default": torch.equal(got[1], want[1])})
+
+
 def bench_quest_fold(out_path, q, kmax, kmin, table, kv_lens):
     """A decode step's bounds update then the scores (two launches) against the scoring
     that folds the step's keys in (one), per step in a CUDA graph of 30 steps."""

@@ -122,29 +122,57 @@ def quest_page_scores_torch(q, kmax, kmin, page_table, kv_lens, page_size):
 
 
 SCORE_BLOCK_P = 64  # pages a tile, the default (results/quest_kernels_h200.jsonl, quest_scores_*_h200.jsonl)
+# The launch's defaults, read at each call (profile_decode_step.py --kernel-const sets them for A/Bs):
+# tiles a program, its warps and stages.
+SCORE_ITERS = 2
+SCORE_WARPS = 4
+SCORE_STAGES = 2
+# Whether a program keeps its tiles' scores (and the group maxima) in registers and stores them
+# once after its loop: the max over the group's heads leaves a tile's scores in a slice of the
+# dot's layout, and a store a tile moves them through shared memory behind two barriers (as in
+# OmniKV's filter layers, session 31).
+KEEP_SCORE_TILES = False
+# Whether each tile's dot puts the pages on its M axis (`bounds @ q.T`, [BLOCK_P, heads]: the
+# sm_90 warpgroup MMA's 64 rows) rather than the group's padded heads (`q @ bounds.T`, 16 rows).
+PAGES_AS_ROWS = False
 
 
 def quest_page_scores_triton(q, kmax, kmin, page_table, kv_lens, page_size, *, k_cache=None, new_slots=None,
-                             block_p=SCORE_BLOCK_P, iters=2, num_warps=4, num_stages=2):
-    return _page_scores(q, kmax, kmin, page_table, kv_lens, page_size, k_cache, new_slots, block_p, iters,
-                        num_warps, num_stages, None)[0]
+                             block_p=None, iters=None, num_warps=None, num_stages=None, keep_tiles=None,
+                             pages_as_rows=None):
+    return _page_scores(q, kmax, kmin, page_table, kv_lens, page_size, k_cache, new_slots,
+                        SCORE_BLOCK_P if block_p is None else block_p,
+                        _launch(iters, num_warps, num_stages, keep_tiles, pages_as_rows), None)[0]
 
 
 def quest_page_scores_and_maxima_triton(q, kmax, kmin, page_table, kv_lens, page_size, *, group, sink_pages,
-                                        recent_tokens, k_cache=None, new_slots=None, block_p=SCORE_BLOCK_P, iters=2,
-                                        num_warps=4, num_stages=2):
+                                        recent_tokens, k_cache=None, new_slots=None, block_p=None, iters=None,
+                                        num_warps=None, num_stages=None, keep_tiles=None, pages_as_rows=None):
     """`quest_page_scores_triton`, and from the same launch the maxima `[B, Hkv, ceil(P /
     group)]` fp32 of each group of `group` pages over the request's middle pages (from
     `sink_pages` on, before the page holding its first recent token: `(n - recent_tokens) //
     page_size`, every page when `recent_tokens` is 0), -inf for a group with none: the
     shortlist's first stage (`quest_select_pages_triton(group_maxima=)`). Only the groups up
     to the request's last page are written. `group` must divide `block_p`."""
+    block_p = SCORE_BLOCK_P if block_p is None else block_p
     if not isinstance(group, int) or group < 1 or block_p % group:
         raise ValueError(f"group must be a positive divisor of block_p={block_p}, got {group!r}")
     if not isinstance(sink_pages, int) or sink_pages < 0 or not isinstance(recent_tokens, int) or recent_tokens < 0:
         raise ValueError(f"sink_pages and recent_tokens must be ints >= 0, got {sink_pages!r}, {recent_tokens!r}")
-    return _page_scores(q, kmax, kmin, page_table, kv_lens, page_size, k_cache, new_slots, block_p, iters,
-                        num_warps, num_stages, (group, sink_pages, recent_tokens))
+    return _page_scores(q, kmax, kmin, page_table, kv_lens, page_size, k_cache, new_slots, block_p,
+                        _launch(iters, num_warps, num_stages, keep_tiles, pages_as_rows),
+                        (group, sink_pages, recent_tokens))
+
+
+def _launch(iters, num_warps, num_stages, keep_tiles, pages_as_rows) -> tuple:
+    """The scoring launch's (iters, warps, stages, keep, pages as rows): each None from the
+    module's defaults at this call; kept tiles need a power of two of them (their index is an arange)."""
+    iters = SCORE_ITERS if iters is None else iters
+    keep = KEEP_SCORE_TILES if keep_tiles is None else bool(keep_tiles)
+    if not isinstance(iters, int) or iters < 1 or (keep and iters & (iters - 1)):
+        raise ValueError(f"iters must be an int >= 1 (a power of two when the tiles are kept), got {iters!r}")
+    return (iters, SCORE_WARPS if num_warps is None else num_warps, SCORE_STAGES if num_stages is None else num_stages,
+            keep, PAGES_AS_ROWS if pages_as_rows is None else bool(pages_as_rows))
 
 
 def middle_group_maxima_ref(scores, kv_lens, page_size, group, sink_pages, recent_tokens):
@@ -163,12 +191,12 @@ def middle_group_maxima_ref(scores, kv_lens, page_size, group, sink_pages, recen
     return masked.view(B, H, -1, group).amax(-1)
 
 
-def _page_scores(q, kmax, kmin, page_table, kv_lens, page_size, k_cache, new_slots, block_p, iters, num_warps,
-                 num_stages, middle):
-    """`block_p` pages per tile, `iters` tiles per program (a loop the compiler pipelines),
-    `num_warps`, `num_stages`: launch tuning (`bench_gpu --quest-select` sweeps them; at the
-    128K benchmark's shape two tiles of 64 in two stages took 52.6 us a launch against 57.4
-    for one tile a program, results/quest_kernels_h200.jsonl, commit 3b57167).
+def _page_scores(q, kmax, kmin, page_table, kv_lens, page_size, k_cache, new_slots, block_p, launch, middle):
+    """`block_p` pages per tile; `launch` = (`iters` tiles per program (a loop the compiler
+    pipelines), `num_warps`, `num_stages`, keep the tiles, pages as the dot's rows): launch
+    tuning (`bench_gpu --quest-select` sweeps them; at the 128K benchmark's shape two tiles
+    of 64 in two stages took 52.6 us a launch against 57.4 for one tile a program,
+    results/quest_kernels_h200.jsonl, commit 3b57167).
 
     `k_cache` + `new_slots [B]` (a decode step: request b's newest token, its last at
     `kv_lens[b] - 1`, was written at `new_slots[b]`, -1 for a padding row): first fold that
@@ -177,6 +205,7 @@ def _page_scores(q, kmax, kmin, page_table, kv_lens, page_size, k_cache, new_slo
     does the fold before its loads, so no other program reads that page."""
     B, Hq, d = q.shape
     Hkv = kmax.shape[1]
+    iters, num_warps, num_stages, keep, pages_as_rows = launch
     device = check_launch(q, kmax, kmin, page_table, kv_lens)
     fold = _new_keys(k_cache, new_slots, kmax, B)
     if q.stride(-1) != 1:
@@ -196,7 +225,8 @@ def _page_scores(q, kmax, kmin, page_table, kv_lens, page_size, k_cache, new_slo
         k_src.stride(0), k_src.stride(1) if fold else 0, k_src.stride(2) if fold else 0, P, Hkv, n_groups,
         FOLD_NEW=fold, GROUP=g, BLOCK_H=max(16, next_pow2(g)), PAGE_SIZE=page_size, HEAD_DIM=d,
         BLOCK_D=max(16, next_pow2(d)), BLOCK_P=block_p, ITERS=iters, DOT_PREC=_common.dot_precision(kmax.dtype),
-        MAX_GROUP=group, SINK_PAGES=sink_pages, RECENT=recent, num_warps=num_warps, **tuning,
+        MAX_GROUP=group, SINK_PAGES=sink_pages, RECENT=recent, KEEP=keep, PAGES_M=pages_as_rows,
+        num_warps=num_warps, **tuning,
     )
     return scores, (maxima if group else None)
 
@@ -262,6 +292,7 @@ def _page_scores_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, ITERS: tl.constexpr, DOT_PREC: tl.constexpr,
     FOLD_NEW: tl.constexpr, MAX_GROUP: tl.constexpr, SINK_PAGES: tl.constexpr, RECENT: tl.constexpr,
+    KEEP: tl.constexpr, PAGES_M: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     b = pid_bh // HKV
@@ -290,25 +321,55 @@ def _page_scores_kernel(
     # max(q_c M_c, q_c m_c) = max(q_c, 0) M_c + min(q_c, 0) m_c since M_c >= m_c: two dots.
     q_pos = tl.where(q > 0, q, tl.zeros_like(q))
     q_neg = q - q_pos
+    if RECENT > 0:  # the middle pages end before the page of the first recent token
+        mid_end = tl.maximum(n - RECENT, 0) // PAGE_SIZE
+    else:
+        mid_end = n_pages
+    first = tl.program_id(1) * ITERS  # this program's first tile
+    if KEEP:  # the tiles' scores, a tile a row (a column with the pages as rows), stored after the loop
+        tile_of = tl.arange(0, ITERS)
+        kept = tl.full([BLOCK_P, ITERS] if PAGES_M else [ITERS, BLOCK_P], float("-inf"), tl.float32)
     for it in range(ITERS):
-        offs_p = (tl.program_id(1) * ITERS + it) * BLOCK_P + tl.arange(0, BLOCK_P)
+        offs_p = (first + it) * BLOCK_P + tl.arange(0, BLOCK_P)
         p_ok = offs_p < n_pages
         page = tl.load(page_table_ptr + b * stride_pt + offs_p, mask=p_ok, other=0).to(tl.int64)
         meta = page[:, None] * stride_mp + kvh * stride_mh + offs_d[None, :]
         m_ok = p_ok[:, None] & d_ok[None, :]
         hi = tl.load(kmax_ptr + meta, mask=m_ok, other=0.0)
         lo = tl.load(kmin_ptr + meta, mask=m_ok, other=0.0)
-        upper = tl.dot(q_pos, tl.trans(hi), input_precision=DOT_PREC)
-        upper += tl.dot(q_neg, tl.trans(lo), input_precision=DOT_PREC)  # [BLOCK_H, BLOCK_P]
-        upper = tl.where(h_ok[:, None], upper, float("-inf"))
-        best = tl.where(p_ok, tl.max(upper, 0), float("-inf"))
-        tl.store(scores_ptr + pid_bh * P + offs_p, best, mask=offs_p < P)
-        if MAX_GROUP > 0:  # the middle pages' maxima, MAX_GROUP pages a group (it divides BLOCK_P)
-            if RECENT > 0:
-                mid_end = tl.maximum(n - RECENT, 0) // PAGE_SIZE
+        if PAGES_M:  # [BLOCK_P, BLOCK_H]
+            upper = tl.dot(hi, tl.trans(q_pos), input_precision=DOT_PREC)
+            upper += tl.dot(lo, tl.trans(q_neg), input_precision=DOT_PREC)
+            best = tl.where(p_ok, tl.max(tl.where(h_ok[None, :], upper, float("-inf")), 1), float("-inf"))
+        else:  # [BLOCK_H, BLOCK_P]
+            upper = tl.dot(q_pos, tl.trans(hi), input_precision=DOT_PREC)
+            upper += tl.dot(q_neg, tl.trans(lo), input_precision=DOT_PREC)
+            best = tl.where(p_ok, tl.max(tl.where(h_ok[:, None], upper, float("-inf")), 0), float("-inf"))
+        if KEEP:
+            if PAGES_M:
+                kept = tl.where(tile_of[None, :] == it, best[:, None], kept)
             else:
-                mid_end = n_pages
-            mid = tl.where((offs_p >= SINK_PAGES) & (offs_p < mid_end), best, float("-inf"))
-            gmax = tl.max(tl.reshape(mid, [BLOCK_P // MAX_GROUP, MAX_GROUP]), 1)
-            offs_g = (tl.program_id(1) * ITERS + it) * (BLOCK_P // MAX_GROUP) + tl.arange(0, BLOCK_P // MAX_GROUP)
+                kept = tl.where(tile_of[:, None] == it, best[None, :], kept)
+        else:
+            tl.store(scores_ptr + pid_bh * P + offs_p, best, mask=offs_p < P)
+            if MAX_GROUP > 0:  # the middle pages' maxima, MAX_GROUP pages a group (it divides BLOCK_P)
+                mid = tl.where((offs_p >= SINK_PAGES) & (offs_p < mid_end), best, float("-inf"))
+                gmax = tl.max(tl.reshape(mid, [BLOCK_P // MAX_GROUP, MAX_GROUP]), 1)
+                offs_g = (first + it) * (BLOCK_P // MAX_GROUP) + tl.arange(0, BLOCK_P // MAX_GROUP)
+                tl.store(maxima_ptr + pid_bh * N_GROUPS + offs_g, gmax, mask=offs_g < N_GROUPS)
+    if KEEP:
+        n_g: tl.constexpr = BLOCK_P // MAX_GROUP if MAX_GROUP > 0 else 1
+        if PAGES_M:
+            at = (first + tile_of[None, :]) * BLOCK_P + tl.arange(0, BLOCK_P)[:, None]
+        else:
+            at = (first + tile_of[:, None]) * BLOCK_P + tl.arange(0, BLOCK_P)[None, :]
+        tl.store(scores_ptr + pid_bh * P + at, kept, mask=at < P)
+        if MAX_GROUP > 0:
+            mid = tl.where((at >= SINK_PAGES) & (at < mid_end), kept, float("-inf"))
+            if PAGES_M:
+                gmax = tl.max(tl.reshape(mid, [n_g, MAX_GROUP, ITERS]), 1)
+                offs_g = (first + tile_of[None, :]) * n_g + tl.arange(0, n_g)[:, None]
+            else:
+                gmax = tl.max(tl.reshape(mid, [ITERS, n_g, MAX_GROUP]), 2)
+                offs_g = (first + tile_of[:, None]) * n_g + tl.arange(0, n_g)[None, :]
             tl.store(maxima_ptr + pid_bh * N_GROUPS + offs_g, gmax, mask=offs_g < N_GROUPS)

@@ -88,13 +88,27 @@ def test_page_scores(case, gen, device):
         assert torch.isneginf(ref[b, :, -(-n // ps):]).all()
 
 
-@pytest.mark.parametrize("iters", [2, 3])
-def test_page_scores_loop_over_tiles(iters, gen, device):
+from sparseengine.kernels.bench_quest import SCORE_LAUNCHES  # noqa: E402  (the GPU sweep's launches)
+
+# (iters, keep the tiles and store them after the loop, pages as the dot's rows)
+TILINGS = [(2, False, False), (3, False, False), (2, True, False), (4, True, False), (2, False, True),
+           (4, True, True), (1, True, True)]
+
+
+@pytest.mark.parametrize("iters,keep,rows", TILINGS, ids=lambda v: str(v))
+def test_page_scores_loop_over_tiles(iters, keep, rows, gen, device):
     """Several 16-page tiles per program: 75 and 38 pages of 4 tokens, so the programs'
-    last tiles are partial or empty."""
+    last tiles are partial or empty; each tile stored at once or all after the loop, the
+    dot with the heads or the pages as its rows."""
     _, args = _scored_cache((8, 2, 32, 4, [300, 150]), gen, device)
-    got = quest_page_scores_triton(*args, block_p=16, iters=iters)
+    got = quest_page_scores_triton(*args, block_p=16, iters=iters, keep_tiles=keep, pages_as_rows=rows)
     assert_close(_read(got, args[4], 4), quest_page_scores_ref(*args), 1e-4)
+
+
+def test_page_scores_kept_tiles_need_a_power_of_two(gen, device):
+    _, args = _scored_cache(CASES[1], gen, device)
+    with pytest.raises(ValueError, match=r"iters must be an int >= 1 \(a power of two when the tiles are kept\), got 3"):
+        quest_page_scores_triton(*args, block_p=16, iters=3, keep_tiles=True)
 
 
 def test_page_scores_skip_the_tiles_past_a_request(gen, device):
@@ -170,12 +184,14 @@ def _written_groups(maxima, kv_lens, ps, group):
 
 
 @pytest.mark.parametrize("group,sink_pages,recent", [(2, 1, 5), (4, 0, 0), (8, 3, 16), (16, 2, 9), (1, 1, 4)])
-@pytest.mark.parametrize("fold", [False, True])
-def test_scores_and_middle_group_maxima(group, sink_pages, recent, fold, gen, device):
+@pytest.mark.parametrize("fold,keep,rows", [(False, False, False), (True, False, False), (True, True, False),
+                                            (False, True, True)])
+def test_scores_and_middle_group_maxima(group, sink_pages, recent, fold, keep, rows, gen, device):
     """One launch gives the scores, equal to the scores' launch alone, and each group's
     maximum over the request's middle pages (sink pages and the pages from the first
     recent token's on excluded; -inf for a group with none), as the torch twin takes them
-    from those scores: requests of 300, 150, 9 and 1 tokens in pages of 4, tiles of 16."""
+    from those scores: requests of 300, 150, 9 and 1 tokens in pages of 4, tiles of 16
+    (stored a tile at a time or after the loop; heads or pages as the dot's rows)."""
     hq, hkv, d, ps, lens = 8, 2, 32, 4, [300, 150, 9, 1]
     kv = random_paged_kv(lens, hkv, d, ps, generator=gen, device=device)
     (hi, lo), _, last = _decode_step(kv, gen, device)
@@ -184,7 +200,7 @@ def test_scores_and_middle_group_maxima(group, sink_pages, recent, fold, gen, de
     new_keys = {"k_cache": kv.k_cache, "new_slots": last} if fold else {}
     q = randn(len(lens), hq, d, generator=gen, device=device)
     args = (q, hi, lo, kv.page_table, kv.kv_lens, ps)
-    tiling = {"block_p": 16, "iters": 2}
+    tiling = {"block_p": 16, "iters": 2, "keep_tiles": keep, "pages_as_rows": rows}
     scores, maxima = quest_page_scores_and_maxima_triton(
         *args, group=group, sink_pages=sink_pages, recent_tokens=recent, **new_keys, **tiling)
     assert maxima.shape == (len(lens), hkv, -(-kv.page_table.shape[1] // group)) and maxima.dtype == torch.float32
@@ -192,6 +208,7 @@ def test_scores_and_middle_group_maxima(group, sink_pages, recent, fold, gen, de
     assert torch.equal(_written_groups(maxima, kv.kv_lens, ps, group), _written_groups(want, kv.kv_lens, ps, group))
     alone = quest_page_scores_triton(*args, **tiling)  # the bounds are folded by now: the same scores
     assert torch.equal(_read(scores, kv.kv_lens, ps), _read(alone, kv.kv_lens, ps))
+    assert_close(_read(scores, kv.kv_lens, ps), quest_page_scores_ref(*args), 1e-4)
     assert torch.isfinite(maxima[0, :, 1]).all()  # the 300-token request's second group: middle pages
 
 
@@ -231,6 +248,15 @@ def test_gpu_32k(gen):
     torch.testing.assert_close(hi, want_hi, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(lo, want_lo, rtol=0, atol=0, equal_nan=True)
     assert_close(_read(got, kv_lens, ps)[:-1], want[:-1], 1e-3)
+    # every launch variant the benchmark sweeps, with the group maxima as the engine takes them
+    for block_p, iters, warps, stages, keep, rows in SCORE_LAUNCHES:
+        tiling = dict(block_p=block_p, iters=iters, num_warps=warps, num_stages=stages, keep_tiles=keep,
+                      pages_as_rows=rows)
+        got, maxima = quest_page_scores_and_maxima_triton(q, hi, lo, table, kv_lens, ps, group=32, sink_pages=4,
+                                                          recent_tokens=512, **tiling)
+        assert_close(_read(got, kv_lens, ps)[:-1], want[:-1], 1e-3)
+        groups = middle_group_maxima_ref(_read(got, kv_lens, ps), kv_lens, ps, 32, 4, 512)
+        assert torch.equal(_written_groups(maxima, kv_lens, ps, 32)[:-1], _written_groups(groups, kv_lens, ps, 32)[:-1]), tiling
 
 
 def test_page_scores_fp16(gen, device):
