@@ -239,18 +239,18 @@ quest_scores)  # Quest's page scores: its GPU tests, the scoring launches swept 
     2>&1 | tail -3
   best=$(python -c "
 import json, sys
+keys = ('block_p', 'iters', 'num_warps', 'num_stages', 'keep_tiles', 'pages_as_rows', 'prefetch')
 rows = [json.loads(l) for l in open(sys.argv[1]) if '\"quest_score_launch\"' in l]
+for r in rows: print(*(r[k] for k in keys), round(r['us_per_launch'], 2), r['max_abs_diff_vs_default'],
+                     r['maxima_equal_default'], file=sys.stderr)
 ok = [r for r in rows if r['maxima_equal_default'] and r['max_abs_diff_vs_default'] < 1e-2]
-for r in rows: print(r['block_p'], r['iters'], r['num_warps'], r['num_stages'], r['keep_tiles'], r['pages_as_rows'],
-                     round(r['us_per_launch'], 2), file=sys.stderr)
-r = min(ok, key=lambda r: r['us_per_launch'])
-print(r['block_p'], r['iters'], r['num_warps'], r['num_stages'], r['keep_tiles'], r['pages_as_rows'])" \
-    "$OUT/score_launches.jsonl")
-  echo "fastest (BLOCK_P ITERS WARPS STAGES KEEP ROWS): $best"
+print(*(min(ok, key=lambda r: r['us_per_launch'])[k] for k in keys))" "$OUT/score_launches.jsonl")
+  echo "fastest (BLOCK_P ITERS WARPS STAGES KEEP ROWS PREFETCH): $best"
+  [ -n "$best" ] || exit 1
   set -- $best
   VARIANTS="default;quest.SCORE_BLOCK_P=$1 quest.SCORE_ITERS=$2 quest.SCORE_WARPS=$3 quest.SCORE_STAGES=$4 \
-quest.KEEP_SCORE_TILES=$5 quest.PAGES_AS_ROWS=$6${EXTRA_VARIANTS:+;$EXTRA_VARIANTS}" ROUNDS=${ROUNDS:-2} METHOD=quest \
-    BATCH=6 bash "$0" variants
+quest.KEEP_SCORE_TILES=$5 quest.PAGES_AS_ROWS=$6 quest.PREFETCH_SCORE_TILES=$7${EXTRA_VARIANTS:+;$EXTRA_VARIANTS}" \
+    ROUNDS=${ROUNDS:-2} METHOD=quest BATCH=6 bash "$0" variants
   ;;
 pick)
   timeout 240 python -m pytest tests/kernels tests/methods -q -m gpu -k "not flashinfer" -p no:cacheprovider -rs 2>&1 \

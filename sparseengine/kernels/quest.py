@@ -29,6 +29,7 @@ decode; for a prefill chunk the next slot usually answers it at once).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -132,47 +133,72 @@ SCORE_STAGES = 2
 # dot's layout, and a store a tile moves them through shared memory behind two barriers (as in
 # OmniKV's filter layers, session 31).
 KEEP_SCORE_TILES = False
+# Whether a program (with kept tiles) issues each tile's loads before it scores the tile before
+# (its tiles unrolled): a tile's loads in flight while the one before is scored, with no
+# asynchronous copies (`num_stages` 1).
+PREFETCH_SCORE_TILES = False
 # Whether each tile's dot puts the pages on its M axis (`bounds @ q.T`, [BLOCK_P, heads]: the
 # sm_90 warpgroup MMA's 64 rows) rather than the group's padded heads (`q @ bounds.T`, 16 rows).
 PAGES_AS_ROWS = False
 
 
+@dataclass(frozen=True)
+class ScoreLaunch:
+    """The page scores' launch: `block_p` pages a tile, `iters` tiles a program (a loop the
+    compiler pipelines over `num_stages`), `num_warps`; `keep_tiles`, `pages_as_rows`,
+    `prefetch`: the switches above. `score_launch()` fills what a call leaves out from the
+    module's defaults at that call."""
+    block_p: int
+    iters: int
+    num_warps: int
+    num_stages: int | None
+    keep_tiles: bool
+    pages_as_rows: bool
+    prefetch: bool
+
+    def __post_init__(self):
+        for name in ("block_p", "iters", "num_warps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if (self.keep_tiles or self.prefetch) and self.iters & (self.iters - 1):
+            raise ValueError(f"iters must be a power of two when the tiles are kept, got {self.iters}")
+        if self.prefetch and not self.keep_tiles:
+            raise ValueError("prefetch needs keep_tiles (an unrolled program stores its tiles after its loop)")
+
+
+def score_launch(block_p=None, iters=None, num_warps=None, num_stages=None, keep_tiles=None, pages_as_rows=None,
+                 prefetch=None) -> ScoreLaunch:
+    """A `ScoreLaunch` with each argument left None taken from the module's defaults now."""
+    pick = lambda value, default: default if value is None else value  # noqa: E731
+    return ScoreLaunch(pick(block_p, SCORE_BLOCK_P), pick(iters, SCORE_ITERS), pick(num_warps, SCORE_WARPS),
+                       pick(num_stages, SCORE_STAGES), bool(pick(keep_tiles, KEEP_SCORE_TILES)),
+                       bool(pick(pages_as_rows, PAGES_AS_ROWS)), bool(pick(prefetch, PREFETCH_SCORE_TILES)))
+
+
 def quest_page_scores_triton(q, kmax, kmin, page_table, kv_lens, page_size, *, k_cache=None, new_slots=None,
-                             block_p=None, iters=None, num_warps=None, num_stages=None, keep_tiles=None,
-                             pages_as_rows=None):
-    return _page_scores(q, kmax, kmin, page_table, kv_lens, page_size, k_cache, new_slots,
-                        SCORE_BLOCK_P if block_p is None else block_p,
-                        _launch(iters, num_warps, num_stages, keep_tiles, pages_as_rows), None)[0]
+                             **launch):
+    """`launch`: `score_launch`'s arguments (block_p, iters, num_warps, num_stages, keep_tiles,
+    pages_as_rows, prefetch)."""
+    return _page_scores(q, kmax, kmin, page_table, kv_lens, page_size, k_cache, new_slots, score_launch(**launch),
+                        None)[0]
 
 
 def quest_page_scores_and_maxima_triton(q, kmax, kmin, page_table, kv_lens, page_size, *, group, sink_pages,
-                                        recent_tokens, k_cache=None, new_slots=None, block_p=None, iters=None,
-                                        num_warps=None, num_stages=None, keep_tiles=None, pages_as_rows=None):
+                                        recent_tokens, k_cache=None, new_slots=None, **launch):
     """`quest_page_scores_triton`, and from the same launch the maxima `[B, Hkv, ceil(P /
     group)]` fp32 of each group of `group` pages over the request's middle pages (from
     `sink_pages` on, before the page holding its first recent token: `(n - recent_tokens) //
     page_size`, every page when `recent_tokens` is 0), -inf for a group with none: the
     shortlist's first stage (`quest_select_pages_triton(group_maxima=)`). Only the groups up
-    to the request's last page are written. `group` must divide `block_p`."""
-    block_p = SCORE_BLOCK_P if block_p is None else block_p
-    if not isinstance(group, int) or group < 1 or block_p % group:
-        raise ValueError(f"group must be a positive divisor of block_p={block_p}, got {group!r}")
+    to the request's last page are written. `group` must divide the launch's `block_p`."""
+    tiling = score_launch(**launch)
+    if not isinstance(group, int) or group < 1 or tiling.block_p % group:
+        raise ValueError(f"group must be a positive divisor of block_p={tiling.block_p}, got {group!r}")
     if not isinstance(sink_pages, int) or sink_pages < 0 or not isinstance(recent_tokens, int) or recent_tokens < 0:
         raise ValueError(f"sink_pages and recent_tokens must be ints >= 0, got {sink_pages!r}, {recent_tokens!r}")
-    return _page_scores(q, kmax, kmin, page_table, kv_lens, page_size, k_cache, new_slots, block_p,
-                        _launch(iters, num_warps, num_stages, keep_tiles, pages_as_rows),
+    return _page_scores(q, kmax, kmin, page_table, kv_lens, page_size, k_cache, new_slots, tiling,
                         (group, sink_pages, recent_tokens))
-
-
-def _launch(iters, num_warps, num_stages, keep_tiles, pages_as_rows) -> tuple:
-    """The scoring launch's (iters, warps, stages, keep, pages as rows): each None from the
-    module's defaults at this call; kept tiles need a power of two of them (their index is an arange)."""
-    iters = SCORE_ITERS if iters is None else iters
-    keep = KEEP_SCORE_TILES if keep_tiles is None else bool(keep_tiles)
-    if not isinstance(iters, int) or iters < 1 or (keep and iters & (iters - 1)):
-        raise ValueError(f"iters must be an int >= 1 (a power of two when the tiles are kept), got {iters!r}")
-    return (iters, SCORE_WARPS if num_warps is None else num_warps, SCORE_STAGES if num_stages is None else num_stages,
-            keep, PAGES_AS_ROWS if pages_as_rows is None else bool(pages_as_rows))
 
 
 def middle_group_maxima_ref(scores, kv_lens, page_size, group, sink_pages, recent_tokens):
@@ -191,12 +217,10 @@ def middle_group_maxima_ref(scores, kv_lens, page_size, group, sink_pages, recen
     return masked.view(B, H, -1, group).amax(-1)
 
 
-def _page_scores(q, kmax, kmin, page_table, kv_lens, page_size, k_cache, new_slots, block_p, launch, middle):
-    """`block_p` pages per tile; `launch` = (`iters` tiles per program (a loop the compiler
-    pipelines), `num_warps`, `num_stages`, keep the tiles, pages as the dot's rows): launch
-    tuning (`bench_gpu --quest-select` sweeps them; at the 128K benchmark's shape two tiles
-    of 64 in two stages took 52.6 us a launch against 57.4 for one tile a program,
-    results/quest_kernels_h200.jsonl, commit 3b57167).
+def _page_scores(q, kmax, kmin, page_table, kv_lens, page_size, k_cache, new_slots, launch: ScoreLaunch, middle):
+    """`launch`: the tiling (`bench_gpu --quest-select` and `--quest-score-launches` sweep it;
+    at the 128K benchmark's shape two tiles of 64 in two stages took 52.6 us a launch against
+    57.4 for one tile a program, results/quest_kernels_h200.jsonl, commit 3b57167).
 
     `k_cache` + `new_slots [B]` (a decode step: request b's newest token, its last at
     `kv_lens[b] - 1`, was written at `new_slots[b]`, -1 for a padding row): first fold that
@@ -205,7 +229,6 @@ def _page_scores(q, kmax, kmin, page_table, kv_lens, page_size, k_cache, new_slo
     does the fold before its loads, so no other program reads that page."""
     B, Hq, d = q.shape
     Hkv = kmax.shape[1]
-    iters, num_warps, num_stages, keep, pages_as_rows = launch
     device = check_launch(q, kmax, kmin, page_table, kv_lens)
     fold = _new_keys(k_cache, new_slots, kmax, B)
     if q.stride(-1) != 1:
@@ -217,7 +240,8 @@ def _page_scores(q, kmax, kmin, page_table, kv_lens, page_size, k_cache, new_slo
     group, sink_pages, recent = middle or (0, 0, 0)
     n_groups = cdiv(P, group) if group else 1
     maxima = _common.empty((B, Hkv, n_groups) if group else (1,), torch.float32, device)
-    tuning = {} if num_stages is None else {"num_stages": num_stages}
+    tuning = {} if launch.num_stages is None else {"num_stages": launch.num_stages}
+    block_p, iters = launch.block_p, launch.iters
     k_src = k_cache if fold else kmax  # unread unless folding
     _page_scores_kernel[(B * Hkv, cdiv(P, block_p * iters))](
         q, kmax, kmin, page_table, kv_lens, scores, k_src, new_slots if fold else kv_lens, maxima,
@@ -225,8 +249,8 @@ def _page_scores(q, kmax, kmin, page_table, kv_lens, page_size, k_cache, new_slo
         k_src.stride(0), k_src.stride(1) if fold else 0, k_src.stride(2) if fold else 0, P, Hkv, n_groups,
         FOLD_NEW=fold, GROUP=g, BLOCK_H=max(16, next_pow2(g)), PAGE_SIZE=page_size, HEAD_DIM=d,
         BLOCK_D=max(16, next_pow2(d)), BLOCK_P=block_p, ITERS=iters, DOT_PREC=_common.dot_precision(kmax.dtype),
-        MAX_GROUP=group, SINK_PAGES=sink_pages, RECENT=recent, KEEP=keep, PAGES_M=pages_as_rows,
-        num_warps=num_warps, **tuning,
+        MAX_GROUP=group, SINK_PAGES=sink_pages, RECENT=recent, KEEP=launch.keep_tiles,
+        PAGES_M=launch.pages_as_rows, PREFETCH=launch.prefetch, num_warps=launch.num_warps, **tuning,
     )
     return scores, (maxima if group else None)
 
@@ -292,7 +316,7 @@ def _page_scores_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, ITERS: tl.constexpr, DOT_PREC: tl.constexpr,
     FOLD_NEW: tl.constexpr, MAX_GROUP: tl.constexpr, SINK_PAGES: tl.constexpr, RECENT: tl.constexpr,
-    KEEP: tl.constexpr, PAGES_M: tl.constexpr,
+    KEEP: tl.constexpr, PAGES_M: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     b = pid_bh // HKV
@@ -329,22 +353,24 @@ def _page_scores_kernel(
     if KEEP:  # the tiles' scores, a tile a row (a column with the pages as rows), stored after the loop
         tile_of = tl.arange(0, ITERS)
         kept = tl.full([BLOCK_P, ITERS] if PAGES_M else [ITERS, BLOCK_P], float("-inf"), tl.float32)
-    for it in range(ITERS):
-        offs_p = (first + it) * BLOCK_P + tl.arange(0, BLOCK_P)
-        p_ok = offs_p < n_pages
-        page = tl.load(page_table_ptr + b * stride_pt + offs_p, mask=p_ok, other=0).to(tl.int64)
-        meta = page[:, None] * stride_mp + kvh * stride_mh + offs_d[None, :]
-        m_ok = p_ok[:, None] & d_ok[None, :]
-        hi = tl.load(kmax_ptr + meta, mask=m_ok, other=0.0)
-        lo = tl.load(kmin_ptr + meta, mask=m_ok, other=0.0)
-        if PAGES_M:  # [BLOCK_P, BLOCK_H]
-            upper = tl.dot(hi, tl.trans(q_pos), input_precision=DOT_PREC)
-            upper += tl.dot(lo, tl.trans(q_neg), input_precision=DOT_PREC)
-            best = tl.where(p_ok, tl.max(tl.where(h_ok[None, :], upper, float("-inf")), 1), float("-inf"))
-        else:  # [BLOCK_H, BLOCK_P]
-            upper = tl.dot(q_pos, tl.trans(hi), input_precision=DOT_PREC)
-            upper += tl.dot(q_neg, tl.trans(lo), input_precision=DOT_PREC)
-            best = tl.where(p_ok, tl.max(tl.where(h_ok[:, None], upper, float("-inf")), 0), float("-inf"))
+    if PREFETCH:  # unrolled, each tile's loads issued before the tile before it is scored
+        offs_n, ok_n, hi_n, lo_n = _bounds_tile(page_table_ptr, kmax_ptr, kmin_ptr, b, kvh, stride_pt, stride_mp,
+                                                stride_mh, offs_d, d_ok, first, n_pages, BLOCK_P)
+        for it in tl.static_range(ITERS):
+            offs_p, p_ok, hi, lo = offs_n, ok_n, hi_n, lo_n
+            if it + 1 < ITERS:
+                offs_n, ok_n, hi_n, lo_n = _bounds_tile(page_table_ptr, kmax_ptr, kmin_ptr, b, kvh, stride_pt,
+                                                        stride_mp, stride_mh, offs_d, d_ok, first + it + 1, n_pages,
+                                                        BLOCK_P)
+            best = _tile_best(q_pos, q_neg, hi, lo, h_ok, p_ok, PAGES_M, DOT_PREC)
+            if PAGES_M:
+                kept = tl.where(tile_of[None, :] == it, best[:, None], kept)
+            else:
+                kept = tl.where(tile_of[:, None] == it, best[None, :], kept)
+    for it in range(0 if PREFETCH else ITERS):
+        offs_p, p_ok, hi, lo = _bounds_tile(page_table_ptr, kmax_ptr, kmin_ptr, b, kvh, stride_pt, stride_mp,
+                                            stride_mh, offs_d, d_ok, first + it, n_pages, BLOCK_P)
+        best = _tile_best(q_pos, q_neg, hi, lo, h_ok, p_ok, PAGES_M, DOT_PREC)
         if KEEP:
             if PAGES_M:
                 kept = tl.where(tile_of[None, :] == it, best[:, None], kept)
@@ -373,3 +399,27 @@ def _page_scores_kernel(
                 gmax = tl.max(tl.reshape(mid, [ITERS, n_g, MAX_GROUP]), 2)
                 offs_g = (first + tile_of[:, None]) * n_g + tl.arange(0, n_g)[None, :]
             tl.store(maxima_ptr + pid_bh * N_GROUPS + offs_g, gmax, mask=offs_g < N_GROUPS)
+
+
+def _bounds_tile(page_table_ptr, kmax_ptr, kmin_ptr, b, kvh, stride_pt, stride_mp, stride_mh, offs_d, d_ok, tile,
+                 n_pages, BLOCK_P: tl.constexpr):
+    """Tile `tile`'s pages (offs_p, p_ok) and their bounds [BLOCK_P, BLOCK_D] (0 past the request)."""
+    offs_p = tile * BLOCK_P + tl.arange(0, BLOCK_P)
+    p_ok = offs_p < n_pages
+    page = tl.load(page_table_ptr + b * stride_pt + offs_p, mask=p_ok, other=0).to(tl.int64)
+    meta = page[:, None] * stride_mp + kvh * stride_mh + offs_d[None, :]
+    m_ok = p_ok[:, None] & d_ok[None, :]
+    return offs_p, p_ok, tl.load(kmax_ptr + meta, mask=m_ok, other=0.0), tl.load(kmin_ptr + meta, mask=m_ok, other=0.0)
+
+
+def _tile_best(q_pos, q_neg, hi, lo, h_ok, p_ok, PAGES_M: tl.constexpr, DOT_PREC: tl.constexpr):
+    """A tile's page scores [BLOCK_P]: the max over the group's heads of q+ . M + q- . m (-inf past the request)."""
+    if PAGES_M:  # [BLOCK_P, BLOCK_H]
+        upper = tl.dot(hi, tl.trans(q_pos), input_precision=DOT_PREC)
+        upper += tl.dot(lo, tl.trans(q_neg), input_precision=DOT_PREC)
+        best = tl.max(tl.where(h_ok[None, :], upper, float("-inf")), 1)
+    else:  # [BLOCK_H, BLOCK_P]
+        upper = tl.dot(q_pos, tl.trans(hi), input_precision=DOT_PREC)
+        upper += tl.dot(q_neg, tl.trans(lo), input_precision=DOT_PREC)
+        best = tl.max(tl.where(h_ok[:, None], upper, float("-inf")), 0)
+    return tl.where(p_ok, best, float("-inf"))

@@ -90,25 +90,33 @@ def test_page_scores(case, gen, device):
 
 from sparseengine.kernels.bench_quest import SCORE_LAUNCHES  # noqa: E402  (the GPU sweep's launches)
 
-# (iters, keep the tiles and store them after the loop, pages as the dot's rows)
-TILINGS = [(2, False, False), (3, False, False), (2, True, False), (4, True, False), (2, False, True),
-           (4, True, True), (1, True, True)]
+# (iters, keep the tiles and store them after the loop, pages as the dot's rows, loads a tile ahead)
+TILINGS = [(2, False, False, False), (3, False, False, False), (2, True, False, False), (4, True, False, False),
+           (2, False, True, False), (4, True, True, False), (1, True, True, False), (4, True, False, True),
+           (2, True, True, True), (1, True, False, True)]
 
 
-@pytest.mark.parametrize("iters,keep,rows", TILINGS, ids=lambda v: str(v))
-def test_page_scores_loop_over_tiles(iters, keep, rows, gen, device):
+@pytest.mark.parametrize("iters,keep,rows,prefetch", TILINGS, ids=lambda v: str(v))
+def test_page_scores_loop_over_tiles(iters, keep, rows, prefetch, gen, device):
     """Several 16-page tiles per program: 75 and 38 pages of 4 tokens, so the programs'
     last tiles are partial or empty; each tile stored at once or all after the loop, the
     dot with the heads or the pages as its rows."""
     _, args = _scored_cache((8, 2, 32, 4, [300, 150]), gen, device)
-    got = quest_page_scores_triton(*args, block_p=16, iters=iters, keep_tiles=keep, pages_as_rows=rows)
+    got = quest_page_scores_triton(*args, block_p=16, iters=iters, keep_tiles=keep, pages_as_rows=rows,
+                                   prefetch=prefetch, num_stages=1 if prefetch else None)
     assert_close(_read(got, args[4], 4), quest_page_scores_ref(*args), 1e-4)
 
 
 def test_page_scores_kept_tiles_need_a_power_of_two(gen, device):
     _, args = _scored_cache(CASES[1], gen, device)
-    with pytest.raises(ValueError, match=r"iters must be an int >= 1 \(a power of two when the tiles are kept\), got 3"):
+    with pytest.raises(ValueError, match="iters must be a power of two when the tiles are kept, got 3"):
         quest_page_scores_triton(*args, block_p=16, iters=3, keep_tiles=True)
+    with pytest.raises(ValueError, match="prefetch needs keep_tiles"):
+        quest_page_scores_triton(*args, block_p=16, iters=2, prefetch=True, keep_tiles=False)
+    with pytest.raises(ValueError, match="iters must be an int >= 1, got 0"):
+        quest_page_scores_triton(*args, block_p=16, iters=0)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'stages'"):
+        quest_page_scores_triton(*args, stages=2)
 
 
 def test_page_scores_skip_the_tiles_past_a_request(gen, device):
@@ -184,9 +192,10 @@ def _written_groups(maxima, kv_lens, ps, group):
 
 
 @pytest.mark.parametrize("group,sink_pages,recent", [(2, 1, 5), (4, 0, 0), (8, 3, 16), (16, 2, 9), (1, 1, 4)])
-@pytest.mark.parametrize("fold,keep,rows", [(False, False, False), (True, False, False), (True, True, False),
-                                            (False, True, True)])
-def test_scores_and_middle_group_maxima(group, sink_pages, recent, fold, keep, rows, gen, device):
+@pytest.mark.parametrize("fold,keep,rows,prefetch", [(False, False, False, False), (True, False, False, False),
+                                                     (True, True, False, False), (False, True, True, False),
+                                                     (True, True, False, True)])
+def test_scores_and_middle_group_maxima(group, sink_pages, recent, fold, keep, rows, prefetch, gen, device):
     """One launch gives the scores, equal to the scores' launch alone, and each group's
     maximum over the request's middle pages (sink pages and the pages from the first
     recent token's on excluded; -inf for a group with none), as the torch twin takes them
@@ -200,7 +209,7 @@ def test_scores_and_middle_group_maxima(group, sink_pages, recent, fold, keep, r
     new_keys = {"k_cache": kv.k_cache, "new_slots": last} if fold else {}
     q = randn(len(lens), hq, d, generator=gen, device=device)
     args = (q, hi, lo, kv.page_table, kv.kv_lens, ps)
-    tiling = {"block_p": 16, "iters": 2, "keep_tiles": keep, "pages_as_rows": rows}
+    tiling = {"block_p": 16, "iters": 2, "keep_tiles": keep, "pages_as_rows": rows, "prefetch": prefetch}
     scores, maxima = quest_page_scores_and_maxima_triton(
         *args, group=group, sink_pages=sink_pages, recent_tokens=recent, **new_keys, **tiling)
     assert maxima.shape == (len(lens), hkv, -(-kv.page_table.shape[1] // group)) and maxima.dtype == torch.float32
@@ -249,9 +258,7 @@ def test_gpu_32k(gen):
     torch.testing.assert_close(lo, want_lo, rtol=0, atol=0, equal_nan=True)
     assert_close(_read(got, kv_lens, ps)[:-1], want[:-1], 1e-3)
     # every launch variant the benchmark sweeps, with the group maxima as the engine takes them
-    for block_p, iters, warps, stages, keep, rows in SCORE_LAUNCHES:
-        tiling = dict(block_p=block_p, iters=iters, num_warps=warps, num_stages=stages, keep_tiles=keep,
-                      pages_as_rows=rows)
+    for tiling in SCORE_LAUNCHES:
         got, maxima = quest_page_scores_and_maxima_triton(q, hi, lo, table, kv_lens, ps, group=32, sink_pages=4,
                                                           recent_tokens=512, **tiling)
         assert_close(_read(got, kv_lens, ps)[:-1], want[:-1], 1e-3)
