@@ -231,12 +231,15 @@ PY
   (cd "$OUT" && tar czf variant_profiles.tgz var_*.json && rm -f var_*.json)
   ;;
 quest_scores)  # Quest's page scores: its GPU tests, the scoring launches swept as the decode step launches them
-  # (bench_gpu --quest-score-launches), then the fastest against the default in alternating b=6 graph-step profiles
+  # (bench_gpu --quest-score-launches) and the choice by pairwise ranks (--quest-select-pairwise), then the fastest
+  # scoring launch (and EXTRA_VARIANTS) against the default in alternating b=6 graph-step profiles
   install_wheels .whl/hydra
   timeout 150 python -m pytest tests/kernels/test_quest.py tests/methods -q -m gpu -k "quest" -p no:cacheprovider -rs \
     2>&1 | tail -4 | tee "$OUT/gpu_tests.log"
   timeout 150 python -m sparseengine.kernels.bench_gpu --quest-score-launches --out "$OUT/score_launches.jsonl" \
     2>&1 | tail -3
+  timeout 100 python -m sparseengine.kernels.bench_gpu --quest-select-pairwise --out "$OUT/select_pairwise.jsonl" \
+    2>&1 | tail -3; grep quest_select_pairwise "$OUT/select_pairwise.jsonl" | cut -c1-400
   best=$(python -c "
 import json, sys
 keys = ('block_p', 'iters', 'num_warps', 'num_stages', 'keep_tiles', 'pages_as_rows', 'prefetch')

@@ -297,3 +297,34 @@ def bench_quest_select_warps(out_path, B=6, P=8320, n=131072):
             emit(out_path, {"kind": "quest_select_warps", "batch": B, "hkv": HKV, "pages": P, "kv_len": n,
                             "block_p": block_p, "num_warps": warps, "us_per_launch": per_launch_us(fn),
                             "equals_default": same})
+
+
+def bench_quest_select_pairwise(out_path, B=6, P=8320, n=131072):
+    """Quest's page choice as the engine launches it (group maxima given, blocks of 4096, 8
+    warps): its shortlist's choice by pairwise ranks (rooms of 128 and 256 candidates, 16 to
+    64 of them a step) against the radix search, per launch in a CUDA graph of 30, on the
+    page scores of random bounds and queries at the 128K shape (about 110 candidates a row;
+    the engine's rows have a median of 145), each checked against the torch path."""
+    from sparseengine.kernels import quest as quest_kernels
+    from sparseengine.kernels import quest_select
+    from sparseengine.methods.quest import select_pages_batched
+
+    q, kmax, kmin, table, kv_lens = _score_inputs(B, P, n)
+    sink, recent, budget = 64, 512, 1472
+    group = quest_select.maxima_group(P, PS, budget, quest_kernels.SCORE_BLOCK_P)
+    scores, maxima = quest_kernels.quest_page_scores_and_maxima_triton(
+        q, kmax, kmin, table, kv_lens, PS, group=group, sink_pages=sink // PS, recent_tokens=recent)
+    args = (scores, kv_lens, PS, sink, recent, budget)
+    want = select_pages_batched(*args)
+    pair_j = quest_select.PAIR_J
+    try:
+        for room, j in ((0, 32), (128, 32), (256, 16), (256, 32), (256, 64), (0, 32)):
+            quest_select.PAIR_J = j
+            fn = lambda room=room: quest_select.quest_select_pages_triton(  # noqa: E731
+                *args, group_maxima=maxima, pairwise_room=room)
+            same = all(torch.equal(g, w) for g, w in zip(fn(), want))
+            emit(out_path, {"kind": "quest_select_pairwise", "batch": B, "hkv": HKV, "pages": P, "kv_len": n,
+                            "pairwise_room": room, "pair_j": j, "us_per_launch": per_launch_us(fn),
+                            "equals_torch_path": same})
+    finally:
+        quest_select.PAIR_J = pair_j
