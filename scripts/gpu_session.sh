@@ -234,7 +234,8 @@ quest_scores)  # Quest's page scores: its GPU tests, the scoring launches swept 
   # (bench_gpu --quest-score-launches) and the choice by pairwise ranks (--quest-select-pairwise), then the fastest
   # scoring launch (and EXTRA_VARIANTS) against the default in alternating b=6 graph-step profiles
   install_wheels .whl/hydra
-  timeout 150 python -m pytest tests/kernels/test_quest.py tests/methods -q -m gpu -k "quest" -p no:cacheprovider -rs \
+  timeout 150 python -m pytest tests/kernels/test_quest.py tests/kernels/test_quest_select.py tests/methods -q -m gpu \
+    -k "quest or gpu_128k" -p no:cacheprovider -rs \
     2>&1 | tail -4 | tee "$OUT/gpu_tests.log"
   timeout 150 python -m sparseengine.kernels.bench_gpu --quest-score-launches --out "$OUT/score_launches.jsonl" \
     2>&1 | tail -3
