@@ -231,29 +231,27 @@ PY
   (cd "$OUT" && tar czf variant_profiles.tgz var_*.json && rm -f var_*.json)
   ;;
 quest_scores)  # Quest's page scores: its GPU tests, the scoring launches swept as the decode step launches them
-  # (bench_gpu --quest-score-launches) and the choice by pairwise ranks (--quest-select-pairwise), then the fastest
-  # scoring launch (and EXTRA_VARIANTS) against the default in alternating b=6 graph-step profiles
+  # (bench_gpu --quest-score-launches), then the fastest (and EXTRA_VARIANTS) against the default in alternating b=6
+  # graph-step profiles
   install_wheels .whl/hydra
   timeout 150 python -m pytest tests/kernels/test_quest.py tests/kernels/test_quest_select.py tests/methods -q -m gpu \
     -k "quest or gpu_128k" -p no:cacheprovider -rs \
     2>&1 | tail -4 | tee "$OUT/gpu_tests.log"
   timeout 150 python -m sparseengine.kernels.bench_gpu --quest-score-launches --out "$OUT/score_launches.jsonl" \
     2>&1 | tail -3
-  timeout 100 python -m sparseengine.kernels.bench_gpu --quest-select-pairwise --out "$OUT/select_pairwise.jsonl" \
-    2>&1 | tail -3; grep quest_select_pairwise "$OUT/select_pairwise.jsonl" | cut -c1-400
   best=$(python -c "
 import json, sys
-keys = ('block_p', 'iters', 'num_warps', 'num_stages', 'keep_tiles', 'pages_as_rows', 'prefetch')
+keys = ('block_p', 'iters', 'num_warps', 'num_stages', 'keep_tiles')
 rows = [json.loads(l) for l in open(sys.argv[1]) if '\"quest_score_launch\"' in l]
 for r in rows: print(*(r[k] for k in keys), round(r['us_per_launch'], 2), r['max_abs_diff_vs_default'],
                      r['maxima_equal_default'], file=sys.stderr)
 ok = [r for r in rows if r['maxima_equal_default'] and r['max_abs_diff_vs_default'] < 1e-2]
 print(*(min(ok, key=lambda r: r['us_per_launch'])[k] for k in keys))" "$OUT/score_launches.jsonl")
-  echo "fastest (BLOCK_P ITERS WARPS STAGES KEEP ROWS PREFETCH): $best"
+  echo "fastest (BLOCK_P ITERS WARPS STAGES KEEP): $best"
   [ -n "$best" ] || exit 1
   set -- $best
   VARIANTS="default;quest.SCORE_BLOCK_P=$1 quest.SCORE_ITERS=$2 quest.SCORE_WARPS=$3 quest.SCORE_STAGES=$4 \
-quest.KEEP_SCORE_TILES=$5 quest.PAGES_AS_ROWS=$6 quest.PREFETCH_SCORE_TILES=$7${EXTRA_VARIANTS:+;$EXTRA_VARIANTS}" \
+quest.KEEP_SCORE_TILES=$5${EXTRA_VARIANTS:+;$EXTRA_VARIANTS}" \
     ROUNDS=${ROUNDS:-2} METHOD=quest BATCH=6 bash "$0" variants
   ;;
 pick)

@@ -349,10 +349,8 @@ PARTS = {
                                "bench_quest", ("bench_quest_attention_widths",)),
     "quest-overlap": ("Quest's attention block (scores, selection, attention) per layer: the whole batch on one "
                       "stream against parts of it on concurrent streams", "bench_quest", ("bench_quest_overlap",)),
-    "quest-score-launches": ("Quest's page scores as its decode step launches them: tiles, warps, stages, layouts",
+    "quest-score-launches": ("Quest's page scores as its decode step launches them: tiles, warps, stages, stores",
                              "bench_quest", ("bench_quest_score_launches",)),
-    "quest-select-pairwise": ("Quest's page choice by pairwise ranks against the radix search, random and clustered",
-                              "bench_quest", ("bench_quest_select_pairwise",)),
     "quest-select-warps": ("Quest's page choice as the engine launches it: pages a block x warps",
                            "bench_quest", ("bench_quest_select_warps",)),
     "skinny-linear": ("the decode step's weight GEMMs, cuBLAS beside the skinny Triton linear's configurations",

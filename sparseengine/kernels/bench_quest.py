@@ -72,18 +72,14 @@ def bench_quest_scores(out_path, B=6, P=8320, n=131072):
 
 
 # The scoring launches `bench_quest_score_launches` sweeps: (pages a tile, tiles a program, warps,
-# stages, keep the tiles' scores in registers until after the loop, pages as the dot's rows, each
-# tile's loads issued before the tile before it is scored).
-SCORE_LAUNCHES = [dict(zip(("block_p", "iters", "num_warps", "num_stages", "keep_tiles", "pages_as_rows", "prefetch"), c))
-                  for c in ((64, 2, 4, 2, False, False, False), (64, 2, 4, 2, True, False, False),
-                            (64, 2, 4, 1, False, False, False), (64, 2, 4, 1, True, False, False),
-                            (64, 4, 4, 1, True, False, False), (64, 2, 8, 1, True, False, False),
-                            (32, 4, 4, 1, True, False, False), (128, 2, 8, 1, True, False, False),
-                            (64, 2, 4, 1, True, False, True), (64, 4, 4, 1, True, False, True),
-                            (64, 8, 4, 1, True, False, True), (64, 4, 8, 1, True, False, True),
-                            (32, 4, 4, 1, True, False, True), (32, 8, 4, 1, True, False, True),
-                            (128, 2, 8, 1, True, False, True), (128, 4, 8, 1, True, False, True),
-                            (64, 8, 4, 3, True, True, False), (64, 4, 4, 1, True, True, True))]
+# stages, keep the tiles' scores in registers until after the loop). Session 32 (results/
+# quest_scores_s32.jsonl) also swept, at commits 7721715 and 21e679e, two variants since removed:
+# the pages as the dot's rows and each tile's loads issued before the tile before is scored.
+SCORE_LAUNCHES = [dict(zip(("block_p", "iters", "num_warps", "num_stages", "keep_tiles"), c))
+                  for c in ((64, 2, 4, 2, False), (64, 2, 4, 2, True), (64, 2, 4, 1, False), (64, 2, 4, 1, True),
+                            (64, 4, 4, 1, True), (64, 2, 8, 1, True), (32, 4, 4, 1, True), (128, 2, 8, 1, True),
+                            (64, 4, 4, 2, True), (64, 4, 4, 3, True), (64, 8, 4, 3, True), (32, 4, 2, 3, True),
+                            (32, 8, 2, 3, True), (128, 2, 8, 3, True))]
 
 
 def bench_quest_score_launches(out_path, B=6, P=8320, n=131072):
@@ -298,33 +294,3 @@ def bench_quest_select_warps(out_path, B=6, P=8320, n=131072):
                             "block_p": block_p, "num_warps": warps, "us_per_launch": per_launch_us(fn),
                             "equals_default": same})
 
-
-def bench_quest_select_pairwise(out_path, B=6, P=8320, n=131072):
-    """Quest's page choice as the engine launches it (group maxima given, blocks of 4096, 8
-    warps): its shortlist's choice by pairwise ranks (rooms of 128 and 256 candidates, 16 to
-    64 of them a step) against the radix search, per launch in a CUDA graph of 30, on the
-    page scores of random bounds and queries at the 128K shape (about 110 candidates a row;
-    the engine's rows have a median of 145), each checked against the torch path."""
-    from sparseengine.kernels import quest as quest_kernels
-    from sparseengine.kernels import quest_select
-    from sparseengine.methods.quest import select_pages_batched
-
-    q, kmax, kmin, table, kv_lens = _score_inputs(B, P, n)
-    sink, recent, budget = 64, 512, 1472
-    group = quest_select.maxima_group(P, PS, budget, quest_kernels.SCORE_BLOCK_P)
-    scores, maxima = quest_kernels.quest_page_scores_and_maxima_triton(
-        q, kmax, kmin, table, kv_lens, PS, group=group, sink_pages=sink // PS, recent_tokens=recent)
-    args = (scores, kv_lens, PS, sink, recent, budget)
-    want = select_pages_batched(*args)
-    pair_j = quest_select.PAIR_J
-    try:
-        for room, j in ((0, 32), (128, 32), (256, 16), (256, 32), (256, 64), (0, 32)):
-            quest_select.PAIR_J = j
-            fn = lambda room=room: quest_select.quest_select_pages_triton(  # noqa: E731
-                *args, group_maxima=maxima, pairwise_room=room)
-            same = all(torch.equal(g, w) for g, w in zip(fn(), want))
-            emit(out_path, {"kind": "quest_select_pairwise", "batch": B, "hkv": HKV, "pages": P, "kv_len": n,
-                            "pairwise_room": room, "pair_j": j, "us_per_launch": per_launch_us(fn),
-                            "equals_torch_path": same})
-    finally:
-        quest_select.PAIR_J = pair_j

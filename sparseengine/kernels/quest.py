@@ -131,55 +131,44 @@ SCORE_STAGES = 2
 # Whether a program keeps its tiles' scores (and the group maxima) in registers and stores them
 # once after its loop: the max over the group's heads leaves a tile's scores in a slice of the
 # dot's layout, and a store a tile moves them through shared memory behind two barriers (as in
-# OmniKV's filter layers, session 31).
-KEEP_SCORE_TILES = False
-# Whether a program (with kept tiles) issues each tile's loads before it scores the tile before
-# (its tiles unrolled): a tile's loads in flight while the one before is scored, with no
-# asynchronous copies (`num_stages` 1).
-PREFETCH_SCORE_TILES = False
-# Whether each tile's dot puts the pages on its M axis (`bounds @ q.T`, [BLOCK_P, heads]: the
-# sm_90 warpgroup MMA's 64 rows) rather than the group's padded heads (`q @ bounds.T`, 16 rows).
-PAGES_AS_ROWS = False
+# OmniKV's filter layers, session 31). H200, Quest b=6 at 128K (session 32, results/quest_scores_s32.jsonl):
+# 52.9 us a launch against 53.4, the page scores 1561 us a step against 1577-1578, graph step
+# 8.394 / 8.380 ms against 8.399 / 8.407. Slower there: plain loads with no asynchronous copies
+# (`num_stages` 1; 60-69 us); and, removed since, the pages as the dot's rows (the sm_90
+# warpgroup MMA; 54-75 us) and each tile's loads issued before the tile before is scored (77-108 us).
+KEEP_SCORE_TILES = True
 
 
 @dataclass(frozen=True)
 class ScoreLaunch:
     """The page scores' launch: `block_p` pages a tile, `iters` tiles a program (a loop the
-    compiler pipelines over `num_stages`), `num_warps`; `keep_tiles`, `pages_as_rows`,
-    `prefetch`: the switches above. `score_launch()` fills what a call leaves out from the
-    module's defaults at that call."""
+    compiler pipelines over `num_stages`), `num_warps`, `keep_tiles` (above). `score_launch()`
+    fills what a call leaves out from the module's defaults at that call."""
     block_p: int
     iters: int
     num_warps: int
     num_stages: int | None
     keep_tiles: bool
-    pages_as_rows: bool
-    prefetch: bool
 
     def __post_init__(self):
         for name in ("block_p", "iters", "num_warps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if (self.keep_tiles or self.prefetch) and self.iters & (self.iters - 1):
+        if self.keep_tiles and self.iters & (self.iters - 1):
             raise ValueError(f"iters must be a power of two when the tiles are kept, got {self.iters}")
-        if self.prefetch and not self.keep_tiles:
-            raise ValueError("prefetch needs keep_tiles (an unrolled program stores its tiles after its loop)")
 
 
-def score_launch(block_p=None, iters=None, num_warps=None, num_stages=None, keep_tiles=None, pages_as_rows=None,
-                 prefetch=None) -> ScoreLaunch:
+def score_launch(block_p=None, iters=None, num_warps=None, num_stages=None, keep_tiles=None) -> ScoreLaunch:
     """A `ScoreLaunch` with each argument left None taken from the module's defaults now."""
     pick = lambda value, default: default if value is None else value  # noqa: E731
     return ScoreLaunch(pick(block_p, SCORE_BLOCK_P), pick(iters, SCORE_ITERS), pick(num_warps, SCORE_WARPS),
-                       pick(num_stages, SCORE_STAGES), bool(pick(keep_tiles, KEEP_SCORE_TILES)),
-                       bool(pick(pages_as_rows, PAGES_AS_ROWS)), bool(pick(prefetch, PREFETCH_SCORE_TILES)))
+                       pick(num_stages, SCORE_STAGES), bool(pick(keep_tiles, KEEP_SCORE_TILES)))
 
 
 def quest_page_scores_triton(q, kmax, kmin, page_table, kv_lens, page_size, *, k_cache=None, new_slots=None,
                              **launch):
-    """`launch`: `score_launch`'s arguments (block_p, iters, num_warps, num_stages, keep_tiles,
-    pages_as_rows, prefetch)."""
+    """`launch`: `score_launch`'s arguments (block_p, iters, num_warps, num_stages, keep_tiles)."""
     return _page_scores(q, kmax, kmin, page_table, kv_lens, page_size, k_cache, new_slots, score_launch(**launch),
                         None)[0]
 
@@ -249,8 +238,8 @@ def _page_scores(q, kmax, kmin, page_table, kv_lens, page_size, k_cache, new_slo
         k_src.stride(0), k_src.stride(1) if fold else 0, k_src.stride(2) if fold else 0, P, Hkv, n_groups,
         FOLD_NEW=fold, GROUP=g, BLOCK_H=max(16, next_pow2(g)), PAGE_SIZE=page_size, HEAD_DIM=d,
         BLOCK_D=max(16, next_pow2(d)), BLOCK_P=block_p, ITERS=iters, DOT_PREC=_common.dot_precision(kmax.dtype),
-        MAX_GROUP=group, SINK_PAGES=sink_pages, RECENT=recent, KEEP=launch.keep_tiles,
-        PAGES_M=launch.pages_as_rows, PREFETCH=launch.prefetch, num_warps=launch.num_warps, **tuning,
+        MAX_GROUP=group, SINK_PAGES=sink_pages, RECENT=recent, KEEP=launch.keep_tiles, num_warps=launch.num_warps,
+        **tuning,
     )
     return scores, (maxima if group else None)
 
@@ -316,7 +305,7 @@ def _page_scores_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, ITERS: tl.constexpr, DOT_PREC: tl.constexpr,
     FOLD_NEW: tl.constexpr, MAX_GROUP: tl.constexpr, SINK_PAGES: tl.constexpr, RECENT: tl.constexpr,
-    KEEP: tl.constexpr, PAGES_M: tl.constexpr, PREFETCH: tl.constexpr,
+    KEEP: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     b = pid_bh // HKV
@@ -350,32 +339,23 @@ def _page_scores_kernel(
     else:
         mid_end = n_pages
     first = tl.program_id(1) * ITERS  # this program's first tile
-    if KEEP:  # the tiles' scores, a tile a row (a column with the pages as rows), stored after the loop
+    if KEEP:  # the tiles' scores, a row a tile, stored after the loop
         tile_of = tl.arange(0, ITERS)
-        kept = tl.full([BLOCK_P, ITERS] if PAGES_M else [ITERS, BLOCK_P], float("-inf"), tl.float32)
-    if PREFETCH:  # unrolled, each tile's loads issued before the tile before it is scored
-        offs_n, ok_n, hi_n, lo_n = _bounds_tile(page_table_ptr, kmax_ptr, kmin_ptr, b, kvh, stride_pt, stride_mp,
-                                                stride_mh, offs_d, d_ok, first, n_pages, BLOCK_P)
-        for it in tl.static_range(ITERS):
-            offs_p, p_ok, hi, lo = offs_n, ok_n, hi_n, lo_n
-            if it + 1 < ITERS:
-                offs_n, ok_n, hi_n, lo_n = _bounds_tile(page_table_ptr, kmax_ptr, kmin_ptr, b, kvh, stride_pt,
-                                                        stride_mp, stride_mh, offs_d, d_ok, first + it + 1, n_pages,
-                                                        BLOCK_P)
-            best = _tile_best(q_pos, q_neg, hi, lo, h_ok, p_ok, PAGES_M, DOT_PREC)
-            if PAGES_M:
-                kept = tl.where(tile_of[None, :] == it, best[:, None], kept)
-            else:
-                kept = tl.where(tile_of[:, None] == it, best[None, :], kept)
-    for it in range(0 if PREFETCH else ITERS):
-        offs_p, p_ok, hi, lo = _bounds_tile(page_table_ptr, kmax_ptr, kmin_ptr, b, kvh, stride_pt, stride_mp,
-                                            stride_mh, offs_d, d_ok, first + it, n_pages, BLOCK_P)
-        best = _tile_best(q_pos, q_neg, hi, lo, h_ok, p_ok, PAGES_M, DOT_PREC)
-        if KEEP:
-            if PAGES_M:
-                kept = tl.where(tile_of[None, :] == it, best[:, None], kept)
-            else:
-                kept = tl.where(tile_of[:, None] == it, best[None, :], kept)
+        kept = tl.full([ITERS, BLOCK_P], float("-inf"), tl.float32)
+    for it in range(ITERS):
+        offs_p = (first + it) * BLOCK_P + tl.arange(0, BLOCK_P)
+        p_ok = offs_p < n_pages
+        page = tl.load(page_table_ptr + b * stride_pt + offs_p, mask=p_ok, other=0).to(tl.int64)
+        meta = page[:, None] * stride_mp + kvh * stride_mh + offs_d[None, :]
+        m_ok = p_ok[:, None] & d_ok[None, :]
+        hi = tl.load(kmax_ptr + meta, mask=m_ok, other=0.0)
+        lo = tl.load(kmin_ptr + meta, mask=m_ok, other=0.0)
+        upper = tl.dot(q_pos, tl.trans(hi), input_precision=DOT_PREC)
+        upper += tl.dot(q_neg, tl.trans(lo), input_precision=DOT_PREC)  # [BLOCK_H, BLOCK_P]
+        upper = tl.where(h_ok[:, None], upper, float("-inf"))
+        best = tl.where(p_ok, tl.max(upper, 0), float("-inf"))
+        if KEEP:  # kept in the dot's layout (a store here would go through shared memory, two barriers)
+            kept = tl.where(tile_of[:, None] == it, best[None, :], kept)
         else:
             tl.store(scores_ptr + pid_bh * P + offs_p, best, mask=offs_p < P)
             if MAX_GROUP > 0:  # the middle pages' maxima, MAX_GROUP pages a group (it divides BLOCK_P)
@@ -384,42 +364,11 @@ def _page_scores_kernel(
                 offs_g = (first + it) * (BLOCK_P // MAX_GROUP) + tl.arange(0, BLOCK_P // MAX_GROUP)
                 tl.store(maxima_ptr + pid_bh * N_GROUPS + offs_g, gmax, mask=offs_g < N_GROUPS)
     if KEEP:
-        n_g: tl.constexpr = BLOCK_P // MAX_GROUP if MAX_GROUP > 0 else 1
-        if PAGES_M:
-            at = (first + tile_of[None, :]) * BLOCK_P + tl.arange(0, BLOCK_P)[:, None]
-        else:
-            at = (first + tile_of[:, None]) * BLOCK_P + tl.arange(0, BLOCK_P)[None, :]
+        at = (first + tile_of[:, None]) * BLOCK_P + tl.arange(0, BLOCK_P)[None, :]
         tl.store(scores_ptr + pid_bh * P + at, kept, mask=at < P)
         if MAX_GROUP > 0:
+            n_g: tl.constexpr = BLOCK_P // MAX_GROUP
             mid = tl.where((at >= SINK_PAGES) & (at < mid_end), kept, float("-inf"))
-            if PAGES_M:
-                gmax = tl.max(tl.reshape(mid, [n_g, MAX_GROUP, ITERS]), 1)
-                offs_g = (first + tile_of[None, :]) * n_g + tl.arange(0, n_g)[:, None]
-            else:
-                gmax = tl.max(tl.reshape(mid, [ITERS, n_g, MAX_GROUP]), 2)
-                offs_g = (first + tile_of[:, None]) * n_g + tl.arange(0, n_g)[None, :]
+            gmax = tl.max(tl.reshape(mid, [ITERS, n_g, MAX_GROUP]), 2)
+            offs_g = (first + tile_of[:, None]) * n_g + tl.arange(0, n_g)[None, :]
             tl.store(maxima_ptr + pid_bh * N_GROUPS + offs_g, gmax, mask=offs_g < N_GROUPS)
-
-
-def _bounds_tile(page_table_ptr, kmax_ptr, kmin_ptr, b, kvh, stride_pt, stride_mp, stride_mh, offs_d, d_ok, tile,
-                 n_pages, BLOCK_P: tl.constexpr):
-    """Tile `tile`'s pages (offs_p, p_ok) and their bounds [BLOCK_P, BLOCK_D] (0 past the request)."""
-    offs_p = tile * BLOCK_P + tl.arange(0, BLOCK_P)
-    p_ok = offs_p < n_pages
-    page = tl.load(page_table_ptr + b * stride_pt + offs_p, mask=p_ok, other=0).to(tl.int64)
-    meta = page[:, None] * stride_mp + kvh * stride_mh + offs_d[None, :]
-    m_ok = p_ok[:, None] & d_ok[None, :]
-    return offs_p, p_ok, tl.load(kmax_ptr + meta, mask=m_ok, other=0.0), tl.load(kmin_ptr + meta, mask=m_ok, other=0.0)
-
-
-def _tile_best(q_pos, q_neg, hi, lo, h_ok, p_ok, PAGES_M: tl.constexpr, DOT_PREC: tl.constexpr):
-    """A tile's page scores [BLOCK_P]: the max over the group's heads of q+ . M + q- . m (-inf past the request)."""
-    if PAGES_M:  # [BLOCK_P, BLOCK_H]
-        upper = tl.dot(hi, tl.trans(q_pos), input_precision=DOT_PREC)
-        upper += tl.dot(lo, tl.trans(q_neg), input_precision=DOT_PREC)
-        best = tl.max(tl.where(h_ok[None, :], upper, float("-inf")), 1)
-    else:  # [BLOCK_H, BLOCK_P]
-        upper = tl.dot(q_pos, tl.trans(hi), input_precision=DOT_PREC)
-        upper += tl.dot(q_neg, tl.trans(lo), input_precision=DOT_PREC)
-        best = tl.max(tl.where(h_ok[:, None], upper, float("-inf")), 0)
-    return tl.where(p_ok, best, float("-inf"))

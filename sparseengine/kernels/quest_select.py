@@ -91,13 +91,6 @@ NUM_WARPS: int | None = None
 # can A/B it). H200, Quest b=6 at 128K, graph step (session 24, 1ab13fd, four alternating
 # pairs, results/quest_maxima_from_scores_h200.jsonl): 8.312-8.316 ms against 8.327-8.329.
 MAXIMA_FROM_SCORES = True
-# Pairwise ranks (0: off): a shortlist of at most this many candidates takes its m pages by
-# rank, each candidate's rank the count of candidates with a larger key or the same key on an
-# earlier page (PAIR_J of them a step, up to the count), instead of its radix search's
-# 32 / radix_bits block reductions. The engine's rows have a median of 145 candidates at
-# L_BITS 16 (p99 213, max 268; session 26's probe).
-PAIRWISE_ROOM = 0
-PAIR_J = 32
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
@@ -136,7 +129,7 @@ def shortlist_room(top: int) -> int:
 def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_tokens, budget, *,
                               block_p: int | None = None, num_warps: int | None = None, radix_bits: int | None = None,
                               shortlist: bool = True, shortlist_cap: int | None = None,
-                              max_groups: int = MAX_GROUPS, group_maxima=None, pairwise_room: int | None = None):
+                              max_groups: int = MAX_GROUPS, group_maxima=None):
     """`block_p`: pages per block (a power of two; capped at P's; default `BLOCK_P`);
     `num_warps`: default `NUM_WARPS`, else one warp per 512 pages of the block, 1 to 16;
     `radix_bits`: key bits the searches settle per pass (1, 2 or 4: 32, 16 or 8 passes of 2,
@@ -149,9 +142,7 @@ def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_to
     more candidates runs the full search. `group_maxima`: the shortlist's group maxima
     `[B, Hkv, ceil(P / group)]` already taken over the middle pages (the page scores' launch
     gives them: `quest.quest_page_scores_and_maxima_triton` with `maxima_group`'s
-    group), so the shortlist starts from them instead of reading the row in groups.
-    `pairwise_room`: a shortlist of at most this many candidates (a power of two, 0: never;
-    default `PAIRWISE_ROOM`) takes its choice by rank (below) instead of the radix search."""
+    group), so the shortlist starts from them instead of reading the row in groups."""
     # methods.quest imports this package: read its width rule at call time
     from sparseengine.methods.quest import selection_width
 
@@ -193,10 +184,6 @@ def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_to
         got = (f"{tuple(group_maxima.shape)} {group_maxima.dtype}" if isinstance(group_maxima, torch.Tensor)
                else type(group_maxima).__name__)
         raise ValueError(f"group_maxima must be {want}, contiguous on the scores' device, got {got}")
-    pair = PAIRWISE_ROOM if pairwise_room is None else pairwise_room
-    if not isinstance(pair, int) or pair < 0 or (pair and (pair & (pair - 1) or pair < 16)):
-        raise ValueError(f"pairwise_room must be 0 or a power of two >= 16, got {pair!r}")
-    pair = min(pair, cap) if shortlist else 0
     block_g = max(16, next_pow2(cdiv(P, group)))
     row_scratch = 2 * cap if given else max(2 * cap, block_g)  # the groups' maxima, then the candidates' keys and pages
     scratch = torch.empty((B * H, row_scratch) if shortlist else (1, 1), dtype=torch.int32, device=device)
@@ -206,8 +193,7 @@ def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_to
         PAGE_SIZE=ps, SINK_PAGES=cdiv(sink, ps), RECENT=recent, TOTAL=sink + budget + recent,
         TOP=top, BLOCK_P=block_p, BLOCK_K=min(1024, max(16, next_pow2(K))),
         RADIX_BITS=radix_bits or 2, SHORT_RADIX=radix_bits or 4, SHORTLIST=shortlist, GROUP=group,
-        BLOCK_G=block_g, CAP=cap, L_BITS=L_BITS, SCRATCH=row_scratch, GIVEN_MAXIMA=given, PAIRWISE=pair > 0,
-        PAIR=max(pair, 16), PAIR_J=PAIR_J,
+        BLOCK_G=block_g, CAP=cap, L_BITS=L_BITS, SCRATCH=row_scratch, GIVEN_MAXIMA=given,
         num_warps=num_warps or min(16, max(1, block_p // 512)),
     )
     return pages, counts
@@ -241,8 +227,7 @@ def _kth_largest(keys, ok, m, RADIX_BITS: tl.constexpr, BITS: tl.constexpr = 32)
 
 def _shortlist_select(row, maxima_row, n_groups, out, keys_out, P, K, mid_end, m, active, SINK_PAGES: tl.constexpr,
                       GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_P: tl.constexpr, CAP: tl.constexpr,
-                      RADIX_BITS: tl.constexpr, L_BITS: tl.constexpr, GIVEN_MAXIMA: tl.constexpr,
-                      PAIRWISE: tl.constexpr, PAIR: tl.constexpr, PAIR_J: tl.constexpr):
+                      RADIX_BITS: tl.constexpr, L_BITS: tl.constexpr, GIVEN_MAXIMA: tl.constexpr):
     """Where `active`, choose the m middle pages through a shortlist of candidates (kept in
     this row's scratch `keys_out`: first the groups' maxima, then CAP keys and CAP pages) and write them at slots
     SINK_PAGES.. ascending. Returns whether the row still needs the full search: it is
@@ -283,23 +268,7 @@ def _shortlist_select(row, maxima_row, n_groups, out, keys_out, P, K, mid_end, m
             tl.store(keys_out + slot, key, mask=keep)
             tl.store(keys_out + CAP + slot, offs, mask=keep)
             n_cand += tl.sum(is_cand, 0)
-        if PAIRWISE & (n_cand <= PAIR):  # few: each candidate's rank by counting those that beat it
-            tl.debug_barrier()  # this program's scratch stores before its loads
-            ci = tl.arange(0, PAIR)
-            ci_ok = ci < n_cand
-            ki = tl.load(keys_out + ci, mask=ci_ok, other=-2147483648)
-            wins = tl.zeros([PAIR, PAIR_J], tl.int32)  # summed once after the loop: no reduction a step
-            for j0 in range(0, n_cand, PAIR_J):  # candidate j beats i: a larger key, or the same key earlier
-                cj = j0 + tl.arange(0, PAIR_J)
-                kj = tl.load(keys_out + cj, mask=cj < n_cand, other=-2147483648)
-                beats = (kj[None, :] > ki[:, None]) | ((kj[None, :] == ki[:, None]) & (cj[None, :] < ci[:, None]))
-                wins += (beats & (cj < n_cand)[None, :]).to(tl.int32)
-            rank = tl.sum(wins, 1)
-            pick = (ci_ok & (rank < m)).to(tl.int32)
-            slot = SINK_PAGES + tl.cumsum(pick, 0) - pick
-            page = tl.load(keys_out + CAP + ci, mask=ci_ok, other=0)
-            tl.store(out + slot, page.to(tl.int64), mask=(pick > 0) & (slot < K))
-        elif n_cand <= CAP:
+        if n_cand <= CAP:
             tl.debug_barrier()  # this program's scratch stores before its loads
             c = tl.arange(0, CAP)
             c_ok = c < n_cand
@@ -322,8 +291,7 @@ def _select_kernel(
     TOP: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, RADIX_BITS: tl.constexpr,
     SHORT_RADIX: tl.constexpr,
     SHORTLIST: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, CAP: tl.constexpr, L_BITS: tl.constexpr,
-    SCRATCH: tl.constexpr, GIVEN_MAXIMA: tl.constexpr, PAIRWISE: tl.constexpr, PAIR: tl.constexpr,
-    PAIR_J: tl.constexpr,
+    SCRATCH: tl.constexpr, GIVEN_MAXIMA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     b = pid // HKV
@@ -355,7 +323,7 @@ def _select_kernel(
         full_search = partial & _shortlist_select(
             row, maxima_ptr + pid.to(tl.int64) * N_GROUPS, N_GROUPS, out, scratch_ptr + pid.to(tl.int64) * SCRATCH,
             P, K, mid_end, m, partial & (recent_first - SINK_PAGES > TOP), SINK_PAGES, GROUP, BLOCK_G, BLOCK_P,
-            CAP, SHORT_RADIX, L_BITS, GIVEN_MAXIMA, PAIRWISE, PAIR, PAIR_J)
+            CAP, SHORT_RADIX, L_BITS, GIVEN_MAXIMA)
     if full_search:
         # The middle pages are [SINK_PAGES, mid_end). Blocks start at multiples of BLOCK_P,
         # so the loads stay aligned (vectorised); `ok` masks the sink pages of block 0.

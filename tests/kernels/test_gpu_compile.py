@@ -39,27 +39,19 @@ for shortlist in (True, False):  # the 128K benchmark's launch: 8320-page table,
             "quest_select", "_select_kernel", ["_page_keys", "_kth_largest", "_shortlist_select"], SELECT_TYPES,
             dict(PAGE_SIZE=16, SINK_PAGES=4, RECENT=512, TOTAL=2048, TOP=92, BLOCK_P=8192, BLOCK_K=256,
                  RADIX_BITS=radix, SHORT_RADIX=radix, SHORTLIST=shortlist, GROUP=32, BLOCK_G=512, CAP=512,
-                 L_BITS=16, SCRATCH=1024, GIVEN_MAXIMA=False, PAIRWISE=False, PAIR=16, PAIR_J=32), 16)
+                 L_BITS=16, SCRATCH=1024, GIVEN_MAXIMA=False), 16)
 # ... as the engine launches it: blocks of 4096, 8 warps, the group maxima from the page scores
 BUILDS["quest_select-given-maxima"] = (
     "quest_select", "_select_kernel", ["_page_keys", "_kth_largest", "_shortlist_select"], SELECT_TYPES,
     dict(PAGE_SIZE=16, SINK_PAGES=4, RECENT=512, TOTAL=2048, TOP=92, BLOCK_P=4096, BLOCK_K=256, RADIX_BITS=2,
-         SHORT_RADIX=4, SHORTLIST=True, GROUP=32, BLOCK_G=512, CAP=512, L_BITS=16, SCRATCH=1024, GIVEN_MAXIMA=True,
-         PAIRWISE=False, PAIR=16, PAIR_J=32),
-    8)
-# ... with the shortlist's choice by pairwise ranks up to 256 candidates (`PAIRWISE_ROOM`)
-BUILDS["quest_select-given-maxima-pairwise256"] = (
-    "quest_select", "_select_kernel", ["_page_keys", "_kth_largest", "_shortlist_select"], SELECT_TYPES,
-    dict(PAGE_SIZE=16, SINK_PAGES=4, RECENT=512, TOTAL=2048, TOP=92, BLOCK_P=4096, BLOCK_K=256, RADIX_BITS=2,
-         SHORT_RADIX=4, SHORTLIST=True, GROUP=32, BLOCK_G=512, CAP=512, L_BITS=16, SCRATCH=1024, GIVEN_MAXIMA=True,
-         PAIRWISE=True, PAIR=256, PAIR_J=32),
+         SHORT_RADIX=4, SHORTLIST=True, GROUP=32, BLOCK_G=512, CAP=512, L_BITS=16, SCRATCH=1024, GIVEN_MAXIMA=True),
     8)
 # Quest at total 8192 on the same table (top 476): groups of 16, 1024 maxima, room 2048, as launched
 BUILDS["quest_select-total8192"] = (
     "quest_select", "_select_kernel", ["_page_keys", "_kth_largest", "_shortlist_select"], SELECT_TYPES,
     dict(PAGE_SIZE=16, SINK_PAGES=4, RECENT=512, TOTAL=8192, TOP=476, BLOCK_P=4096, BLOCK_K=1024, RADIX_BITS=2,
          SHORT_RADIX=4, SHORTLIST=True, GROUP=16, BLOCK_G=1024, CAP=2048, L_BITS=16, SCRATCH=4096,
-         GIVEN_MAXIMA=False, PAIRWISE=False, PAIR=16, PAIR_J=32), 8)
+         GIVEN_MAXIMA=False), 8)
 # dense split-K decode, GQA 4, d 128, bf16: plain, every head's logits (H2O), the group's max
 # logit (OmniKV); partials merged by the second kernel, by the last program, or one split
 # (the merge kernel or the last program); the balanced plan's flat grid over 520 rows, dense

@@ -90,20 +90,16 @@ def test_page_scores(case, gen, device):
 
 from sparseengine.kernels.bench_quest import SCORE_LAUNCHES  # noqa: E402  (the GPU sweep's launches)
 
-# (iters, keep the tiles and store them after the loop, pages as the dot's rows, loads a tile ahead)
-TILINGS = [(2, False, False, False), (3, False, False, False), (2, True, False, False), (4, True, False, False),
-           (2, False, True, False), (4, True, True, False), (1, True, True, False), (4, True, False, True),
-           (2, True, True, True), (1, True, False, True)]
+# (iters, keep the tiles and store them after the loop)
+TILINGS = [(2, False), (3, False), (1, True), (2, True), (4, True)]
 
 
-@pytest.mark.parametrize("iters,keep,rows,prefetch", TILINGS, ids=lambda v: str(v))
-def test_page_scores_loop_over_tiles(iters, keep, rows, prefetch, gen, device):
+@pytest.mark.parametrize("iters,keep", TILINGS, ids=lambda v: str(v))
+def test_page_scores_loop_over_tiles(iters, keep, gen, device):
     """Several 16-page tiles per program: 75 and 38 pages of 4 tokens, so the programs'
-    last tiles are partial or empty; each tile stored at once or all after the loop, the
-    dot with the heads or the pages as its rows."""
+    last tiles are partial or empty; each tile stored at once or all after the loop."""
     _, args = _scored_cache((8, 2, 32, 4, [300, 150]), gen, device)
-    got = quest_page_scores_triton(*args, block_p=16, iters=iters, keep_tiles=keep, pages_as_rows=rows,
-                                   prefetch=prefetch, num_stages=1 if prefetch else None)
+    got = quest_page_scores_triton(*args, block_p=16, iters=iters, keep_tiles=keep)
     assert_close(_read(got, args[4], 4), quest_page_scores_ref(*args), 1e-4)
 
 
@@ -111,8 +107,6 @@ def test_page_scores_kept_tiles_need_a_power_of_two(gen, device):
     _, args = _scored_cache(CASES[1], gen, device)
     with pytest.raises(ValueError, match="iters must be a power of two when the tiles are kept, got 3"):
         quest_page_scores_triton(*args, block_p=16, iters=3, keep_tiles=True)
-    with pytest.raises(ValueError, match="prefetch needs keep_tiles"):
-        quest_page_scores_triton(*args, block_p=16, iters=2, prefetch=True, keep_tiles=False)
     with pytest.raises(ValueError, match="iters must be an int >= 1, got 0"):
         quest_page_scores_triton(*args, block_p=16, iters=0)
     with pytest.raises(TypeError, match="unexpected keyword argument 'stages'"):
@@ -192,15 +186,13 @@ def _written_groups(maxima, kv_lens, ps, group):
 
 
 @pytest.mark.parametrize("group,sink_pages,recent", [(2, 1, 5), (4, 0, 0), (8, 3, 16), (16, 2, 9), (1, 1, 4)])
-@pytest.mark.parametrize("fold,keep,rows,prefetch", [(False, False, False, False), (True, False, False, False),
-                                                     (True, True, False, False), (False, True, True, False),
-                                                     (True, True, False, True)])
-def test_scores_and_middle_group_maxima(group, sink_pages, recent, fold, keep, rows, prefetch, gen, device):
+@pytest.mark.parametrize("fold,keep", [(False, False), (True, False), (False, True), (True, True)])
+def test_scores_and_middle_group_maxima(group, sink_pages, recent, fold, keep, gen, device):
     """One launch gives the scores, equal to the scores' launch alone, and each group's
     maximum over the request's middle pages (sink pages and the pages from the first
     recent token's on excluded; -inf for a group with none), as the torch twin takes them
     from those scores: requests of 300, 150, 9 and 1 tokens in pages of 4, tiles of 16
-    (stored a tile at a time or after the loop; heads or pages as the dot's rows)."""
+    (stored a tile at a time or after the loop)."""
     hq, hkv, d, ps, lens = 8, 2, 32, 4, [300, 150, 9, 1]
     kv = random_paged_kv(lens, hkv, d, ps, generator=gen, device=device)
     (hi, lo), _, last = _decode_step(kv, gen, device)
@@ -209,7 +201,7 @@ def test_scores_and_middle_group_maxima(group, sink_pages, recent, fold, keep, r
     new_keys = {"k_cache": kv.k_cache, "new_slots": last} if fold else {}
     q = randn(len(lens), hq, d, generator=gen, device=device)
     args = (q, hi, lo, kv.page_table, kv.kv_lens, ps)
-    tiling = {"block_p": 16, "iters": 2, "keep_tiles": keep, "pages_as_rows": rows, "prefetch": prefetch}
+    tiling = {"block_p": 16, "iters": 2, "keep_tiles": keep}
     scores, maxima = quest_page_scores_and_maxima_triton(
         *args, group=group, sink_pages=sink_pages, recent_tokens=recent, **new_keys, **tiling)
     assert maxima.shape == (len(lens), hkv, -(-kv.page_table.shape[1] // group)) and maxima.dtype == torch.float32

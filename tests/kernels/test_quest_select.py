@@ -52,16 +52,12 @@ def _scores(values: torch.Tensor, kv_lens, ps) -> torch.Tensor:
 # the full search here), the shortlist with 16 slots (rows with more candidates fall back
 # to the full search), the default, and the full search alone.
 SEARCHES = {"shortlist": dict(shortlist_cap=4096), "fallback": dict(shortlist_cap=16), "default": {},
-            "full": dict(shortlist=False),
-            # the shortlist's choice by pairwise ranks: for every row, or for rows of at most 16
-            # candidates (the others by the radix search)
-            "pairwise": dict(shortlist_cap=4096, pairwise_room=4096), "pairwise16": dict(pairwise_room=16),
-            "pairwise256": dict(pairwise_room=256)}  # the engine's room (GPU)
+            "full": dict(shortlist=False)}
 
 
 # (search, radix bits): the full search at each radix, the shortlist at its default and at 1
 RUNS = [("full", 1), ("full", 2), ("full", 4), ("shortlist", None), ("shortlist", 1), ("fallback", None),
-        ("default", None), ("pairwise", None), ("pairwise16", None)]
+        ("default", None)]
 
 
 @pytest.mark.parametrize("search,radix_bits", RUNS)
@@ -148,7 +144,7 @@ def test_many_pages_to_take(budget, gen, device):
     assert torch.equal(pages, want_pages)
 
 
-@pytest.mark.parametrize("search", ["shortlist", "default", "pairwise"])
+@pytest.mark.parametrize("search", ["shortlist", "default"])
 def test_clustered_scores_above_the_settled_bound(search, gen, device):
     """The shortlist's bound L keeps only its top `L_BITS` key bits: scores within 2^-7 of
     each other share them, so pages below the exact m-th largest group maximum become
@@ -190,8 +186,7 @@ def test_ties_go_to_the_earlier_page(dtype, gen, device):
     scores = _scores(values, lens, ps).to(dtype).to(device)
     kv_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     runs = [(16, 2, "full"), (128, 1, "full"), (128, 4, "full"),  # 128 >= P: one block
-            (16, 2, "shortlist"), (128, 1, "shortlist"), (16, None, "shortlist"), (16, 2, "fallback"),
-            (16, None, "pairwise"), (128, None, "pairwise16")]
+            (16, 2, "shortlist"), (128, 1, "shortlist"), (16, None, "shortlist"), (16, 2, "fallback")]
     for block, radix_bits, search in runs:
         pages, counts = quest_select_pages_triton(scores, kv_lens, ps, sink, recent, budget, block_p=block,
                                                   radix_bits=radix_bits, **SEARCHES[search])
@@ -216,7 +211,7 @@ def _maxima(scores, kv_lens, ps, sink, budget, recent):
     return middle_group_maxima_ref(scores, torch.as_tensor(kv_lens), ps, group, -(-sink // ps), recent)
 
 
-@pytest.mark.parametrize("search", ["shortlist", "fallback", "default", "pairwise", "pairwise16"])
+@pytest.mark.parametrize("search", ["shortlist", "fallback", "default"])
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_given_group_maxima_choose_the_same_pages(case, search, gen, device):
     """With the group maxima given (the page scores' launch took them), the choice is the
@@ -237,7 +232,7 @@ def test_given_group_maxima_with_ties(gen, device):
     scores = _scores(palette[torch.randint(0, 8, (len(lens), hkv, P), generator=gen)], lens, ps).to(device)
     kv_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     maxima = _maxima(scores, lens, ps, sink, budget, recent)
-    for search in ("shortlist", "fallback", "pairwise", "pairwise16"):
+    for search in ("shortlist", "fallback"):
         pages, counts = quest_select_pages_triton(scores, kv_lens, ps, sink, recent, budget, block_p=16,
                                                   group_maxima=maxima, **SEARCHES[search])
         for b, n in enumerate(lens):
@@ -277,8 +272,6 @@ def test_bad_inputs_name_the_value(device):
         quest_select_pages_triton(scores, lens, 4, 4, 4, 8, radix_bits=3)
     with pytest.raises(ValueError, match="shortlist_cap must be a power of two >= 16, got 24"):
         quest_select_pages_triton(scores, lens, 4, 4, 4, 8, shortlist_cap=24)
-    with pytest.raises(ValueError, match="pairwise_room must be 0 or a power of two >= 16, got 48"):
-        quest_select_pages_triton(scores, lens, 4, 4, 4, 8, pairwise_room=48)
 
 
 @pytest.mark.gpu
@@ -301,7 +294,7 @@ def test_gpu_128k_batch6_and_cuda_graph(gen):
     args = (scores, kv_lens, ps, sink, recent, budget)
     for block, radix_bits, search in ((1024, 2, "full"), (4096, 1, "full"), (8192, 1, "full"), (8192, 2, "full"),
                                       (8192, 4, "full"), (8192, 2, "default"), (8192, 1, "shortlist"),
-                                      (8192, 2, "fallback"), (4096, None, "pairwise256"), (4096, None, "pairwise16")):
+                                      (8192, 2, "fallback")):
         got = quest_select_pages_triton(*args, block_p=block, radix_bits=radix_bits, **SEARCHES[search])
         for g, w in zip(got, select_pages_batched(*args)):
             assert torch.equal(g, w), (block, radix_bits, search)
