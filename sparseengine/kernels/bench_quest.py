@@ -293,4 +293,3 @@ def bench_quest_select_warps(out_path, B=6, P=8320, n=131072):
             emit(out_path, {"kind": "quest_select_warps", "batch": B, "hkv": HKV, "pages": P, "kv_len": n,
                             "block_p": block_p, "num_warps": warps, "us_per_launch": per_launch_us(fn),
                             "equals_default": same})
-

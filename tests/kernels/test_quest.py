@@ -4,6 +4,7 @@ import torch
 from sparseengine.kernels import (middle_group_maxima_ref, paged_kv_write_ref, quest_page_scores_and_maxima_triton,
                                   quest_page_scores_ref, quest_page_scores_triton, update_page_minmax_ref,
                                   update_page_minmax_triton)
+from sparseengine.kernels.bench_quest import SCORE_LAUNCHES  # the launches the GPU sweep times
 from sparseengine.kernels.testing import CASES, assert_close, case_id, random_paged_kv, randn
 
 
@@ -88,8 +89,6 @@ def test_page_scores(case, gen, device):
         assert torch.isneginf(ref[b, :, -(-n // ps):]).all()
 
 
-from sparseengine.kernels.bench_quest import SCORE_LAUNCHES  # noqa: E402  (the GPU sweep's launches)
-
 # (iters, keep the tiles and store them after the loop)
 TILINGS = [(2, False), (3, False), (1, True), (2, True), (4, True)]
 
@@ -103,7 +102,7 @@ def test_page_scores_loop_over_tiles(iters, keep, gen, device):
     assert_close(_read(got, args[4], 4), quest_page_scores_ref(*args), 1e-4)
 
 
-def test_page_scores_kept_tiles_need_a_power_of_two(gen, device):
+def test_page_scores_bad_launch(gen, device):
     _, args = _scored_cache(CASES[1], gen, device)
     with pytest.raises(ValueError, match="iters must be a power of two when the tiles are kept, got 3"):
         quest_page_scores_triton(*args, block_p=16, iters=3, keep_tiles=True)
@@ -255,7 +254,8 @@ def test_gpu_32k(gen):
                                                           recent_tokens=512, **tiling)
         assert_close(_read(got, kv_lens, ps)[:-1], want[:-1], 1e-3)
         groups = middle_group_maxima_ref(_read(got, kv_lens, ps), kv_lens, ps, 32, 4, 512)
-        assert torch.equal(_written_groups(maxima, kv_lens, ps, 32)[:-1], _written_groups(groups, kv_lens, ps, 32)[:-1]), tiling
+        written = _written_groups(maxima, kv_lens, ps, 32)[:-1]
+        assert torch.equal(written, _written_groups(groups, kv_lens, ps, 32)[:-1]), tiling
 
 
 def test_page_scores_fp16(gen, device):
