@@ -12,7 +12,7 @@ import sys
 import torch
 
 from sparseengine.kernels import paged_decode_triton, sparse_page_decode_triton
-from sparseengine.kernels.bench_gpu import BF16, D, HKV, HQ, PS, per_launch_us
+from sparseengine.kernels.bench_common import BF16, D, HKV, HQ, PS, per_launch_us
 
 
 def caches(pool, layout, gen):

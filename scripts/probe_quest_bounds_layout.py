@@ -3,7 +3,7 @@ over two layouts of the page bounds: `separate` (kmax and kmin, two `[pages, Hkv
 tensors, the engine's) and `interleaved` (one `[pages, Hkv, 2, d]` tensor, kmax and kmin
 its two views: a (page, head)'s bounds in one 512-byte run), each with a random and a
 contiguous page table, over a few launch configurations; per launch in a CUDA graph of 30
-(`bench_gpu.per_launch_us`), each output checked against the default launch on the
+(`bench_common.per_launch_us`), each output checked against the default launch on the
 separate layout over the request's pages (the kernel leaves tiles wholly past them unwritten).
 
     python scripts/probe_quest_bounds_layout.py OUT.jsonl [--layouts separate] [--tables contiguous]
@@ -17,7 +17,7 @@ import subprocess
 import torch
 
 from sparseengine.kernels import quest_page_scores_triton
-from sparseengine.kernels.bench_gpu import emit, per_launch_us
+from sparseengine.kernels.bench_common import emit, per_launch_us
 
 B, P, N, HKV, HQ, D, PS = 6, 8320, 131072, 8, 32, 128, 16
 CONFIGS = ((64, 2, 4, 2), (64, 1, 4, None), (32, 1, 2, None), (64, 2, 4, 3), (32, 2, 2, 2), (64, 2, 8, 2),

@@ -50,7 +50,7 @@ def stages() -> dict[str, str]:
 
 def main(out_path: str) -> None:
     from sparseengine.kernels import quest_select, quest_select_pages_triton
-    from sparseengine.kernels.bench_gpu import HKV, PS, per_launch_us
+    from sparseengine.kernels.bench_common import HKV, PS, per_launch_us
 
     B, P, n = 6, 8320, 131072
     gen = torch.Generator(device="cuda").manual_seed(0)

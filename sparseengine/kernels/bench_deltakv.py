@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from sparseengine.kernels.bench_gpu import BF16, D, HKV, PS, emit, per_launch_us
+from sparseengine.kernels.bench_common import BF16, D, HKV, PS, emit, per_launch_us
 
 
 def bench_deltakv_rebuild(out_path, n=131072, sink=64, budget=1472, recent=512, rank=256):

@@ -1,13 +1,14 @@
 """GPU check and benchmark of the kernels: `python -m sparseengine.kernels.bench_gpu --out FILE`.
 
-1. Checks every Triton kernel against its torch reference at a medium bf16 shape.
+1. Checks every Triton kernel against its torch reference at a medium bf16 shape
+   (`check_gpu`).
 2. Times dense paged decode (Llama-3.1-8B attention shape: Hq=32, Hkv=8, d=128, bf16,
    page 16) at batch 32 x 32K and batch 1 x 128K with `triton.testing.do_bench`
    (median), reporting GB/s of K+V read, for several split sizes.
 3. Side by side on the same cache (when `flashinfer` imports): our Triton decode and
    FlashInfer's `BatchDecodeWithPagedKVCacheWrapper` (CUDA-core and tensor-core kernels),
    timed with CUDA events, with the max abs error between them and against the fp32
-   torch reference. `--flashinfer` runs only this part.
+   torch reference (`bench_flashinfer`). `--flashinfer` runs only this part.
 4. Times the sparse decode paths at the headline budget (2048 tokens), the paged prefill
    and the block-sparse prefill, for reference.
 Every result is one JSON line appended to `--out` (and printed).
@@ -15,148 +16,17 @@ Every result is one JSON line appended to `--out` (and printed).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import time
 
 import torch
 
-from . import (decode_colsum_ref, decode_colsum_triton, deltakv_rebuild_ref, deltakv_rebuild_triton,
-               omnikv_scores_ref, omnikv_scores_triton, paged_decode_ref, paged_decode_triton,
-               paged_kv_write_ref, paged_kv_write_triton, paged_prefill_ref, paged_prefill_triton,
-               prefill_window_colsum_ref, prefill_window_colsum_triton, quest_page_scores_ref,
-               quest_page_scores_triton, sparse_decode_ref, sparse_decode_triton, sparse_page_decode_ref,
-               sparse_page_decode_triton, update_page_minmax_ref, update_page_minmax_triton)
-from .block_sparse_prefill import block_sparse_prefill_ref, block_sparse_prefill_triton
+from . import (decode_colsum_triton, omnikv_scores_triton, paged_decode_triton, paged_prefill_triton,
+               quest_page_scores_triton, sparse_decode_triton, sparse_page_decode_triton)
+from .bench_common import BF16, D, HKV, HQ, PS, decode_cache, emit, run_meta
+from .bench_flashinfer import bench_flashinfer_decode
+from .block_sparse_prefill import block_sparse_prefill_triton
+from .check_gpu import check_kernels
 from .paged_decode import MODE_DENSE, split_k_decode
-from .testing import random_paged_kv, randn, rel_err
-
-HQ, HKV, D, PS = 32, 8, 128, 16
-BF16 = torch.bfloat16
-
-
-def emit(out_path, record):
-    line = json.dumps(record)
-    print(line, flush=True)
-    with open(out_path, "a") as f:
-        f.write(line + "\n")
-
-
-def _meta():
-    commit = os.environ.get("SPARSEENGINE_GIT_COMMIT", "")  # set by scripts/gpu_session.sh
-    if not commit:
-        # --dirty: the device tool's copy carries the working tree over a .git that can stay
-        # at an older commit (the session's first); its HEAD alone named the wrong commit
-        try:
-            git = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True)
-            commit = git.stdout.strip() if git.returncode == 0 else ""
-        except OSError:
-            commit = ""
-    import triton
-
-    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "git_commit": commit or None, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
-
-
-def _pairs(a, b):
-    return zip(a, b) if isinstance(a, tuple) else [(a, b)]
-
-
-def check_kernels(out_path):
-    """Each Triton kernel against its reference at a medium bf16 shape."""
-    from sparseengine.methods.deltakv_store import CodecStore
-    gen = torch.Generator().manual_seed(0)
-    lens = [4000, 1234, 777, 2048]
-    kv = random_paged_kv(lens, HKV, D, PS, generator=gen, dtype=BF16, device="cuda", poison=False)
-    B = len(lens)
-    q = randn(B, HQ, D, generator=gen, dtype=BF16, device="cuda")
-    base = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens)
-    idx = torch.stack([torch.stack([torch.randperm(n, generator=gen)[:512] for _ in range(HKV)]) for n in lens])
-    idx, num = idx.int().cuda(), torch.full((B, HKV), 512, dtype=torch.int32, device="cuda")
-    pidx = torch.stack([torch.stack([torch.randperm(-(-n // PS), generator=gen)[:32] for _ in range(HKV)])
-                        for n in lens]).int().cuda()
-    pnum = torch.full((B, HKV), 32, dtype=torch.int32, device="cuda")
-    cu = torch.tensor([0, 512, 512 + 64, 512 + 64 + 1, 512 + 64 + 1 + 300], device="cuda").int()
-    qp = randn(int(cu[-1]), HQ, D, generator=gen, dtype=BF16, device="cuda")
-    hi = torch.zeros(kv.k_cache.shape[0], HKV, D, device="cuda", dtype=BF16)
-    lo = hi.clone()
-    slots = torch.cat([kv.slots(b) for b in range(B)])
-    update_page_minmax_ref(kv.k_cache, slots, hi, lo)
-    n = 3000
-    qs, ks, vs = (randn(n, h, D, generator=gen, dtype=BF16, device="cuda") for h in (HQ, HKV, HKV))
-    bmask = (torch.rand(HQ, -(-n // 128), -(-n // 128), generator=gen) < 0.3).cuda()
-    codec = CodecStore(5000, 10, 4, 4, 2 * HKV * D, 256, BF16, "cuda")
-    codec.write_random(5000, torch.Generator(device="cuda").manual_seed(0))
-    up = randn(256, 2 * HKV * D, generator=gen, device="cuda") / 16
-    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, D, 2, device="cuda").float() / D)
-    tok = torch.randperm(5000, generator=gen)[:1000].cuda() + 4
-    tok_slots = torch.randperm(kv.k_cache.shape[0] * PS, generator=gen)[:1000].cuda()
-
-    def rebuild(fn):
-        caches = kv.k_cache.clone(), kv.v_cache.clone()
-        fn(codec.full(), up, inv_freq, tok, tok_slots, *caches, 4)
-        return caches
-
-    def minmax(fn):
-        a, b = torch.zeros_like(hi), torch.zeros_like(lo)
-        fn(kv.k_cache, slots, a, b)
-        return a, b
-
-    def kv_write(fn):
-        caches = kv.k_cache.clone(), kv.v_cache.clone()
-        new = randn(5, HKV, D, generator=torch.Generator().manual_seed(1), dtype=BF16, device="cuda")
-        fn(new, new, *caches, torch.tensor([3, -1, 40, 41, 7], device="cuda"))
-        return caches
-
-    cases = {
-        "paged_kv_write": (lambda: kv_write(paged_kv_write_ref), lambda: kv_write(paged_kv_write_triton)),
-        "paged_decode": (lambda: paged_decode_ref(*base, return_lse=True),
-                         lambda: paged_decode_triton(*base, return_lse=True)),
-        "paged_prefill": (lambda: paged_prefill_ref(qp, *base[1:], cu, return_lse=True),
-                          lambda: paged_prefill_triton(qp, *base[1:], cu, return_lse=True)),
-        "sparse_decode": (lambda: sparse_decode_ref(*base, idx, num), lambda: sparse_decode_triton(*base, idx, num)),
-        "sparse_page_decode": (lambda: sparse_page_decode_ref(*base, pidx, pnum),
-                               lambda: sparse_page_decode_triton(*base, pidx, pnum)),
-        "decode_colsum": (lambda: decode_colsum_ref(*base), lambda: decode_colsum_triton(*base)),
-        "prefill_window_colsum": (
-            lambda: prefill_window_colsum_ref(qp, kv.k_cache, kv.page_table, kv.kv_lens, cu, 32),
-            lambda: prefill_window_colsum_triton(qp, kv.k_cache, kv.page_table, kv.kv_lens, cu, 32)),
-        "update_page_minmax": (lambda: minmax(update_page_minmax_ref), lambda: minmax(update_page_minmax_triton)),
-        "quest_page_scores": (lambda: quest_page_scores_ref(q, hi, lo, kv.page_table, kv.kv_lens, PS),
-                              lambda: quest_page_scores_triton(q, hi, lo, kv.page_table, kv.kv_lens, PS)),
-        "omnikv_scores_logits": (lambda: omnikv_scores_ref(q, kv.k_cache, kv.page_table, kv.kv_lens),
-                                 lambda: omnikv_scores_triton(q, kv.k_cache, kv.page_table, kv.kv_lens)),
-        "omnikv_scores_probs": (lambda: omnikv_scores_ref(q, kv.k_cache, kv.page_table, kv.kv_lens, "probs"),
-                                lambda: omnikv_scores_triton(q, kv.k_cache, kv.page_table, kv.kv_lens, "probs")),
-        "deltakv_rebuild": (lambda: rebuild(deltakv_rebuild_ref), lambda: rebuild(deltakv_rebuild_triton)),
-        "block_sparse_prefill": (lambda: block_sparse_prefill_ref(qs, ks, vs, bmask),
-                                 lambda: block_sparse_prefill_triton(qs, ks, vs, bmask)),
-    }
-    ok = True
-    for name, (ref_fn, tri_fn) in cases.items():
-        try:
-            pairs = list(_pairs(tri_fn(), ref_fn()))
-            errs = [rel_err(t, r) for t, r in pairs]
-            nan = any(bool(t.isnan().any()) for t, _ in pairs)
-            passed = max(errs) < 2e-2 and not nan
-            emit(out_path, {"kind": "check", "kernel": name, "rel_err": max(errs), "nan": nan, "ok": passed})
-        except Exception as e:  # report and go on: one broken kernel must not hide the others
-            passed = False
-            emit(out_path, {"kind": "check", "kernel": name, "ok": False, "error": repr(e)[:500]})
-        ok &= passed
-    return ok
-
-
-def decode_cache(B, L, gen_seed=0):
-    torch.manual_seed(gen_seed)
-    pages = L // PS
-    k_cache = torch.randn(B * pages, PS, HKV, D, device="cuda", dtype=BF16)
-    v_cache = torch.randn_like(k_cache)
-    page_table = torch.randperm(B * pages, device="cuda").int().view(B, pages)
-    kv_lens = torch.full((B,), L, dtype=torch.int32, device="cuda")
-    q = torch.randn(B, HQ, D, device="cuda", dtype=BF16)
-    return q, k_cache, v_cache, page_table, kv_lens
+from .testing import random_paged_kv
 
 
 def bench_decode(out_path, B, L, chunks=(None, 512, 1024, 2048, 4096, 8192), tune=False):
@@ -180,99 +50,6 @@ def bench_decode(out_path, B, L, chunks=(None, 512, 1024, 2048, 4096, 8192), tun
                 emit(out_path, {"kind": "tune", "kernel": "paged_decode_triton", "kv_chunk": chunk or "auto",
                                  "block_n": block_n, "num_warps": warps, "num_stages": stages, **shape, "ms": ms,
                                  "GBps": kv_bytes / ms / 1e6})
-
-
-def _time_cuda(fn, iters=50, warmup=5):
-    """(median, mean) ms of `fn` on the GPU, one CUDA event pair per call."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    times = sorted(start.elapsed_time(end) for start, end in events)
-    return times[len(times) // 2], sum(times) / len(times)
-
-
-
-def _time_back_to_back(fn, calls: int = 20, iters: int = 10) -> float:
-    """Median ms of one ``fn()`` among ``calls`` issued back to back between two events: the
-    host queues the next launch while the GPU runs this one, so the host's launch time is
-    not counted (a single call's events count the first launch's)."""
-    return _time_cuda(lambda: [fn() for _ in range(calls)], iters=iters, warmup=1)[0] / calls
-
-
-def per_launch_us(fn, launches: int = 30) -> float:
-    """Median microseconds of one ``fn()`` among ``launches`` replayed in one CUDA graph
-    (no launch overhead counted)."""
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            fn()
-    median, _ = _time_cuda(graph.replay, iters=20)
-    return 1e3 * median / launches
-
-def bench_flashinfer_decode(out_path, B, L):
-    """Triton dense paged decode vs FlashInfer decode on one cache. Lengths end off the page
-    boundary (L - b % PS) so partial last pages are exercised; FlashInfer's page metadata
-    comes from the provider's own `paged_metadata`."""
-    from sparseengine.attention.flashinfer_provider import FLASHINFER_VERSION, paged_metadata
-    from sparseengine.engine.step_context import LayerView
-
-    shape = {"batch": B, "kv_len": L, "hq": HQ, "hkv": HKV, "head_dim": D, "page_size": PS, "dtype": "bfloat16"}
-    try:
-        import flashinfer
-    except Exception as e:  # noqa: BLE001 - any import failure means "not available"
-        emit(out_path, {"kind": "bench", "kernel": "flashinfer_decode", **shape, "skipped": repr(e)[:300]})
-        return
-    q, k_cache, v_cache, page_table, kv_lens = decode_cache(B, L)
-    lens = [L - b % PS for b in range(B)]
-    kv_lens.copy_(torch.tensor(lens, dtype=torch.int32))
-    kv_bytes = 2 * sum(lens) * HKV * D * k_cache.element_size()
-    ref = paged_decode_ref(q, k_cache, v_cache, page_table, kv_lens).float()
-    ours = paged_decode_triton(q, k_cache, v_cache, page_table, kv_lens)
-    run_ours = lambda: paged_decode_triton(q, k_cache, v_cache, page_table, kv_lens)  # noqa: E731
-    ms, mean = _time_cuda(run_ours)
-    b2b = _time_back_to_back(run_ours)
-    emit(out_path, {"kind": "bench", "kernel": "paged_decode_triton", "timer": "cuda_events", **shape, "ms": ms,
-                     "mean_ms": mean, "GBps": kv_bytes / ms / 1e6, "ms_back_to_back": b2b,
-                     "GBps_back_to_back": kv_bytes / b2b / 1e6,
-                     "max_abs_err_vs_ref": (ours.float() - ref).abs().max().item()})
-    view = LayerView(torch.zeros(B, dtype=torch.long, device="cuda"), kv_lens, tuple(lens), page_table)
-    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
-    for tensor_cores in (False, True):
-        meta = {"tensor_cores": tensor_cores, "backend": "fa2", "flashinfer": flashinfer.__version__,
-                "flashinfer_written_for": FLASHINFER_VERSION}
-        try:
-            t0 = time.perf_counter()
-            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tensor_cores,
-                                                                    backend="fa2")
-            indptr, indices, last_page_len = paged_metadata(view, PS)
-            wrapper.plan(indptr, indices, last_page_len, HQ, HKV, D, PS, pos_encoding_mode="NONE",
-                         q_data_type=BF16, kv_data_type=BF16)
-            first = wrapper.run(q, (k_cache, v_cache))  # the first plan + run also builds the JIT module
-            torch.cuda.synchronize()
-            first_call_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            for _ in range(10):
-                wrapper.plan(*paged_metadata(view, PS), HQ, HKV, D, PS, pos_encoding_mode="NONE",
-                             q_data_type=BF16, kv_data_type=BF16)
-            torch.cuda.synchronize()
-            plan_ms = (time.perf_counter() - t0) / 10 * 1e3
-            ms, mean = _time_cuda(lambda: wrapper.run(q, (k_cache, v_cache)))
-            b2b = _time_back_to_back(lambda: wrapper.run(q, (k_cache, v_cache)))
-            emit(out_path, {"kind": "bench", "kernel": "flashinfer_decode", "timer": "cuda_events", **meta, **shape,
-                             "ms": ms, "mean_ms": mean, "GBps": kv_bytes / ms / 1e6, "ms_back_to_back": b2b,
-                             "GBps_back_to_back": kv_bytes / b2b / 1e6, "plan_ms": plan_ms,
-                             "first_call_s": first_call_s,
-                             "max_abs_err_vs_triton": (first.float() - ours.float()).abs().max().item(),
-                             "max_abs_err_vs_ref": (first.float() - ref).abs().max().item()})
-        except Exception as e:  # noqa: BLE001 - record and go on to the next variant
-            emit(out_path, {"kind": "bench", "kernel": "flashinfer_decode", **meta, **shape, "error": repr(e)[:1000]})
 
 
 def bench_sparse(out_path, B=32, L=32768, budget=2048):
@@ -382,7 +159,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu needs a CUDA GPU")
-    emit(args.out, {"kind": "meta", **_meta()})
+    emit(args.out, {"kind": "meta", **run_meta()})
     parts = [part for flag, part in PARTS.items() if getattr(args, flag.replace("-", "_"))]
     for _, module, functions in parts:  # every part named, in PARTS' order
         bench = importlib.import_module(f"sparseengine.kernels.{module}")

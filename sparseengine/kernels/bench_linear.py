@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from sparseengine.kernels._common import lazy_jit
-from sparseengine.kernels.bench_gpu import BF16, emit, per_launch_us
+from sparseengine.kernels.bench_common import BF16, emit, per_launch_us
 
 if TYPE_CHECKING:
     import triton.language as tl

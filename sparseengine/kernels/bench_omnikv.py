@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from sparseengine.kernels.bench_gpu import BF16, D, HKV, HQ, PS, emit, per_launch_us
+from sparseengine.kernels.bench_common import BF16, D, HKV, HQ, PS, emit, per_launch_us
 
 
 def bench_omnikv_select(out_path, B=6, L=133120, n=131072, sink=64, budget=1472, recent=512):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from sparseengine.kernels.bench_gpu import BF16, D, HKV, HQ, PS, emit, per_launch_us
+from sparseengine.kernels.bench_common import BF16, D, HKV, HQ, PS, emit, per_launch_us
 
 
 def bench_quest_select(out_path, B=6, P=8320, n=131072):

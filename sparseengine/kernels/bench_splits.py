@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from sparseengine.kernels.bench_gpu import BF16, D, HKV, HQ, PS, decode_cache, emit, per_launch_us
+from sparseengine.kernels.bench_common import BF16, D, HKV, HQ, PS, decode_cache, emit, per_launch_us
 from sparseengine.kernels.paged_decode import MODE_DENSE, split_k_decode
 from sparseengine.kernels.split_plan import want_splits
 
