@@ -23,6 +23,7 @@ from . import (decode_colsum_triton, omnikv_scores_triton, paged_decode_triton, 
                quest_page_scores_triton, sparse_decode_triton, sparse_page_decode_triton)
 from .bench_common import BF16, D, HKV, HQ, PS, decode_cache, emit, run_meta
 from .bench_flashinfer import bench_flashinfer_decode
+from .bench_prefill import causal_flops
 from .block_sparse_prefill import block_sparse_prefill_triton
 from .check_gpu import check_kernels
 from .paged_decode import MODE_DENSE, split_k_decode
@@ -88,7 +89,7 @@ def bench_prefill(out_path, ctx=32768, chunk=4096, n=16384):
     cu = torch.tensor([0, chunk], device="cuda", dtype=torch.int32)
     ms = do_bench(lambda: paged_prefill_triton(q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, cu,
                                                max_q_len=chunk), return_mode="median")
-    flops = 4 * HQ * D * sum(ctx - chunk + i + 1 for i in range(chunk))
+    flops = causal_flops(ctx, chunk)
     emit(out_path, {"kind": "bench", "kernel": "paged_prefill_triton", "kv_len": ctx, "q_len": chunk, "ms": ms,
                      "TFLOPs": flops / ms / 1e9})
     qs, ks, vs = (torch.randn(n, h, D, device="cuda", dtype=BF16) for h in (HQ, HKV, HKV))
@@ -130,6 +131,8 @@ PARTS = {
                              "bench_quest", ("bench_quest_score_launches",)),
     "quest-select-warps": ("Quest's page choice as the engine launches it: pages a block x warps",
                            "bench_quest", ("bench_quest_select_warps",)),
+    "prefill-launches": ("the chunked prefill's launches (tile rows, key block, warps, stages, unmasked blocks "
+                         "first) at 32K and 128K", "bench_prefill", ("bench_prefill_launches",)),
     "skinny-linear": ("the decode step's weight GEMMs, cuBLAS beside the skinny Triton linear's configurations",
                       "bench_linear", ("bench_skinny_linear",)),
     "pdl-chain": ("the decode step's GEMM chain: cuBLAS, the skinny Triton linear, and both with PDL", "bench_linear",

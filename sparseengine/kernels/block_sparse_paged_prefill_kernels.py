@@ -85,7 +85,7 @@ def _paged_block_sparse_kernel(
             acc, m_i, l_i = causal_paged_block(
                 q, acc, m_i, l_i, n0, kv_len, offs_m, table, k_ptr, v_ptr, kvh, qk_scale,
                 stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, offs_d, d_ok,
-                PAGE_SIZE, BLOCK_N, DOT_PREC)
+                PAGE_SIZE, BLOCK_N, DOT_PREC, True)
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
                  (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])

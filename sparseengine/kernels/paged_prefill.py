@@ -10,9 +10,15 @@ KV head); the tile's rows are the BLOCK_M tokens x the g query heads of the KV h
 (GQA packing), so each K/V tile is read once per group. KV tiles past the tile's last
 position are never loaded. `max_q_len` (host int), if the caller knows it, shrinks the
 grid; otherwise T bounds it with no device sync (CUDA-graph safe).
+
+The launch (`PrefillLaunch`): `block_rows` rows a tile (tokens x padded group), `block_n`
+keys a step, `num_warps`, `num_stages`, and `split_mask`: the key blocks every row of the
+tile sees whole (below its first row's position) run first with no masking, then the
+rest (the diagonal) masked; off, every block is masked.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,8 +54,43 @@ def paged_prefill_ref(q, k_cache, v_cache, page_table, kv_lens, cu_q_lens, scale
     return (out, lse) if return_lse else out
 
 
+# The launch's defaults, read at each call (benchmarks and tests sweep them).
+BLOCK_ROWS, BLOCK_N, NUM_WARPS, NUM_STAGES, SPLIT_MASK = 64, 64, 4, 2, False
+
+
+@dataclass(frozen=True)
+class PrefillLaunch:
+    """The chunked prefill's launch (module docstring); `prefill_launch()` fills what a call
+    leaves out from the module's defaults at that call."""
+    block_rows: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    split_mask: bool
+
+    def __post_init__(self):
+        for name in ("block_rows", "block_n", "num_warps", "num_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        for name in ("block_rows", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16 (a tl.dot side), got {value}")
+
+
+def prefill_launch(block_rows=None, block_n=None, num_warps=None, num_stages=None, split_mask=None) -> PrefillLaunch:
+    """A `PrefillLaunch` with each argument left None taken from the module's defaults now."""
+    pick = lambda value, default: default if value is None else value  # noqa: E731
+    return PrefillLaunch(pick(block_rows, BLOCK_ROWS), pick(block_n, BLOCK_N), pick(num_warps, NUM_WARPS),
+                         pick(num_stages, NUM_STAGES), bool(pick(split_mask, SPLIT_MASK)))
+
+
 def paged_prefill_triton(q, k_cache, v_cache, page_table, kv_lens, cu_q_lens, scale=None, return_lse=False,
-                         *, max_q_len=None):
+                         *, max_q_len=None, **launch):
+    """`launch`: `prefill_launch`'s arguments (block_rows, block_n, num_warps, num_stages,
+    split_mask); a group wider than `block_rows` takes one token a tile."""
+    cfg = prefill_launch(**launch)
     T, Hq, d = q.shape
     page_size, Hkv = check_cache(k_cache, Hq, d)
     device = check_launch(q, k_cache, v_cache, page_table, kv_lens, cu_q_lens)
@@ -62,7 +103,7 @@ def paged_prefill_triton(q, k_cache, v_cache, page_table, kv_lens, cu_q_lens, sc
     if T == 0:
         return (out, lse) if return_lse else out
     g_pad = next_pow2(g)
-    block_m = max(1, 64 // g_pad)  # tokens per tile
+    block_m = max(1, cfg.block_rows // g_pad)  # tokens per tile
     n_tiles = cdiv(max_q_len if max_q_len is not None else T, block_m)
     _prefill_kernel[(B, n_tiles, Hkv)](
         q, k_cache, v_cache, out, lse, page_table, kv_lens, cu_q_lens,
@@ -72,8 +113,8 @@ def paged_prefill_triton(q, k_cache, v_cache, page_table, kv_lens, cu_q_lens, sc
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         page_table.stride(0), Hq,
         GROUP=g, G_PAD=g_pad, BLOCK_M=block_m, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
-        PAGE_SIZE=page_size, BLOCK_N=64, STORE_LSE=return_lse,
-        DOT_PREC=_common.dot_precision(q.dtype), num_warps=4, num_stages=2,
+        PAGE_SIZE=page_size, BLOCK_N=cfg.block_n, STORE_LSE=return_lse, SPLIT_MASK=cfg.split_mask,
+        DOT_PREC=_common.dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return (out, lse) if return_lse else out
 
@@ -85,7 +126,7 @@ def _prefill_kernel(
     stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, stride_pt, HQ,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, STORE_LSE: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    SPLIT_MASK: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     b = tl.program_id(0)
     tile = tl.program_id(1)
@@ -108,11 +149,20 @@ def _prefill_kernel(
         l_i = tl.zeros([BLOCK_M * G_PAD], tl.float32)
         acc = tl.zeros([BLOCK_M * G_PAD, BLOCK_D], tl.float32)
         kv_end = tl.minimum(kv_len, kv_len - q_len + (tile + 1) * BLOCK_M)
-        for n0 in range(0, kv_end, BLOCK_N):
+        table = page_table_ptr + b * stride_pt
+        n_whole = 0
+        if SPLIT_MASK:  # blocks wholly at or before the tile's first row: every row sees every key
+            n_whole = (kv_len - q_len + tile * BLOCK_M + 1) // BLOCK_N * BLOCK_N
+            for n0 in range(0, n_whole, BLOCK_N):
+                acc, m_i, l_i = causal_paged_block(
+                    q, acc, m_i, l_i, n0, kv_len, pos, table, k_ptr, v_ptr, kvh, qk_scale,
+                    stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, offs_d, d_ok,
+                    PAGE_SIZE, BLOCK_N, DOT_PREC, False)
+        for n0 in range(n_whole, kv_end, BLOCK_N):
             acc, m_i, l_i = causal_paged_block(
-                q, acc, m_i, l_i, n0, kv_len, pos, page_table_ptr + b * stride_pt, k_ptr, v_ptr, kvh, qk_scale,
+                q, acc, m_i, l_i, n0, kv_len, pos, table, k_ptr, v_ptr, kvh, qk_scale,
                 stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, offs_d, d_ok,
-                PAGE_SIZE, BLOCK_N, DOT_PREC)
+                PAGE_SIZE, BLOCK_N, DOT_PREC, True)
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         o_ptrs = out_ptr + (q_start + i)[:, None] * stride_ot + hq[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, (acc / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])

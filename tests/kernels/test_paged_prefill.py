@@ -3,6 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from sparseengine.kernels import paged_prefill_ref, paged_prefill_triton
+from sparseengine.kernels.bench_prefill import PREFILL_LAUNCHES
 from sparseengine.kernels.testing import CASES, assert_close, case_id, random_paged_kv, randn
 
 
@@ -47,6 +48,37 @@ def test_triton_matches_ref(case, gen, device):
     assert_close(paged_prefill_triton(*args, max_q_len=max_q_len), out_ref, 1e-4, "max_q_len")
 
 
+# small tiles and key blocks, so a chunk spans several tiles and its early key blocks are
+# whole for every row of a tile (the split's unmasked loop runs), with partial last blocks
+CPU_LAUNCHES = [dict(block_rows=16, block_n=16, split_mask=True), dict(block_rows=32, block_n=16, split_mask=True),
+                dict(block_rows=16, block_n=32, num_warps=2, split_mask=True), dict(block_rows=16, block_n=16)]
+
+
+@pytest.mark.parametrize("launch", CPU_LAUNCHES, ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[3]], ids=case_id)
+def test_launches_match_ref(case, launch, gen, device):
+    q, kv, cu = _inputs(case, gen, device)
+    args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, cu)
+    out_ref, lse_ref = paged_prefill_ref(*args, return_lse=True)
+    out, lse = paged_prefill_triton(*args, return_lse=True, **launch)
+    assert_close(out, out_ref, 1e-4, "out")
+    assert_close(lse, lse_ref, 1e-4, "lse")
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(block_rows=48), "block_rows must be a power of two >= 16"),
+    (dict(block_n=8), "block_n must be a power of two >= 16"),
+    (dict(num_warps=0), "num_warps must be an int >= 1"),
+    (dict(num_stages=2.0), "num_stages must be an int >= 1"),
+])
+def test_bad_launch_is_an_error(bad, message, gen, device):
+    q, kv, cu = _inputs(CASES[0], gen, device)
+    with pytest.raises(ValueError, match=message):
+        paged_prefill_triton(q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, cu, **bad)
+    with pytest.raises(TypeError):
+        paged_prefill_triton(q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, cu, block_m=16)
+
+
 def test_fp16(gen, device):
     q, kv, cu = _inputs(CASES[2], gen, device, torch.float16)
     args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, cu)
@@ -60,5 +92,6 @@ def test_gpu_bf16_chunk_over_32k(gen):
     cu = torch.tensor([0, 96, 96 + 4000, 96 + 4000 + 1], device="cuda").int()
     q = randn(int(cu[-1]), 32, 128, generator=gen, dtype=torch.bfloat16, device="cuda")
     args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, cu)
-    out = paged_prefill_triton(*args)
-    assert_close(out, dense_prefill(q, kv, cu).to(torch.bfloat16), 2e-2)
+    want = dense_prefill(q, kv, cu).to(torch.bfloat16)
+    for launch in PREFILL_LAUNCHES:  # every launch the benchmark sweeps
+        assert_close(paged_prefill_triton(*args, **launch), want, 2e-2, str(launch))
