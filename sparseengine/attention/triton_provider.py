@@ -76,7 +76,7 @@ class TritonAttentionProvider(AttentionProvider):
             return out, colsums
         check_prefill_scores(score_rows)
         out = kernels.paged_prefill_triton(q, k_cache, v_cache, table, lens, ctx.cu_q_lens,
-                                           max_q_len=max(ctx.q_lens))
+                                           max_q_len=max(ctx.q_lens), min_q_len=min(ctx.q_lens))
         if selection is not None:  # decode rows of a mixed batch read only their selection
             rows = [int(c) for c in ctx.cu_q_lens[1:].tolist()]
             last = torch.tensor([r - 1 for r in rows], device=q.device)

@@ -54,8 +54,18 @@ def paged_prefill_ref(q, k_cache, v_cache, page_table, kv_lens, cu_q_lens, scale
     return (out, lse) if return_lse else out
 
 
-# The launch's defaults, read at each call (benchmarks and tests sweep them).
-BLOCK_ROWS, BLOCK_N, NUM_WARPS, NUM_STAGES, SPLIT_MASK = 64, 64, 4, 2, False
+# The launch's defaults, read at each call (benchmarks and tests sweep them). On sm_90 with
+# head dim <= 128, SM90_LAUNCH replaces them (None: off); measured on the H200 (session 34,
+# `bench_gpu --prefill-launches`, results/prefill_launches_h200.jsonl): 456-475 TFLOP/s at
+# 32K and 128K against 248-274 for 64 x 64 tiles, 4 warps, 2 stages, every block masked.
+# Its tiles need ~200 KB of shared memory, and a tile of 256 rows spends 4x the small
+# tile's dots on a request of one query token (a decode row of a mixed step), so it applies
+# only when the caller says every request brings at least SM90_MIN_Q_LEN tokens
+# (`min_q_len`). Elsewhere (and under the interpreter) the small tiles stay, with the
+# unmasked blocks split off (+31-37% on the H200).
+BLOCK_ROWS, BLOCK_N, NUM_WARPS, NUM_STAGES, SPLIT_MASK = 64, 64, 4, 2, True
+SM90_LAUNCH = dict(block_rows=256, block_n=128, num_warps=8, num_stages=3, split_mask=True)
+SM90_MIN_Q_LEN = 64
 
 
 @dataclass(frozen=True)
@@ -79,19 +89,31 @@ class PrefillLaunch:
                 raise ValueError(f"{name} must be a power of two >= 16 (a tl.dot side), got {value}")
 
 
-def prefill_launch(block_rows=None, block_n=None, num_warps=None, num_stages=None, split_mask=None) -> PrefillLaunch:
-    """A `PrefillLaunch` with each argument left None taken from the module's defaults now."""
-    pick = lambda value, default: default if value is None else value  # noqa: E731
-    return PrefillLaunch(pick(block_rows, BLOCK_ROWS), pick(block_n, BLOCK_N), pick(num_warps, NUM_WARPS),
-                         pick(num_stages, NUM_STAGES), bool(pick(split_mask, SPLIT_MASK)))
+def prefill_launch(block_rows=None, block_n=None, num_warps=None, num_stages=None, split_mask=None, *,
+                   device=None, head_dim=None, min_q_len=None) -> PrefillLaunch:
+    """A `PrefillLaunch` with each argument left None taken from the module's defaults now:
+    `SM90_LAUNCH`'s on a CUDA `device` of compute capability 9.x with `head_dim` <= 128 and
+    `min_q_len` (the fewest query tokens of any request) >= `SM90_MIN_Q_LEN`."""
+    base = dict(block_rows=BLOCK_ROWS, block_n=BLOCK_N, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+                split_mask=SPLIT_MASK)
+    if (SM90_LAUNCH is not None and device is not None and torch.device(device).type == "cuda"
+            and (head_dim or 0) <= 128 and (min_q_len or 0) >= SM90_MIN_Q_LEN
+            and torch.cuda.get_device_capability(device)[0] == 9):
+        base.update(SM90_LAUNCH)
+    given = dict(block_rows=block_rows, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                 split_mask=split_mask)
+    base.update({k: v for k, v in given.items() if v is not None})
+    return PrefillLaunch(**{**base, "split_mask": bool(base["split_mask"])})
 
 
 def paged_prefill_triton(q, k_cache, v_cache, page_table, kv_lens, cu_q_lens, scale=None, return_lse=False,
-                         *, max_q_len=None, **launch):
-    """`launch`: `prefill_launch`'s arguments (block_rows, block_n, num_warps, num_stages,
-    split_mask); a group wider than `block_rows` takes one token a tile."""
-    cfg = prefill_launch(**launch)
+                         *, max_q_len=None, min_q_len=None, **launch):
+    """`min_q_len` (host int, optional): the fewest query tokens of any request, which lets
+    the launch take larger tiles (`prefill_launch`). `launch`: `prefill_launch`'s arguments
+    (block_rows, block_n, num_warps, num_stages, split_mask); a group wider than
+    `block_rows` takes one token a tile."""
     T, Hq, d = q.shape
+    cfg = prefill_launch(**launch, device=q.device, head_dim=d, min_q_len=min_q_len)
     page_size, Hkv = check_cache(k_cache, Hq, d)
     device = check_launch(q, k_cache, v_cache, page_table, kv_lens, cu_q_lens)
     _common.check_dtypes(q, k_cache, v_cache)

@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sparseengine.kernels import paged_prefill_ref, paged_prefill_triton
+from sparseengine.kernels import paged_prefill, paged_prefill_ref, paged_prefill_triton
 from sparseengine.kernels.bench_prefill import PREFILL_LAUNCHES
 from sparseengine.kernels.testing import CASES, assert_close, case_id, random_paged_kv, randn
 
@@ -51,7 +51,8 @@ def test_triton_matches_ref(case, gen, device):
 # small tiles and key blocks, so a chunk spans several tiles and its early key blocks are
 # whole for every row of a tile (the split's unmasked loop runs), with partial last blocks
 CPU_LAUNCHES = [dict(block_rows=16, block_n=16, split_mask=True), dict(block_rows=32, block_n=16, split_mask=True),
-                dict(block_rows=16, block_n=32, num_warps=2, split_mask=True), dict(block_rows=16, block_n=16)]
+                dict(block_rows=16, block_n=32, num_warps=2, split_mask=True),
+                dict(block_rows=16, block_n=16, split_mask=False)]
 
 
 @pytest.mark.parametrize("launch", CPU_LAUNCHES, ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()))
@@ -77,6 +78,26 @@ def test_bad_launch_is_an_error(bad, message, gen, device):
         paged_prefill_triton(q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, cu, **bad)
     with pytest.raises(TypeError):
         paged_prefill_triton(q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, cu, block_m=16)
+
+
+@pytest.mark.parametrize("major, head_dim, tuned", [(9, 128, True), (9, 64, True), (9, 256, False), (8, 128, False),
+                                                   (10, 128, False)])
+def test_default_launch_by_device(monkeypatch, major, head_dim, tuned):
+    """The H200-tuned launch only on sm_90 at head dim <= 128 (its tiles' shared memory) and
+    when every request brings SM90_MIN_Q_LEN tokens; elsewhere, and on the CPU, the small
+    tiles; a given argument always wins."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
+    sm90 = paged_prefill.PrefillLaunch(**paged_prefill.SM90_LAUNCH)
+    long_rows = paged_prefill.SM90_MIN_Q_LEN
+    got = paged_prefill.prefill_launch(device="cuda", head_dim=head_dim, min_q_len=long_rows)
+    assert (got == sm90) is tuned
+    # a request of fewer tokens (a decode row of a mixed step), or none said: the small tiles
+    for short in (long_rows - 1, None):
+        assert paged_prefill.prefill_launch(device="cuda", head_dim=head_dim, min_q_len=short).block_rows == 64
+    assert paged_prefill.prefill_launch(device="cpu", head_dim=head_dim, min_q_len=long_rows).block_rows == 64
+    assert paged_prefill.prefill_launch(num_warps=2, device="cuda", head_dim=head_dim,
+                                        min_q_len=long_rows).num_warps == 2
+    assert dict(paged_prefill.SM90_LAUNCH) in [dict(kw) for kw in PREFILL_LAUNCHES]  # the GPU test runs it
 
 
 def test_fp16(gen, device):
