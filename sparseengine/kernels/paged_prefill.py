@@ -56,13 +56,13 @@ def paged_prefill_ref(q, k_cache, v_cache, page_table, kv_lens, cu_q_lens, scale
 
 # The launch's defaults, read at each call (benchmarks and tests sweep them). On sm_90 with
 # head dim <= 128, SM90_LAUNCH replaces them (None: off); measured on the H200 (session 34,
-# `bench_gpu --prefill-launches`, results/prefill_launches_h200.jsonl): 456-475 TFLOP/s at
-# 32K and 128K against 248-274 for 64 x 64 tiles, 4 warps, 2 stages, every block masked.
-# Its tiles need ~200 KB of shared memory, and a tile of 256 rows spends 4x the small
-# tile's dots on a request of one query token (a decode row of a mixed step), so it applies
-# only when the caller says every request brings at least SM90_MIN_Q_LEN tokens
-# (`min_q_len`). Elsewhere (and under the interpreter) the small tiles stay, with the
-# unmasked blocks split off (+31-37% on the H200).
+# `bench_gpu --prefill-launches`, results/prefill_launches_h200.jsonl): 455-475 TFLOP/s at
+# 32K and 128K against 248-275 for 64 x 64 tiles, 4 warps, 2 stages, every block masked.
+# Its tiles take most of the H200's shared memory (256 x 256 keys no longer fits), and a
+# tile of 256 rows spends 4x the small tile's dots on a request of one query token (a
+# decode row of a mixed step), so it applies only when the caller says every request
+# brings at least SM90_MIN_Q_LEN tokens (`min_q_len`). Elsewhere (and under the
+# interpreter) the small tiles stay, with the unmasked blocks split off (+26-37% on the H200).
 BLOCK_ROWS, BLOCK_N, NUM_WARPS, NUM_STAGES, SPLIT_MASK = 64, 64, 4, 2, True
 SM90_LAUNCH = dict(block_rows=256, block_n=128, num_warps=8, num_stages=3, split_mask=True)
 SM90_MIN_Q_LEN = 64
