@@ -88,7 +88,7 @@ def bench_prefill(out_path, ctx=32768, chunk=4096, n=16384):
     q = torch.randn(chunk, HQ, D, device="cuda", dtype=BF16)
     cu = torch.tensor([0, chunk], device="cuda", dtype=torch.int32)
     ms = do_bench(lambda: paged_prefill_triton(q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, cu,
-                                               max_q_len=chunk), return_mode="median")
+                                               max_q_len=chunk, min_q_len=chunk), return_mode="median")
     flops = causal_flops(ctx, chunk)
     emit(out_path, {"kind": "bench", "kernel": "paged_prefill_triton", "kv_len": ctx, "q_len": chunk, "ms": ms,
                      "TFLOPs": flops / ms / 1e9})

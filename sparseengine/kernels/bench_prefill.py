@@ -10,10 +10,9 @@ from .bench_common import BF16, D, HKV, HQ, PS, emit
 from .paged_prefill import paged_prefill_triton, prefill_launch
 from .testing import random_paged_kv
 
-# Swept launches (the GPU test runs each against the reference); {} is the module's default
-# for the device (`paged_prefill.SM90_LAUNCH` on an H200), the next the launch before session 34.
+# Swept launches (the GPU test runs each against the reference); the first is the launch
+# before session 34; the module's defaults for the device are among them (each row says).
 PREFILL_LAUNCHES = (
-    {},
     dict(block_rows=64, block_n=64, num_warps=4, num_stages=2, split_mask=False),
     dict(block_rows=64, block_n=64, num_warps=4, num_stages=2, split_mask=True),
     dict(block_rows=64, block_n=64, num_warps=4, num_stages=3, split_mask=True),
@@ -44,10 +43,12 @@ def bench_prefill_launches(out_path, shapes=PREFILL_SHAPES, launches=PREFILL_LAU
         cu = torch.tensor([0, chunk], device="cuda", dtype=torch.int32)
         args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, cu)
         want = paged_prefill_triton(*args, max_q_len=chunk, min_q_len=chunk)
+        default = prefill_launch(device=q.device, head_dim=D, min_q_len=chunk)
         flops = causal_flops(ctx, chunk)
         for kw in launches:
             launch = prefill_launch(**kw, device=q.device, head_dim=D, min_q_len=chunk)
-            row = {"kind": "prefill_launch", "kv_len": ctx, "q_len": chunk, **vars(launch), "default": not kw}
+            row = {"kind": "prefill_launch", "kv_len": ctx, "q_len": chunk, **vars(launch),
+                   "default": launch == default}
             try:
                 got = paged_prefill_triton(*args, max_q_len=chunk, min_q_len=chunk, **kw)
                 ms = do_bench(lambda: paged_prefill_triton(*args, max_q_len=chunk, min_q_len=chunk, **kw),
