@@ -4,6 +4,8 @@ sums. CUDA in production; under ``TRITON_INTERPRET=1`` the same kernels run on a
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from sparseengine import kernels
@@ -15,6 +17,8 @@ from sparseengine.kernels.paged_decode import MAX_SPLIT_COUNTERS
 
 # decode_split_plan -> split_k_decode's `balanced` (None: its auto choice)
 SPLIT_PLANS = {"auto": None, "per_row": False}
+# a mixed step's one-row requests run the split-K decode, not the chunked prefill (A/B knob)
+ROUTE_DECODE_ROWS = True
 
 
 class TritonAttentionProvider(AttentionProvider):
@@ -62,27 +66,9 @@ class TritonAttentionProvider(AttentionProvider):
                 colsums = colsum if bound else [colsum[b, :, :n] for b, n in enumerate(view.kv_lens_list)]
             else:
                 out, colsums = None, None
-            if selection is not None:
-                sparse = self._sparse_decode(q, k_cache, v_cache, table, lens, selection)
-                if not any(selection.dense):  # no host tensor: CUDA-graph capturable
-                    out = sparse
-                else:
-                    if out is None:
-                        out = kernels.paged_decode_triton(q, k_cache, v_cache, table, lens, **split)
-                    dense_rows = torch.tensor(selection.dense, device=q.device)[:, None, None]
-                    out = torch.where(dense_rows, out, sparse)
-            elif out is None:
-                out = kernels.paged_decode_triton(q, k_cache, v_cache, table, lens, **split)
-            return out, colsums
+            return self._decode_rows(q, k_cache, v_cache, table, lens, selection, out), colsums
         check_prefill_scores(score_rows)
-        out = kernels.paged_prefill_triton(q, k_cache, v_cache, table, lens, ctx.cu_q_lens,
-                                           max_q_len=max(ctx.q_lens), min_q_len=min(ctx.q_lens))
-        if selection is not None:  # decode rows of a mixed batch read only their selection
-            rows = [int(c) for c in ctx.cu_q_lens[1:].tolist()]
-            last = torch.tensor([r - 1 for r in rows], device=q.device)
-            sparse = self._sparse_decode(q[last], k_cache, v_cache, table, lens, selection)
-            use = torch.tensor([not d and n == 1 for d, n in zip(selection.dense, ctx.q_lens)], device=q.device)
-            out[last] = torch.where(use[:, None, None], sparse, out[last])
+        out = self._prefill_rows(q, k_cache, v_cache, ctx, view, selection)
         colsums = None
         if score_rows is not None:
             colsums = []
@@ -95,6 +81,48 @@ class TritonAttentionProvider(AttentionProvider):
             colsums = [self._pick(colsums, w, b, n, k_cache.shape[2])
                        for b, (w, n) in enumerate(zip(score_rows.rows, view.kv_lens_list))]
         return out, colsums
+
+    def _decode_rows(self, q, k_cache, v_cache, table, lens, selection: Selection | None, dense=None):
+        """One query row a request ``q [B, Hq, d]``: the split-K decode over each request's
+        whole cache, or over its selection where it has one. ``dense``: the whole-cache
+        output if a kernel that emitted scores computed it already."""
+        split = self.split_kw(q.device)
+        if selection is None:
+            return dense if dense is not None else kernels.paged_decode_triton(q, k_cache, v_cache, table, lens,
+                                                                               **split)
+        sparse = self._sparse_decode(q, k_cache, v_cache, table, lens, selection)
+        if not any(selection.dense):  # no host tensor: CUDA-graph capturable
+            return sparse
+        if dense is None:
+            dense = kernels.paged_decode_triton(q, k_cache, v_cache, table, lens, **split)
+        if all(selection.dense):
+            return dense
+        return torch.where(torch.tensor(selection.dense, device=q.device)[:, None, None], dense, sparse)
+
+    def _prefill_rows(self, q, k_cache, v_cache, ctx: StepContext, view: LayerView, selection: Selection | None):
+        """A step with prefill rows. With ``ROUTE_DECODE_ROWS`` the requests that bring one
+        query row (a mixed step's decode rows) go to the split-K decode and the others to
+        the chunked prefill, which skips them; without it the prefill computes every row
+        and the decode rows that have a selection are computed again over it."""
+        table, lens, q_lens = view.page_table, view.kv_lens, ctx.q_lens
+        one = [b for b, n in enumerate(q_lens) if n == 1]
+        route = ROUTE_DECODE_ROWS and bool(one) and len(one) < len(q_lens)
+        many = [n for n in q_lens if n > 1] if route else q_lens
+        out = kernels.paged_prefill_triton(q, k_cache, v_cache, table, lens, ctx.cu_q_lens, max_q_len=max(q_lens),
+                                           min_q_len=min(many), skip_one_row=route)
+        if route:
+            starts = list(itertools.accumulate(q_lens, initial=0))
+            rows = torch.tensor([starts[b] for b in one], device=q.device)
+            reqs = torch.tensor(one, device=q.device)
+            sub = selection.take(one) if selection is not None else None
+            out[rows] = self._decode_rows(q[rows], k_cache, v_cache, table[reqs], lens[reqs], sub)
+        elif selection is not None:  # decode rows of a mixed batch read only their selection
+            rows = [int(c) for c in ctx.cu_q_lens[1:].tolist()]
+            last = torch.tensor([r - 1 for r in rows], device=q.device)
+            sparse = self._sparse_decode(q[last], k_cache, v_cache, table, lens, selection)
+            use = torch.tensor([not d and n == 1 for d, n in zip(selection.dense, q_lens)], device=q.device)
+            out[last] = torch.where(use[:, None, None], sparse, out[last])
+        return out
 
     def _sparse_decode(self, q, k_cache, v_cache, table, lens, selection: Selection) -> torch.Tensor:
         """Decode rows ``q [B, Hq, d]`` over their selected tokens or pages."""

@@ -66,6 +66,19 @@ class Selection:
         valid = valid & (idx >= 0) & (idx < kv_len)
         return torch.where(valid, idx, 0), valid
 
+    def take(self, requests: list[int]) -> "Selection":
+        """The selection of the listed requests only, in that order (their rows of every
+        tensor; one gather each)."""
+        if not requests:
+            raise ValueError("Selection.take needs at least one request")
+        bad = [b for b in requests if not 0 <= b < len(self.dense)]
+        if bad:
+            raise ValueError(f"Selection.take: requests {bad} out of range for a selection of {len(self.dense)}")
+        idx = torch.tensor(requests, device=self.token_indices.device)
+        rows = None if self.pool_rows is None else self.pool_rows[idx]
+        return Selection(self.token_indices[idx], self.num_selected[idx], tuple(self.dense[b] for b in requests),
+                         self.page_size, rows)
+
     @staticmethod
     def from_lists(per_request: list[torch.Tensor | None], num_kv_heads: int, device,
                    counts: list[torch.Tensor | None] | None = None) -> "Selection":

@@ -133,6 +133,8 @@ PARTS = {
                            "bench_quest", ("bench_quest_select_warps",)),
     "prefill-launches": ("the chunked prefill's launches (tile rows, key block, warps, stages, unmasked blocks "
                          "first) at 32K and 128K", "bench_prefill", ("bench_prefill_launches",)),
+    "mixed-steps": ("a mixed step's attention (decode rows beside a prefill chunk) with the decode rows routed "
+                    "to the split-K decode and not", "bench_prefill", ("bench_mixed_steps",)),
     "skinny-linear": ("the decode step's weight GEMMs, cuBLAS beside the skinny Triton linear's configurations",
                       "bench_linear", ("bench_skinny_linear",)),
     "pdl-chain": ("the decode step's GEMM chain: cuBLAS, the skinny Triton linear, and both with PDL", "bench_linear",

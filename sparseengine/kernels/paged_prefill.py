@@ -107,9 +107,13 @@ def prefill_launch(block_rows=None, block_n=None, num_warps=None, num_stages=Non
 
 
 def paged_prefill_triton(q, k_cache, v_cache, page_table, kv_lens, cu_q_lens, scale=None, return_lse=False,
-                         *, max_q_len=None, min_q_len=None, **launch):
-    """`min_q_len` (host int, optional): the fewest query tokens of any request, which lets
-    the launch take larger tiles (`prefill_launch`). `launch`: `prefill_launch`'s arguments
+                         *, max_q_len=None, min_q_len=None, skip_one_row=False, **launch):
+    """`min_q_len` (host int, optional): the fewest query tokens of any request computed,
+    which lets the launch take larger tiles (`prefill_launch`). `skip_one_row`: requests
+    with a single query row are not computed and their rows of `out` (and `lse`) are left
+    unwritten, for the caller to fill from the split-K decode (a mixed step's decode rows:
+    here one program per KV head would read the row's whole cache alone, and a tile of
+    `block_rows` rows would hold `g` real ones). `launch`: `prefill_launch`'s arguments
     (block_rows, block_n, num_warps, num_stages, split_mask); a group wider than
     `block_rows` takes one token a tile."""
     T, Hq, d = q.shape
@@ -136,7 +140,8 @@ def paged_prefill_triton(q, k_cache, v_cache, page_table, kv_lens, cu_q_lens, sc
         page_table.stride(0), Hq,
         GROUP=g, G_PAD=g_pad, BLOCK_M=block_m, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)),
         PAGE_SIZE=page_size, BLOCK_N=cfg.block_n, STORE_LSE=return_lse, SPLIT_MASK=cfg.split_mask,
-        DOT_PREC=_common.dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        MIN_ROWS=2 if skip_one_row else 1, DOT_PREC=_common.dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return (out, lse) if return_lse else out
 
@@ -148,14 +153,14 @@ def _prefill_kernel(
     stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, stride_pt, HQ,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, STORE_LSE: tl.constexpr,
-    SPLIT_MASK: tl.constexpr, DOT_PREC: tl.constexpr,
+    SPLIT_MASK: tl.constexpr, MIN_ROWS: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     b = tl.program_id(0)
     tile = tl.program_id(1)
     kvh = tl.program_id(2)
     q_start = tl.load(cu_q_ptr + b)
     q_len = tl.load(cu_q_ptr + b + 1) - q_start
-    if tile * BLOCK_M < q_len:
+    if (tile * BLOCK_M < q_len) & (q_len >= MIN_ROWS):
         kv_len = tl.load(kv_lens_ptr + b)
         offs_r = tl.arange(0, BLOCK_M * G_PAD)
         i = tile * BLOCK_M + offs_r // G_PAD
