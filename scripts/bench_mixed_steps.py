@@ -76,7 +76,7 @@ def run(llm: LLM, args, method: str, decoders: list[Sequence], route: bool, warm
     timed_steps(llm, lambda: seq.finish_time is not None)  # its first token (and the release of its pages)
     count = [0]
     decode = timed_steps(llm, lambda: (count.__setitem__(0, count[0] + 1) or count[0]) > args.decode_steps)
-    return {"method": method, "route_decode_rows": route, "warmup": warmup, "decoders": len(decoders),
+    return {"kind": "mixed_steps_engine", "method": method, "route_decode_rows": route, "warmup": warmup, "decoders": len(decoders),
             "context": args.context, "prompt": n, "chunk": args.chunk, "mixed_steps": len(mixed),
             "ttft_s": sum(mixed), "mixed_step_ms_median": 1e3 * statistics.median(mixed),
             "decode_tokens_during_prefill": got, "decode_step_ms_median": 1e3 * statistics.median(decode)}
