@@ -51,7 +51,7 @@ class TritonAttentionProvider(AttentionProvider):
                view: LayerView, selection: Selection | None, score_rows: ScoreRows | None, block_mask=None):
         if block_mask is not None:  # flashprefill_v2's prefill rows; decode rows' selections come back here
             return kernels.block_sparse_paged_prefill.block_sparse_paged_attend(
-                q, k_cache, v_cache, ctx, view, selection, score_rows, block_mask, self.attend)
+                q, k_cache, v_cache, ctx, view, selection, score_rows, block_mask, self.attend, ROUTE_DECODE_ROWS)
         table, lens = view.page_table, view.kv_lens
         max_len = max(view.kv_lens_list)
         if ctx.is_decode:

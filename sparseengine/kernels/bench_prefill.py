@@ -60,11 +60,13 @@ def bench_prefill_launches(out_path, shapes=PREFILL_SHAPES, launches=PREFILL_LAU
 
 
 # A mixed step (decode rows beside one prefill chunk): (label, decode rows' cache lengths,
-# (chunk's cache length, chunk), pages a decode row selects (0: dense))
+# (chunk's cache length, chunk), pages a decode row selects (0: dense), share of the chunk's
+# key blocks a block mask keeps (0: no block mask; flashprefill_v2's path))
 MIXED_STEPS = (
-    ("5 x 128K decode + 4K chunk at 32K", (131072,) * 5, (32768, 4096), 0),
-    ("63 x 8K decode + 4K chunk at 16K", (8192,) * 63, (16384, 4096), 0),
-    ("5 x 128K decode over 129 pages + 4K chunk at 32K", (131072,) * 5, (32768, 4096), 129),
+    ("5 x 128K decode + 4K chunk at 32K", (131072,) * 5, (32768, 4096), 0, 0),
+    ("63 x 8K decode + 4K chunk at 16K", (8192,) * 63, (16384, 4096), 0, 0),
+    ("5 x 128K decode over 129 pages + 4K chunk at 32K", (131072,) * 5, (32768, 4096), 129, 0),
+    ("5 x 128K decode + 4K chunk at 32K, 30% of its blocks", (131072,) * 5, (32768, 4096), 0, 0.3),
 )
 
 
@@ -74,10 +76,12 @@ def bench_mixed_steps(out_path, steps=MIXED_STEPS):
     from triton.testing import do_bench
 
     from sparseengine.attention import triton_provider
-    from sparseengine.engine.step_context import LayerView, Selection, StepContext
+    from sparseengine.engine.step_context import BlockMask, LayerView, Selection, StepContext
+
+    from .block_sparse_paged_prefill import block_sparse_paged_prefill_triton
 
     provider = triton_provider.TritonAttentionProvider()
-    for label, decode_lens, (ctx_len, chunk), pages in steps:
+    for label, decode_lens, (ctx_len, chunk), pages, density in steps:
         lens = list(decode_lens) + [ctx_len]
         q_lens = (1,) * len(decode_lens) + (chunk,)
         kv = random_paged_kv(lens, HKV, D, PS, generator=torch.Generator().manual_seed(0), dtype=BF16,
@@ -86,21 +90,32 @@ def bench_mixed_steps(out_path, steps=MIXED_STEPS):
         cu = torch.tensor((0,) + q_lens, device="cuda").cumsum(0).int()
         view = LayerView(torch.zeros(0, dtype=torch.long, device="cuda"), kv.kv_lens, tuple(lens), kv.page_table)
         ctx = StepContext([None] * len(lens), q_lens, cu, False, [view], None, None, None, None)
-        selection = None
+        selection, block_mask = None, None
         if pages:
             picked = torch.linspace(0, decode_lens[0] // PS - 1, pages, device="cuda").long().expand(HKV, -1)
             sel = Selection.from_lists([picked] * len(decode_lens) + [None], HKV, "cuda")
             selection = Selection(sel.token_indices, sel.num_selected, sel.dense, PS)
-        row = {"kind": "mixed_step", "step": label, "decode_rows": len(decode_lens), "selected_pages": pages}
+        if density:
+            bs = 128
+            first = (ctx_len - chunk) // bs
+            shape = (HQ, (ctx_len - 1) // bs - first + 1, -(-ctx_len // bs))
+            mask = torch.rand(shape, generator=torch.Generator().manual_seed(2)) < density
+            block_mask = BlockMask(bs, (None,) * len(decode_lens) + (mask.cuda(),))
+        row = {"kind": "mixed_step", "step": label, "decode_rows": len(decode_lens), "selected_pages": pages,
+               "block_density": density}
         outs = {}
         for route in (True, False):
             triton_provider.ROUTE_DECODE_ROWS = route
-            fn = lambda: provider.attend(q, kv.k_cache, kv.v_cache, ctx, view, selection, None)  # noqa: E731
+            fn = lambda: provider.attend(q, kv.k_cache, kv.v_cache, ctx, view, selection, None,  # noqa: E731
+                                         block_mask=block_mask)
             outs[route] = fn()[0]
             row["ms_routed" if route else "ms_not_routed"] = do_bench(fn, return_mode="median")
         triton_provider.ROUTE_DECODE_ROWS = True
         alone = (q[-chunk:], kv.k_cache, kv.v_cache, kv.page_table[-1:], kv.kv_lens[-1:], cu[-2:] - cu[-2])
-        row["ms_chunk_alone"] = do_bench(lambda: paged_prefill_triton(*alone, max_q_len=chunk, min_q_len=chunk),
-                                         return_mode="median")
+        if block_mask is None:
+            fn = lambda: paged_prefill_triton(*alone, max_q_len=chunk, min_q_len=chunk)  # noqa: E731
+        else:
+            fn = lambda: block_sparse_paged_prefill_triton(*alone, block_mask.masks[-1:], bs)  # noqa: E731
+        row["ms_chunk_alone"] = do_bench(fn, return_mode="median")
         row["max_abs_diff_routed_vs_not"] = (outs[True].float() - outs[False].float()).abs().max().item()
         emit(out_path, row)

@@ -23,6 +23,7 @@ packing; the Triton kernels themselves are in `block_sparse_paged_prefill_kernel
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 
@@ -60,8 +61,11 @@ def block_sparse_paged_prefill_ref(q, k_cache, v_cache, page_table, kv_lens, cu_
 
 
 def block_sparse_paged_prefill_triton(q, k_cache, v_cache, page_table, kv_lens, cu_q_lens, masks, block_size=128,
-                                      scale=None, return_lse=False, *, kv_lens_list=None, q_lens=None):
-    """`kv_lens_list`, `q_lens` (host ints, optional): the same as the tensors, sparing a sync."""
+                                      scale=None, return_lse=False, *, kv_lens_list=None, q_lens=None,
+                                      skip_one_row=False):
+    """`kv_lens_list`, `q_lens` (host ints, optional): the same as the tensors, sparing a sync.
+    `skip_one_row`: requests with a single query row are not computed (their rows of `out`
+    and `lse` are left unwritten; as in `paged_prefill_triton`)."""
     T, Hq, d = q.shape
     device = check_launch(q, k_cache, v_cache, page_table, kv_lens, cu_q_lens)
     _common.check_dtypes(q, k_cache, v_cache)
@@ -85,7 +89,8 @@ def block_sparse_paged_prefill_triton(q, k_cache, v_cache, page_table, kv_lens, 
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), page_table.stride(0), Hq,
         GROUP=Hq // Hkv, BLOCK_SIZE=block_size, BLOCK_M=tile, BLOCK_N=tile, SUB=block_size // tile,
         HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), PAGE_SIZE=page_size, STORE_LSE=return_lse,
-        DOT_PREC=_common.dot_precision(q.dtype), num_warps=8 if tile >= 128 else 4, num_stages=2,
+        MIN_ROWS=2 if skip_one_row else 1, DOT_PREC=_common.dot_precision(q.dtype),
+        num_warps=8 if tile >= 128 else 4, num_stages=2,
     )
     return (out, lse) if return_lse else out
 
@@ -149,19 +154,36 @@ def block_sparse_window_colsum_triton(q, k_cache, page_table, kv_lens, cu_q_lens
     return scores
 
 
-def block_sparse_paged_attend(q, k_cache, v_cache, ctx, view, selection, score_rows, block_mask, decode_attend):
+def block_sparse_paged_attend(q, k_cache, v_cache, ctx, view, selection, score_rows, block_mask, decode_attend,
+                              route_decode_rows=False):
     """The Triton provider's prefill step under a ``BlockMask``: ``(out, colsums)`` as the
     torch provider computes them. Rows block-sparse (``masks[b]`` None: dense causal);
     column sums under the masks; decode rows of a mixed batch that have a selection read
     only it, through ``decode_attend`` (the provider's ``attend``) on a one-row-per-request
-    step."""
+    step. ``route_decode_rows``: where no column sums are asked for and every one-row
+    request is dense causal, those requests go to ``decode_attend`` alone (the split-K
+    decode) and the block-sparse kernel skips them."""
     lens, q_lens = list(view.kv_lens_list), list(ctx.q_lens)
     host = dict(kv_lens_list=lens, q_lens=q_lens)
+    one = [b for b, m in enumerate(q_lens) if m == 1]
+    route = (route_decode_rows and score_rows is None and 0 < len(one) < len(q_lens)
+             and all(block_mask.masks[b] is None for b in one))
     res = block_sparse_paged_prefill_triton(q, k_cache, v_cache, view.page_table, view.kv_lens, ctx.cu_q_lens,
                                             block_mask.masks, block_mask.block_size,
-                                            return_lse=score_rows is not None, **host)
+                                            return_lse=score_rows is not None, skip_one_row=route, **host)
     out, lse = res if score_rows is not None else (res, None)
-    if selection is not None:
+    if route:
+        starts = list(itertools.accumulate(q_lens, initial=0))
+        rows = torch.tensor([starts[b] for b in one], device=q.device)
+        reqs = torch.tensor(one, device=q.device)
+        sub = dataclasses.replace(view, kv_lens=view.kv_lens[reqs], kv_lens_list=tuple(lens[b] for b in one),
+                                  page_table=view.page_table[reqs])
+        step = dataclasses.replace(ctx, seqs=[ctx.seqs[b] for b in one], q_lens=(1,) * len(one), is_decode=True,
+                                   cu_q_lens=torch.arange(len(one) + 1, dtype=ctx.cu_q_lens.dtype, device=q.device))
+        decoded, _ = decode_attend(q[rows], k_cache, v_cache, step, sub,
+                                   None if selection is None else selection.take(one), None)
+        out[rows] = decoded
+    elif selection is not None:
         n = len(q_lens)
         last = ctx.cu_q_lens[1:].long() - 1
         rows = dataclasses.replace(ctx, q_lens=(1,) * n, is_decode=True,

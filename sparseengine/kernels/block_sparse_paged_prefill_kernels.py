@@ -29,7 +29,7 @@ def _paged_block_sparse_kernel(
     stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, stride_pt, HQ,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SUB: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    STORE_LSE: tl.constexpr, DOT_PREC: tl.constexpr,
+    STORE_LSE: tl.constexpr, MIN_ROWS: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     h = tl.program_id(0)
     b = tl.program_id(2)
@@ -38,7 +38,7 @@ def _paged_block_sparse_kernel(
     kv_len = tl.load(kv_lens_ptr + b)
     first = kv_len - q_len  # cache index of the request's first row
     t0 = (first // BLOCK_M + n_tiles - 1 - tl.program_id(1)) * BLOCK_M  # late tiles (more keys) first
-    if (q_len > 0) & (t0 < kv_len):
+    if (q_len >= MIN_ROWS) & (t0 < kv_len):
         kvh = h // GROUP
         offs_m = t0 + tl.arange(0, BLOCK_M)  # cache indices of the tile's rows
         row_ok = (offs_m >= first) & (offs_m < kv_len)

@@ -160,14 +160,28 @@ def test_provider_helper_matches_torch_provider(gen, device):
                       (selection, ScoreRows((40, 3, 30, 0)))):
         want, want_cs = TorchAttentionProvider().attend(q, kv.k_cache, kv.v_cache, ctx, view, sel, rows,
                                                         block_mask=block_mask)
-        got, got_cs = block_sparse_paged_attend(q, kv.k_cache, kv.v_cache, ctx, view, sel, rows, block_mask,
-                                                triton.attend)
-        assert_close(got, want, 1e-4, "out")
-        assert (got_cs is None) == (want_cs is None)
-        for b, (a, e) in enumerate(zip(got_cs or [], want_cs or [])):
-            assert_close(a, e, 1e-4, f"colsum {b}")
+        for route in (False, True):  # the one-row request (dense causal) to the split-K decode or not
+            got, got_cs = block_sparse_paged_attend(q, kv.k_cache, kv.v_cache, ctx, view, sel, rows, block_mask,
+                                                    triton.attend, route)
+            assert_close(got, want, 1e-4, f"out route={route}")
+            assert (got_cs is None) == (want_cs is None)
+            for b, (a, e) in enumerate(zip(got_cs or [], want_cs or [])):
+                assert_close(a, e, 1e-4, f"colsum {b} route={route}")
         via_provider = triton.attend(q, kv.k_cache, kv.v_cache, ctx, view, sel, rows, block_mask=block_mask)[0]
-        assert_close(via_provider, got, 1e-6, "provider")
+        assert_close(via_provider, got, 1e-6, "provider (routes, as the last helper call)")
+
+
+def test_skip_one_row_leaves_those_rows_unwritten(gen, device):
+    """(The kernel tests' conftest makes every buffer a wrapper allocates start as NaN.)"""
+    reqs = [(90, 40, "rand"), (61, 1, None), (30, 30, None), (20, 1, None)]
+    q, kv, cu, masks = make_inputs((4, 2, 16, 8, 16, reqs), gen, device)
+    args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, cu, masks, 16)
+    out, lse = block_sparse_paged_prefill_triton(*args, return_lse=True, skip_one_row=True)
+    want, want_lse = block_sparse_paged_prefill_ref(*args, return_lse=True)
+    one = torch.tensor([m == 1 for _, m, _ in reqs]).repeat_interleave(torch.tensor([m for _, m, _ in reqs]))
+    assert out[one].isnan().all() and lse[one].isnan().all()
+    assert_close(out[~one], want[~one], 1e-4, "prefill rows")
+    assert_close(lse[~one], want_lse[~one], 1e-4, "prefill lse")
 
 
 @pytest.mark.gpu
@@ -187,3 +201,20 @@ def test_gpu_bf16_llama_shape(gen, ps, bs):
     cargs = (q, kv.k_cache, kv.page_table, kv.kv_lens, cu, 32, masks, bs)
     assert_close(block_sparse_window_colsum_triton(*cargs, lse=lse), block_sparse_window_colsum_ref(*cargs), 2e-2,
                  "colsum")
+
+
+@pytest.mark.gpu
+def test_gpu_routed_decode_rows(gen):
+    """bf16 Llama shape, a mixed step under a block mask: decode rows at 128K and 7K beside two
+    block-sparse chunks, routed to the split-K decode and not, against the reference."""
+    reqs = [(5000, 2000, "rand"), (131072, 1, None), (9000, 3000, "rand"), (7000, 1, None)]
+    q, kv, cu, masks = make_inputs((32, 8, 128, 16, 128, reqs), gen, "cuda", torch.bfloat16, density=0.3)
+    view = LayerView(slot_mapping=torch.zeros(0, dtype=torch.long, device="cuda"), kv_lens=kv.kv_lens,
+                     kv_lens_list=tuple(n for n, _, _ in reqs), page_table=kv.page_table)
+    ctx = StepContext(seqs=[None] * len(reqs), q_lens=tuple(m for _, m, _ in reqs), cu_q_lens=cu, is_decode=False,
+                      views=[view], kv_cache=None, provider=None, method=None, positions=None)
+    want = block_sparse_paged_prefill_ref(q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, cu, masks, 128)
+    for route in (False, True):
+        got, _ = block_sparse_paged_attend(q, kv.k_cache, kv.v_cache, ctx, view, None, None,
+                                           BlockMask(128, tuple(masks)), TritonAttentionProvider().attend, route)
+        assert_close(got, want, 2e-2, f"route={route}")
