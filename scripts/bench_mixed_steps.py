@@ -52,14 +52,19 @@ def build(args, method: str) -> LLM:
     return LLM(args.model, **kw)
 
 
+def one_step(llm: LLM) -> float:
+    """One engine step's seconds, the device synchronised at its end."""
+    t0 = time.perf_counter()
+    llm.step()
+    sync()
+    return time.perf_counter() - t0
+
+
 def timed_steps(llm: LLM, until) -> list[float]:
-    """Step until `until()`; each step's seconds, the device synchronised at its end."""
+    """Step until `until()`; each step's seconds."""
     times = []
     while not until():
-        t0 = time.perf_counter()
-        llm.step()
-        sync()
-        times.append(time.perf_counter() - t0)
+        times.append(one_step(llm))
     return times
 
 
@@ -74,10 +79,10 @@ def run(llm: LLM, args, method: str, decoders: list[Sequence], route: bool, warm
     llm.sync()
     got = sum(len(s.output_token_ids) for s in decoders) - before
     timed_steps(llm, lambda: seq.finish_time is not None)  # its first token (and the release of its pages)
-    count = [0]
-    decode = timed_steps(llm, lambda: (count.__setitem__(0, count[0] + 1) or count[0]) > args.decode_steps)
-    return {"kind": "mixed_steps_engine", "method": method, "route_decode_rows": route, "warmup": warmup, "decoders": len(decoders),
-            "context": args.context, "prompt": n, "chunk": args.chunk, "mixed_steps": len(mixed),
+    decode = [one_step(llm) for _ in range(args.decode_steps)]
+    return {"kind": "mixed_steps_engine", "method": method, "route_decode_rows": route, "warmup": warmup,
+            "decoders": len(decoders), "context": args.context, "prompt": n, "chunk": args.chunk,
+            "mixed_steps": len(mixed),
             "ttft_s": sum(mixed), "mixed_step_ms_median": 1e3 * statistics.median(mixed),
             "decode_tokens_during_prefill": got, "decode_step_ms_median": 1e3 * statistics.median(decode)}
 
@@ -114,7 +119,8 @@ def main() -> None:
                 seq = Sequence(ids, decoding, llm.model_config.num_layers, arrival_time=time.perf_counter())
                 llm._synthesize(seq)  # the decode benchmarks' synthesised prefill
                 decoders.append(seq)
-            timed_steps(llm, lambda c=[0]: (c.__setitem__(0, c[0] + 1) or c[0]) > 4)  # graphs captured
+            for _ in range(4):  # the decode graphs captured
+                one_step(llm)
             for route in (True, False):
                 run(llm, args, method, decoders, route, warmup=True)
             for _ in range(args.rounds):
