@@ -2,7 +2,8 @@
 steps), with a mixed step's decode rows routed to the split-K decode
 (`triton_provider.ROUTE_DECODE_ROWS`) and not, alternating in one process.
 
-Llama-3.1-8B shape, dummy bf16 weights, Triton provider. `--decoders` requests of
+Llama-3.1-8B shape, dummy bf16 weights, the Triton provider (or `--provider flashinfer`:
+routed, its prefill leaves out the decode rows that read a selection). `--decoders` requests of
 `--context` tokens are synthesised (their KV filled directly, as the decode benchmarks do)
 and decode; then a prompt of `--prompt` tokens arrives and is prefilled in chunks of
 `--chunk` tokens beside them. Each step is timed with the device synchronised at its end,
@@ -43,7 +44,7 @@ def build(args, method: str) -> LLM:
     longest = max(args.context, args.prompt) + args.steps_budget
     pages = (args.decoders * -(-(args.context + args.steps_budget) // args.page_size)
              + -(-(args.prompt + 16) // args.page_size) + 8)
-    kw = dict(load_format="dummy", dtype="bfloat16" if cuda else "float32", attention_provider="triton",
+    kw = dict(load_format="dummy", dtype="bfloat16" if cuda else "float32", attention_provider=args.provider,
               max_num_seqs=args.decoders + 1, max_model_len=longest, page_size=args.page_size, num_kv_pages=pages,
               prefill_chunk_size=args.chunk, max_num_batched_tokens=args.chunk + args.decoders, seed=0,
               sparse_method=method)
@@ -80,7 +81,7 @@ def run(llm: LLM, args, method: str, decoders: list[Sequence], route: bool, warm
     got = sum(len(s.output_token_ids) for s in decoders) - before
     timed_steps(llm, lambda: seq.finish_time is not None)  # its first token (and the release of its pages)
     decode = [one_step(llm) for _ in range(args.decode_steps)]
-    return {"kind": "mixed_steps_engine", "method": method, "route_decode_rows": route, "warmup": warmup,
+    return {"kind": "mixed_steps_engine", "provider": llm.provider.name, "method": method, "route_decode_rows": route, "warmup": warmup,
             "decoders": len(decoders), "context": args.context, "prompt": n, "chunk": args.chunk,
             "mixed_steps": len(mixed),
             "ttft_s": sum(mixed), "mixed_step_ms_median": 1e3 * statistics.median(mixed),
@@ -91,6 +92,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama-3.1-8b")
     ap.add_argument("--methods", default="vanilla,quest")
+    ap.add_argument("--provider", default="triton", choices=("triton", "flashinfer"))
     ap.add_argument("--decoders", type=int, default=5)
     ap.add_argument("--context", type=int, default=131072)
     ap.add_argument("--prompt", type=int, default=32768)

@@ -12,6 +12,12 @@ kv_data_type)``, ``.run(q, (k_cache, v_cache))``. FlashInfer's causal mask is al
 the end of the cache (row i of a q_len-row chunk sees the first kv_len - q_len + i + 1
 tokens), which is our chunked-prefill rule.
 
+A mixed step's one-row requests that read a selection (a sparse method's decode rows
+beside prefill chunks) are left out of FlashInfer's prefill and read only their selection
+through the Triton sparse decode; the prefill is planned over the other requests, their
+rows of q gathered (``triton_provider.ROUTE_DECODE_ROWS`` off: every row in the prefill,
+those rows computed again over their selection).
+
 Planning happens on the host once per step and per distinct ``LayerView`` (layers that
 share a view share the plan); a plan needs the true host lengths, so FlashInfer cannot run inside
 the engine's decode CUDA graphs (their views carry placeholder lengths):
@@ -29,10 +35,11 @@ import numpy as np
 import torch
 
 from sparseengine import kernels
+from sparseengine.attention import triton_provider
 from sparseengine.attention.provider import OPS, AttentionProvider, check_prefill_scores
 from sparseengine.attention.triton_provider import TritonAttentionProvider
 from sparseengine.config import ConfigError
-from sparseengine.engine.step_context import LayerView, ScoreRows, Selection, StepContext
+from sparseengine.engine.step_context import LayerView, RequestGroup, ScoreRows, Selection, StepContext
 
 FLASHINFER_VERSION = "0.7.2.post1"  # the version this file was written and checked against
 PIP_INSTALL = f"pip install flashinfer-python=={FLASHINFER_VERSION}"
@@ -124,19 +131,51 @@ class FlashInferAttentionProvider(AttentionProvider):
                 out = torch.where(dense_rows, out, sparse)
             return out, None
         check_prefill_scores(score_rows)
+        sparse_rows = self._sparse_one_rows(ctx, selection)
+        if sparse_rows:  # FlashInfer's prefill leaves them out: they read only their selection
+            out = self._routed_prefill(q, k_cache, v_cache, ctx, view, selection, sparse_rows)
+        else:
+            out = self._prefill(q, k_cache, v_cache, ctx, view, selection)
+        colsums = None if score_rows is None else self._window_colsums(q, k_cache, ctx, view, score_rows)
+        return out, colsums
+
+    @staticmethod
+    def _sparse_one_rows(ctx: StepContext, selection: Selection | None) -> tuple[int, ...]:
+        """With ``triton_provider.ROUTE_DECODE_ROWS`` (the A/B knob both providers read): a
+        mixed step's requests that bring one query row and read a selection."""
+        if selection is None or not triton_provider.ROUTE_DECODE_ROWS:
+            return ()
+        return tuple(b for b, (d, n) in enumerate(zip(selection.dense, ctx.q_lens)) if n == 1 and not d)
+
+    def _routed_prefill(self, q, k_cache, v_cache, ctx, view, selection, sparse_rows):
+        """FlashInfer's paged prefill planned over the other requests only (their rows of q
+        gathered), the one-row requests with a selection through the Triton sparse decode."""
+        rest = ctx.group(b for b in range(len(ctx.q_lens)) if b not in set(sparse_rows))
+        sparse = ctx.group(sparse_rows)
+        out = torch.empty_like(q)
+        out[rest.rows] = self._plan(q, k_cache, ctx, view, rest).run(q[rest.rows], (k_cache, v_cache))
+        table, lens = view.page_table[sparse.reqs], view.kv_lens[sparse.reqs]
+        out[sparse.rows] = self.triton._sparse_decode(q[sparse.rows], k_cache, v_cache, table, lens,
+                                                      selection.take(sparse_rows, sparse.reqs))
+        return out
+
+    def _prefill(self, q, k_cache, v_cache, ctx, view, selection):
+        """FlashInfer's paged prefill over every row; without the routing, decode rows that
+        have a selection are computed again over it."""
+        table, lens = view.page_table, view.kv_lens
         out = self._plan(q, k_cache, ctx, view).run(q.contiguous(), (k_cache, v_cache))
         if selection is not None:  # decode rows of a mixed batch read only their selection
             last = torch.tensor(np.cumsum(ctx.q_lens) - 1, device=q.device)
             sparse = self.triton._sparse_decode(q[last], k_cache, v_cache, table, lens, selection)
             use = torch.tensor([not d and n == 1 for d, n in zip(selection.dense, ctx.q_lens)], device=q.device)
             out[last] = torch.where(use[:, None, None], sparse, out[last])
-        colsums = None if score_rows is None else self._window_colsums(q, k_cache, ctx, view, score_rows)
-        return out, colsums
+        return out
 
     # ---- planning -------------------------------------------------------------------
-    def _plan(self, q: torch.Tensor, k_cache: torch.Tensor, ctx: StepContext, view: LayerView):
-        """The planned wrapper for this step and view: planned at its first layer, reused by
-        the others."""
+    def _plan(self, q: torch.Tensor, k_cache: torch.Tensor, ctx: StepContext, view: LayerView,
+              group: RequestGroup | None = None):
+        """The planned wrapper for this step and view (or for ``group``'s requests of them):
+        planned at its first layer, reused by the others."""
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("attention_provider='flashinfer' cannot run inside a CUDA graph capture: its plan "
                                "needs the step's host-side lengths; run the engine with enforce_eager=True")
@@ -147,10 +186,13 @@ class FlashInferAttentionProvider(AttentionProvider):
             self._step, self._plans, self._taken = weakref.ref(ctx), {}, {}
         page_size, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
         hq = q.shape[1]
-        key = (id(view), hq, hkv, d, page_size, q.dtype)
+        key = (id(view), None if group is None else group.requests, hq, hkv, d, page_size, q.dtype)
         planned = self._plans.get(key)
         if planned is not None:
             return planned[1]
+        held = view
+        if group is not None:
+            ctx, view = group.step, group.view(view)
         indptr, indices, last_page_len = paged_metadata(view, page_size)
         if ctx.is_decode:
             tensor_cores = self.decode_tensor_cores
@@ -164,7 +206,7 @@ class FlashInferAttentionProvider(AttentionProvider):
             wrapper = self._wrapper(("prefill", None))
             wrapper.plan(qo_indptr, indptr, indices, last_page_len, hq, hkv, d, page_size,
                          causal=True, pos_encoding_mode="NONE", q_data_type=q.dtype, kv_data_type=k_cache.dtype)
-        self._plans[key] = (view, wrapper)  # the view is held, so its id stays unique this step
+        self._plans[key] = (held, wrapper)  # the view is held, so its id stays unique this step
         return wrapper
 
     def _wrapper(self, kind: tuple):

@@ -4,8 +4,6 @@ sums. CUDA in production; under ``TRITON_INTERPRET=1`` the same kernels run on a
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from sparseengine import kernels
@@ -111,11 +109,9 @@ class TritonAttentionProvider(AttentionProvider):
         out = kernels.paged_prefill_triton(q, k_cache, v_cache, table, lens, ctx.cu_q_lens, max_q_len=max(q_lens),
                                            min_q_len=min(many), skip_one_row=route)
         if route:
-            starts = list(itertools.accumulate(q_lens, initial=0))
-            rows = torch.tensor([starts[b] for b in one], device=q.device)
-            reqs = torch.tensor(one, device=q.device)
-            sub = selection.take(one) if selection is not None else None
-            out[rows] = self._decode_rows(q[rows], k_cache, v_cache, table[reqs], lens[reqs], sub)
+            rows = ctx.group(one)  # index tensors made once a step
+            sub = selection.take(one, rows.reqs) if selection is not None else None
+            out[rows.rows] = self._decode_rows(q[rows.rows], k_cache, v_cache, table[rows.reqs], lens[rows.reqs], sub)
         elif selection is not None:  # decode rows of a mixed batch read only their selection
             rows = [int(c) for c in ctx.cu_q_lens[1:].tolist()]
             last = torch.tensor([r - 1 for r in rows], device=q.device)

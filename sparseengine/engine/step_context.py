@@ -12,7 +12,9 @@ Typed, frozen views at the boundary between cache state and attention:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -66,15 +68,17 @@ class Selection:
         valid = valid & (idx >= 0) & (idx < kv_len)
         return torch.where(valid, idx, 0), valid
 
-    def take(self, requests: list[int]) -> "Selection":
+    def take(self, requests, index: torch.Tensor | None = None) -> "Selection":
         """The selection of the listed requests only, in that order (their rows of every
-        tensor; one gather each)."""
+        tensor; one gather each). ``index``: the same requests as a device tensor, where the
+        caller has one (``RequestGroup.reqs``)."""
+        requests = list(requests)
         if not requests:
             raise ValueError("Selection.take needs at least one request")
         bad = [b for b in requests if not 0 <= b < len(self.dense)]
         if bad:
             raise ValueError(f"Selection.take: requests {bad} out of range for a selection of {len(self.dense)}")
-        idx = torch.tensor(requests, device=self.token_indices.device)
+        idx = torch.tensor(requests, device=self.token_indices.device) if index is None else index
         rows = None if self.pool_rows is None else self.pool_rows[idx]
         return Selection(self.token_indices[idx], self.num_selected[idx], tuple(self.dense[b] for b in requests),
                          self.page_size, rows)
@@ -161,6 +165,34 @@ class BlockMask:
         return allowed & (keys[None, :] <= pos[:, None])
 
 
+@dataclass(frozen=True)
+class RequestGroup:
+    """Some of a step's requests, in the order listed, as one sub-step: ``reqs`` [n] int64
+    their indices and ``rows`` [their query rows] int64 their rows of the step's packed q,
+    on the step's device; ``step`` a StepContext of those requests alone (its ``views``
+    empty and ``positions`` those rows': a provider takes the view it attends over as an
+    argument, cut by ``view``). Made once a step by ``StepContext.group``, so the layers
+    of a step share the index tensors and the cut views (a provider's plan per view)."""
+
+    requests: tuple[int, ...]
+    reqs: torch.Tensor
+    rows: torch.Tensor
+    step: "StepContext"
+    total_rows: int  # the whole step's query rows
+    _views: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def view(self, view: LayerView) -> LayerView:
+        """``view`` cut to these requests (the same object for the same view all step)."""
+        held = self._views.get(id(view))
+        if held is None:
+            slots = view.slot_mapping[self.rows] if view.slot_mapping.numel() == self.total_rows \
+                else view.slot_mapping[:0]  # a view whose slots are not the step's rows' (a test's) maps none
+            cut = LayerView(slots, view.kv_lens[self.reqs], tuple(view.kv_lens_list[b] for b in self.requests),
+                            view.page_table[self.reqs])
+            held = self._views[id(view)] = (view, cut)  # the view is held: its id stays unique this step
+        return held[1]
+
+
 @dataclass
 class StepContext:
     seqs: list["Sequence"]
@@ -172,10 +204,33 @@ class StepContext:
     provider: Any  # an AttentionProvider
     method: Any  # a SparseMethodRuntime
     positions: torch.Tensor  # [T]
+    _groups: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def batch_size(self) -> int:
         return len(self.seqs)
+
+    def group(self, requests) -> RequestGroup:
+        """The listed requests as a ``RequestGroup`` (made at the first call of the step for
+        that list, then reused)."""
+        requests = tuple(requests)
+        group = self._groups.get(requests)
+        if group is not None:
+            return group
+        n = len(self.q_lens)
+        if not requests or any(not 0 <= b < n for b in requests) or len(set(requests)) < len(requests):
+            raise ValueError(f"StepContext.group needs distinct requests in range(0, {n}), got {list(requests)}")
+        starts = list(itertools.accumulate(self.q_lens, initial=0))
+        device = self.cu_q_lens.device
+        rows = torch.tensor([r for b in requests for r in range(starts[b], starts[b + 1])], device=device)
+        q_lens = tuple(self.q_lens[b] for b in requests)
+        cu = torch.tensor(list(itertools.accumulate(q_lens, initial=0)), dtype=self.cu_q_lens.dtype, device=device)
+        step = dataclasses.replace(self, seqs=[self.seqs[b] for b in requests], q_lens=q_lens, cu_q_lens=cu,
+                                   is_decode=all(m == 1 for m in q_lens), views=[],
+                                   positions=None if self.positions is None else self.positions[rows])
+        group = RequestGroup(requests, torch.tensor(requests, device=device), rows, step, starts[-1])
+        self._groups[requests] = group
+        return group
 
 
 _CONTEXT: StepContext | None = None

@@ -70,17 +70,18 @@ MIXED_STEPS = (
 )
 
 
-def bench_mixed_steps(out_path, steps=MIXED_STEPS):
-    """The Triton provider's attention of a mixed step with its decode rows routed to the
-    split-K decode (`triton_provider.ROUTE_DECODE_ROWS`) and not, beside the chunk alone."""
+def bench_mixed_steps(out_path, steps=MIXED_STEPS, provider_name="triton"):
+    """A provider's attention of a mixed step with its decode rows routed
+    (`triton_provider.ROUTE_DECODE_ROWS`: the Triton provider's go to the split-K decode,
+    FlashInfer's that read a selection leave its prefill) and not, beside the chunk alone.
+    One context a step: a FlashInfer plan is made once and reused, as by a step's layers."""
     from triton.testing import do_bench
 
     from sparseengine.attention import triton_provider
+    from sparseengine.attention.provider import make_provider
     from sparseengine.engine.step_context import BlockMask, LayerView, Selection, StepContext
 
-    from .block_sparse_paged_prefill import block_sparse_paged_prefill_triton
-
-    provider = triton_provider.TritonAttentionProvider()
+    provider = make_provider(provider_name, torch.device("cuda"))
     for label, decode_lens, (ctx_len, chunk), pages, density in steps:
         lens = list(decode_lens) + [ctx_len]
         q_lens = (1,) * len(decode_lens) + (chunk,)
@@ -89,7 +90,6 @@ def bench_mixed_steps(out_path, steps=MIXED_STEPS):
         q = torch.randn(sum(q_lens), HQ, D, device="cuda", dtype=BF16, generator=torch.Generator("cuda").manual_seed(1))
         cu = torch.tensor((0,) + q_lens, device="cuda").cumsum(0).int()
         view = LayerView(torch.zeros(0, dtype=torch.long, device="cuda"), kv.kv_lens, tuple(lens), kv.page_table)
-        ctx = StepContext([None] * len(lens), q_lens, cu, False, [view], None, None, None, None)
         selection, block_mask = None, None
         if pages:
             picked = torch.linspace(0, decode_lens[0] // PS - 1, pages, device="cuda").long().expand(HKV, -1)
@@ -101,21 +101,28 @@ def bench_mixed_steps(out_path, steps=MIXED_STEPS):
             shape = (HQ, (ctx_len - 1) // bs - first + 1, -(-ctx_len // bs))
             mask = torch.rand(shape, generator=torch.Generator().manual_seed(2)) < density
             block_mask = BlockMask(bs, (None,) * len(decode_lens) + (mask.cuda(),))
-        row = {"kind": "mixed_step", "step": label, "decode_rows": len(decode_lens), "selected_pages": pages,
-               "block_density": density}
+        row = {"kind": "mixed_step", "provider": provider.name, "step": label, "decode_rows": len(decode_lens),
+               "selected_pages": pages, "block_density": density, "chunk_alone": "provider.attend"}
         outs = {}
         for route in (True, False):
             triton_provider.ROUTE_DECODE_ROWS = route
+            ctx = StepContext([None] * len(lens), q_lens, cu, False, [view], None, None, None, None)  # new plans
             fn = lambda: provider.attend(q, kv.k_cache, kv.v_cache, ctx, view, selection, None,  # noqa: E731
                                          block_mask=block_mask)
             outs[route] = fn()[0]
             row["ms_routed" if route else "ms_not_routed"] = do_bench(fn, return_mode="median")
         triton_provider.ROUTE_DECODE_ROWS = True
-        alone = (q[-chunk:], kv.k_cache, kv.v_cache, kv.page_table[-1:], kv.kv_lens[-1:], cu[-2:] - cu[-2])
-        if block_mask is None:
-            fn = lambda: paged_prefill_triton(*alone, max_q_len=chunk, min_q_len=chunk)  # noqa: E731
-        else:
-            fn = lambda: block_sparse_paged_prefill_triton(*alone, block_mask.masks[-1:], bs)  # noqa: E731
+        last = len(lens) - 1
+        alone = StepContext([None] * len(lens), q_lens, cu, False, [view], None, None, None, None).group([last])
+        mask = None if block_mask is None else BlockMask(bs, block_mask.masks[-1:])
+        fn = lambda: provider.attend(q[-chunk:], kv.k_cache, kv.v_cache, alone.step, alone.view(view),  # noqa: E731
+                                     None, None, block_mask=mask)
         row["ms_chunk_alone"] = do_bench(fn, return_mode="median")
         row["max_abs_diff_routed_vs_not"] = (outs[True].float() - outs[False].float()).abs().max().item()
         emit(out_path, row)
+
+
+def bench_mixed_steps_flashinfer(out_path):
+    """`bench_mixed_steps` through the FlashInfer provider (its steps without a block mask,
+    which FlashInfer's provider hands to Triton)."""
+    bench_mixed_steps(out_path, [s for s in MIXED_STEPS if not s[4]], "flashinfer")

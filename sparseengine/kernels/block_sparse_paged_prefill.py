@@ -23,7 +23,6 @@ packing; the Triton kernels themselves are in `block_sparse_paged_prefill_kernel
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import torch
 
@@ -173,16 +172,10 @@ def block_sparse_paged_attend(q, k_cache, v_cache, ctx, view, selection, score_r
                                             return_lse=score_rows is not None, skip_one_row=route, **host)
     out, lse = res if score_rows is not None else (res, None)
     if route:
-        starts = list(itertools.accumulate(q_lens, initial=0))
-        rows = torch.tensor([starts[b] for b in one], device=q.device)
-        reqs = torch.tensor(one, device=q.device)
-        sub = dataclasses.replace(view, kv_lens=view.kv_lens[reqs], kv_lens_list=tuple(lens[b] for b in one),
-                                  page_table=view.page_table[reqs])
-        step = dataclasses.replace(ctx, seqs=[ctx.seqs[b] for b in one], q_lens=(1,) * len(one), is_decode=True,
-                                   cu_q_lens=torch.arange(len(one) + 1, dtype=ctx.cu_q_lens.dtype, device=q.device))
-        decoded, _ = decode_attend(q[rows], k_cache, v_cache, step, sub,
-                                   None if selection is None else selection.take(one), None)
-        out[rows] = decoded
+        group = ctx.group(one)  # index tensors, sub-step and cut views made once a step
+        decoded, _ = decode_attend(q[group.rows], k_cache, v_cache, group.step, group.view(view),
+                                   None if selection is None else selection.take(one, group.reqs), None)
+        out[group.rows] = decoded
     elif selection is not None:
         n = len(q_lens)
         last = ctx.cu_q_lens[1:].long() - 1

@@ -109,6 +109,35 @@ def test_selection_take(device):
         sel.take([])
 
 
+def test_step_group(device):
+    """A sub-step of some requests: their indices, their rows of the packed q, a context of
+    their own, the cut views; made once a step; bad lists raise."""
+    q_lens = (1, 3, 1, 2)
+    cu = torch.tensor([0, 1, 4, 5, 7], dtype=torch.int32, device=device)
+    pos = torch.arange(100, 107, device=device)
+    ctx = StepContext(["a", "b", "c", "d"], q_lens, cu, False, [], None, None, None, pos)
+    view = LayerView(torch.arange(50, 57, device=device), torch.tensor([9, 8, 7, 6], dtype=torch.int32, device=device),
+                     (9, 8, 7, 6), torch.arange(8, device=device).view(4, 2))
+    g = ctx.group([3, 0])
+    assert g.reqs.tolist() == [3, 0] and g.rows.tolist() == [5, 6, 0]
+    assert g.step.q_lens == (2, 1) and g.step.cu_q_lens.tolist() == [0, 2, 3] and not g.step.is_decode
+    assert g.step.seqs == ["d", "a"] and g.step.positions.tolist() == [105, 106, 100]
+    assert g.step.cu_q_lens.dtype == torch.int32 and g.step.views == []
+    cut = g.view(view)
+    assert cut.slot_mapping.tolist() == [55, 56, 50] and cut.kv_lens.tolist() == [6, 9] and cut.kv_lens_list == (6, 9)
+    assert cut.page_table.tolist() == [[6, 7], [0, 1]]
+    assert g.view(view) is cut and ctx.group((3, 0)) is g  # once a step
+    assert ctx.group([0, 2]).step.is_decode
+    short = LayerView(view.slot_mapping[:4], view.kv_lens, view.kv_lens_list, view.page_table)
+    assert g.view(short).slot_mapping.numel() == 0  # slots that are not the step's rows map none
+    for bad in ([], [4], [1, 1], [-1]):
+        with pytest.raises(ValueError, match="distinct requests in range"):
+            ctx.group(bad)
+    sel = Selection(torch.arange(24, device=device).view(4, 2, 3), torch.ones(4, 2, dtype=torch.int32, device=device),
+                    (False,) * 4)
+    assert torch.equal(sel.take([3, 0], g.reqs).token_indices, sel.token_indices[[3, 0]])
+
+
 @pytest.mark.gpu
 def test_gpu_llama_shape_mixed_step(gen, monkeypatch):
     """bf16, Hq 32 / Hkv 8 / d 128, page 16: a 4K chunk at 32K beside decode rows at 128K,
