@@ -67,6 +67,7 @@ MIXED_STEPS = (
     ("63 x 8K decode + 4K chunk at 16K", (8192,) * 63, (16384, 4096), 0, 0),
     ("5 x 128K decode over 129 pages + 4K chunk at 32K", (131072,) * 5, (32768, 4096), 129, 0),
     ("5 x 128K decode + 4K chunk at 32K, 30% of its blocks", (131072,) * 5, (32768, 4096), 0, 0.3),
+    ("the same with column sums (decode rows 1, the chunk's last 32)", (131072,) * 5, (32768, 4096), 0, 0.3, (1, 32)),
 )
 
 
@@ -79,10 +80,10 @@ def bench_mixed_steps(out_path, steps=MIXED_STEPS, provider_name="triton"):
 
     from sparseengine.attention import triton_provider
     from sparseengine.attention.provider import make_provider
-    from sparseengine.engine.step_context import BlockMask, LayerView, Selection, StepContext
+    from sparseengine.engine.step_context import BlockMask, LayerView, ScoreRows, Selection, StepContext
 
     provider = make_provider(provider_name, torch.device("cuda"))
-    for label, decode_lens, (ctx_len, chunk), pages, density in steps:
+    for label, decode_lens, (ctx_len, chunk), pages, density, *colsum_rows in steps:
         lens = list(decode_lens) + [ctx_len]
         q_lens = (1,) * len(decode_lens) + (chunk,)
         kv = random_paged_kv(lens, HKV, D, PS, generator=torch.Generator().manual_seed(0), dtype=BF16,
@@ -101,24 +102,33 @@ def bench_mixed_steps(out_path, steps=MIXED_STEPS, provider_name="triton"):
             shape = (HQ, (ctx_len - 1) // bs - first + 1, -(-ctx_len // bs))
             mask = torch.rand(shape, generator=torch.Generator().manual_seed(2)) < density
             block_mask = BlockMask(bs, (None,) * len(decode_lens) + (mask.cuda(),))
+        score_rows = None
+        if colsum_rows:
+            one_rows, chunk_rows = colsum_rows[0]
+            score_rows = ScoreRows((one_rows,) * len(decode_lens) + (chunk_rows,))
         row = {"kind": "mixed_step", "provider": provider.name, "step": label, "decode_rows": len(decode_lens),
-               "selected_pages": pages, "block_density": density, "chunk_alone": "provider.attend"}
+               "selected_pages": pages, "block_density": density, "chunk_alone": "provider.attend",
+               "score_rows": list(score_rows.rows) if score_rows else None}
         outs = {}
         for route in (True, False):
             triton_provider.ROUTE_DECODE_ROWS = route
             ctx = StepContext([None] * len(lens), q_lens, cu, False, [view], None, None, None, None)  # new plans
-            fn = lambda: provider.attend(q, kv.k_cache, kv.v_cache, ctx, view, selection, None,  # noqa: E731
+            fn = lambda: provider.attend(q, kv.k_cache, kv.v_cache, ctx, view, selection, score_rows,  # noqa: E731
                                          block_mask=block_mask)
-            outs[route] = fn()[0]
+            outs[route] = fn()
             row["ms_routed" if route else "ms_not_routed"] = do_bench(fn, return_mode="median")
         triton_provider.ROUTE_DECODE_ROWS = True
         last = len(lens) - 1
         alone = StepContext([None] * len(lens), q_lens, cu, False, [view], None, None, None, None).group([last])
         mask = None if block_mask is None else BlockMask(bs, block_mask.masks[-1:])
+        alone_rows = None if score_rows is None else ScoreRows(score_rows.rows[-1:])
         fn = lambda: provider.attend(q[-chunk:], kv.k_cache, kv.v_cache, alone.step, alone.view(view),  # noqa: E731
-                                     None, None, block_mask=mask)
+                                     None, alone_rows, block_mask=mask)
         row["ms_chunk_alone"] = do_bench(fn, return_mode="median")
-        row["max_abs_diff_routed_vs_not"] = (outs[True].float() - outs[False].float()).abs().max().item()
+        row["max_abs_diff_routed_vs_not"] = (outs[True][0].float() - outs[False][0].float()).abs().max().item()
+        if score_rows is not None:
+            row["colsum_max_abs_diff_routed_vs_not"] = max((a - b).abs().max().item()
+                                                           for a, b in zip(outs[True][1], outs[False][1]))
         emit(out_path, row)
 
 

@@ -27,6 +27,8 @@ import dataclasses
 import torch
 
 from . import _common
+from sparseengine.engine.step_context import ScoreRows
+
 from ._common import LOG2E, cdiv, check_cache, check_launch, next_pow2
 from .block_sparse_paged_prefill_kernels import _masked_window_colsum_kernel, _paged_block_sparse_kernel
 
@@ -159,23 +161,26 @@ def block_sparse_paged_attend(q, k_cache, v_cache, ctx, view, selection, score_r
     torch provider computes them. Rows block-sparse (``masks[b]`` None: dense causal);
     column sums under the masks; decode rows of a mixed batch that have a selection read
     only it, through ``decode_attend`` (the provider's ``attend``) on a one-row-per-request
-    step. ``route_decode_rows``: where no column sums are asked for and every one-row
-    request is dense causal, those requests go to ``decode_attend`` alone (the split-K
-    decode) and the block-sparse kernel skips them."""
+    step. ``route_decode_rows``: where every one-row request is dense causal, those
+    requests go to ``decode_attend`` alone (the split-K decode, which also gives their
+    column sums), and the block-sparse kernel and the column sums' kernel skip them."""
     lens, q_lens = list(view.kv_lens_list), list(ctx.q_lens)
     host = dict(kv_lens_list=lens, q_lens=q_lens)
     one = [b for b, m in enumerate(q_lens) if m == 1]
-    route = (route_decode_rows and score_rows is None and 0 < len(one) < len(q_lens)
-             and all(block_mask.masks[b] is None for b in one))
+    route = route_decode_rows and 0 < len(one) < len(q_lens) and all(block_mask.masks[b] is None for b in one)
     res = block_sparse_paged_prefill_triton(q, k_cache, v_cache, view.page_table, view.kv_lens, ctx.cu_q_lens,
                                             block_mask.masks, block_mask.block_size,
                                             return_lse=score_rows is not None, skip_one_row=route, **host)
     out, lse = res if score_rows is not None else (res, None)
+    decoded_cs = {}
     if route:
         group = ctx.group(one)  # index tensors, sub-step and cut views made once a step
-        decoded, _ = decode_attend(q[group.rows], k_cache, v_cache, group.step, group.view(view),
-                                   None if selection is None else selection.take(one, group.reqs), None)
+        asked = score_rows is not None and any(score_rows.rows[b] for b in one)
+        sub_rows = ScoreRows(tuple(score_rows.rows[b] for b in one)) if asked else None
+        decoded, cs = decode_attend(q[group.rows], k_cache, v_cache, group.step, group.view(view),
+                                    None if selection is None else selection.take(one, group.reqs), sub_rows)
         out[group.rows] = decoded
+        decoded_cs = dict(zip(one, cs)) if asked else {}
     elif selection is not None:
         n = len(q_lens)
         last = ctx.cu_q_lens[1:].long() - 1
@@ -184,16 +189,39 @@ def block_sparse_paged_attend(q, k_cache, v_cache, ctx, view, selection, score_r
         decoded, _ = decode_attend(q[last], k_cache, v_cache, rows, view, selection, None)
         use = torch.tensor([not d and m == 1 for d, m in zip(selection.dense, q_lens)], device=q.device)
         out[last] = torch.where(use[:, None, None], decoded, out[last])
-    colsums = None
-    if score_rows is not None:
-        by_window = {w: block_sparse_window_colsum_triton(q, k_cache, view.page_table, view.kv_lens, ctx.cu_q_lens,
-                                                          w, block_mask.masks, block_mask.block_size,
-                                                          max_kv_len=max(lens), lse=lse, **host)
-                     for w in sorted(set(score_rows.rows)) if w > 0}
-        hkv = k_cache.shape[2]
-        colsums = [by_window[w][b, :, :n] if w > 0 else torch.zeros(hkv, n, device=q.device)
-                   for b, (w, n) in enumerate(zip(score_rows.rows, lens))]
+    if score_rows is None:
+        return out, None
+    colsums = [torch.zeros(k_cache.shape[2], n, device=q.device) for n in lens]
+    for b, c in decoded_cs.items():
+        if score_rows.rows[b]:
+            colsums[b] = c
+    rest = [b for b in range(len(lens)) if score_rows.rows[b] and not (route and q_lens[b] == 1)]
+    if route and rest:  # the column sums' kernel over those requests only (their rows of q and lse)
+        g = ctx.group(rest)
+        part = _masked_colsums(q[g.rows], lse[g.rows], k_cache, g.view(view), g.step,
+                               [block_mask.masks[b] for b in rest], block_mask.block_size,
+                               [score_rows.rows[b] for b in rest])
+        for b, c in zip(rest, part):
+            colsums[b] = c
+    elif rest:
+        part = _masked_colsums(q, lse, k_cache, view, ctx, block_mask.masks, block_mask.block_size, score_rows.rows)
+        colsums = [c if c is not None else z for c, z in zip(part, colsums)]
     return out, colsums
+
+
+def _masked_colsums(q, lse, k_cache, view, ctx, masks, block_size, rows):
+    """Per request of ``ctx`` its ``[Hkv, kv_len]`` column sums over its last ``rows[b]``
+    rows under its mask (one launch a window size), or None where ``rows[b]`` is 0."""
+    lens = list(view.kv_lens_list)
+    got = [None] * len(lens)
+    for w in sorted(set(r for r in rows if r)):
+        cs = block_sparse_window_colsum_triton(q, k_cache, view.page_table, view.kv_lens, ctx.cu_q_lens, w, masks,
+                                               block_size, max_kv_len=max(lens), lse=lse, kv_lens_list=lens,
+                                               q_lens=list(ctx.q_lens))
+        for b, r in enumerate(rows):
+            if r == w:
+                got[b] = cs[b, :, :lens[b]]
+    return got
 
 
 def _allowed(mask, block_size, hq, q_len, kv_len, device):

@@ -139,34 +139,47 @@ def test_rejects_bad_block_sizes_and_masks(gen, device):
             fn(q, odd, odd, kv.page_table, kv.kv_lens, cu, masks, 16)
 
 
-def test_provider_helper_matches_torch_provider(gen, device):
-    """A mixed step: two block-sparse prefill chunks, a dense one, a decode row reading a
-    selection, with score rows; the Triton provider's helper against the torch provider."""
+def test_provider_helper_matches_torch_provider(gen, device, monkeypatch):
+    """A mixed step: two block-sparse prefill chunks, a dense one, two decode rows (one
+    reading a selection), with score rows; the Triton provider's helper against the torch
+    provider, routed and not. Routed, the column sums' kernel runs over the requests that
+    are not routed only."""
+    from sparseengine.kernels import block_sparse_paged_prefill as bsp
+
     hq, hkv, d, ps, bs = 4, 2, 16, 8, 16
-    reqs = [(90, 40, "rand"), (50, 50, "rand"), (30, 30, None), (61, 1, None)]
+    reqs = [(90, 40, "rand"), (50, 50, "rand"), (30, 30, None), (61, 1, None), (45, 1, None)]
     q, kv, cu, masks = make_inputs((hq, hkv, d, ps, bs, reqs), gen, device)
     lens, q_lens = tuple(n for n, _, _ in reqs), tuple(m for _, m, _ in reqs)
     view = LayerView(slot_mapping=torch.zeros(0, dtype=torch.long, device=device), kv_lens=kv.kv_lens,
                      kv_lens_list=lens, page_table=kv.page_table)
-    ctx = StepContext(seqs=[None] * len(reqs), q_lens=q_lens, cu_q_lens=cu, is_decode=False, views=[view],
-                      kv_cache=None, provider=None, method=None, positions=None)
     picked = torch.tensor([[0, 3, 17, 40, 60], [1, 2, 30, 59, 60]], device=device)
-    selection = Selection.from_lists([None, None, None, picked], hkv, device)
+    selection = Selection.from_lists([None, None, None, picked, None], hkv, device)
     block_mask = BlockMask(bs, tuple(masks))
     triton = TritonAttentionProvider()
+    launched = []
+    colsum_kernel = bsp.block_sparse_window_colsum_triton
+    monkeypatch.setattr(bsp, "block_sparse_window_colsum_triton",
+                        lambda *a, **k: launched.append(tuple(k["kv_lens_list"])) or colsum_kernel(*a, **k))
     # (a decode row with both a selection and score rows: no method asks for that; the
     # providers differ there, as they do without block masks)
-    for sel, rows in ((None, None), (None, ScoreRows((6, 50, 0, 1))), (selection, None),
-                      (selection, ScoreRows((40, 3, 30, 0)))):
+    for sel, rows in ((None, None), (None, ScoreRows((6, 50, 0, 1, 0))), (None, ScoreRows((0, 0, 0, 1, 1))),
+                      (selection, None), (selection, ScoreRows((40, 3, 30, 0, 1)))):
+        ctx = StepContext(seqs=[None] * len(reqs), q_lens=q_lens, cu_q_lens=cu, is_decode=False, views=[view],
+                          kv_cache=None, provider=None, method=None, positions=None)
         want, want_cs = TorchAttentionProvider().attend(q, kv.k_cache, kv.v_cache, ctx, view, sel, rows,
                                                         block_mask=block_mask)
-        for route in (False, True):  # the one-row request (dense causal) to the split-K decode or not
+        for route in (False, True):  # the one-row requests (dense causal) to the split-K decode or not
+            launched.clear()
             got, got_cs = block_sparse_paged_attend(q, kv.k_cache, kv.v_cache, ctx, view, sel, rows, block_mask,
                                                     triton.attend, route)
-            assert_close(got, want, 1e-4, f"out route={route}")
+            assert_close(got, want, 1e-4, f"out route={route} rows={rows}")
             assert (got_cs is None) == (want_cs is None)
             for b, (a, e) in enumerate(zip(got_cs or [], want_cs or [])):
-                assert_close(a, e, 1e-4, f"colsum {b} route={route}")
+                assert a.shape == e.shape
+                assert_close(a, e, 1e-4, f"colsum {b} route={route} rows={rows}")
+            asking = [b for b, r in enumerate(rows.rows if rows else ()) if r and (q_lens[b] > 1 or not route)]
+            windows = {rows.rows[b] for b in asking}
+            assert launched == [tuple(lens[b] for b in asking) if route else lens] * len(windows)
         via_provider = triton.attend(q, kv.k_cache, kv.v_cache, ctx, view, sel, rows, block_mask=block_mask)[0]
         assert_close(via_provider, got, 1e-6, "provider (routes, as the last helper call)")
 
