@@ -137,7 +137,7 @@ def test_logits_come_from_the_filter_layers_attention(mode):
     else:
         assert rows.kind == "max_logits" and rows.rows == (1, 1) and rows.max_kv_len == kv.page_table.shape[1] * 8
     prefill = types.SimpleNamespace(is_decoding=False)
-    mixed = StepContext(**{**ctx.__dict__, "seqs": [prefill, None], "is_decode": False})
+    mixed = dataclasses.replace(ctx, seqs=[prefill, None], is_decode=False)
     assert rt.score_rows(1, mixed) is None
 
 
@@ -149,7 +149,7 @@ def test_max_logit_scores_are_a_decode_score():
         rt = runtime(2, 2, 6, 3, "logits")
         ctx = graph_context(rt, kv, provider=kind)
         rows = rt.score_rows(1, ctx)
-        prefill = StepContext(**{**ctx.__dict__, "is_decode": False})
+        prefill = dataclasses.replace(ctx, is_decode=False)
         with pytest.raises(ValueError, match="decode-step score"):
             ctx.provider.attend(q, kv.k_cache, kv.v_cache, prefill, ctx.views[1], None, rows)
     with pytest.raises(ValueError, match="needs max_kv_len"):
