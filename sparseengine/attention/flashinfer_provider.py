@@ -12,11 +12,11 @@ kv_data_type)``, ``.run(q, (k_cache, v_cache))``. FlashInfer's causal mask is al
 the end of the cache (row i of a q_len-row chunk sees the first kv_len - q_len + i + 1
 tokens), which is our chunked-prefill rule.
 
-A mixed step's one-row requests that read a selection (a sparse method's decode rows
-beside prefill chunks) are left out of FlashInfer's prefill and read only their selection
-through the Triton sparse decode; the prefill is planned over the other requests, their
-rows of q gathered (``triton_provider.ROUTE_DECODE_ROWS`` off: every row in the prefill,
-those rows computed again over their selection).
+A mixed step's one-row requests (decode rows beside prefill chunks) are left out of
+FlashInfer's prefill: those that read their whole cache go to FlashInfer's paged decode,
+those that read a selection only to it, through the Triton sparse decode; each part is
+planned over its own requests, their rows of q gathered (``triton_provider.ROUTE_DECODE_ROWS``
+off: every row in the prefill, the rows with a selection computed again over it).
 
 Planning happens on the host once per step and per distinct ``LayerView`` (layers that
 share a view share the plan); a plan needs the true host lengths, so FlashInfer cannot run inside
@@ -131,32 +131,41 @@ class FlashInferAttentionProvider(AttentionProvider):
                 out = torch.where(dense_rows, out, sparse)
             return out, None
         check_prefill_scores(score_rows)
-        sparse_rows = self._sparse_one_rows(ctx, selection)
-        if sparse_rows:  # FlashInfer's prefill leaves them out: they read only their selection
-            out = self._routed_prefill(q, k_cache, v_cache, ctx, view, selection, sparse_rows)
+        one = self._one_row_requests(ctx)
+        if one:  # a mixed step's decode rows leave FlashInfer's prefill
+            out = self._routed_prefill(q, k_cache, v_cache, ctx, view, selection, one)
         else:
             out = self._prefill(q, k_cache, v_cache, ctx, view, selection)
         colsums = None if score_rows is None else self._window_colsums(q, k_cache, ctx, view, score_rows)
         return out, colsums
 
     @staticmethod
-    def _sparse_one_rows(ctx: StepContext, selection: Selection | None) -> tuple[int, ...]:
+    def _one_row_requests(ctx: StepContext) -> tuple[int, ...]:
         """With ``triton_provider.ROUTE_DECODE_ROWS`` (the A/B knob both providers read): a
-        mixed step's requests that bring one query row and read a selection."""
-        if selection is None or not triton_provider.ROUTE_DECODE_ROWS:
+        mixed step's requests that bring one query row; () when none, or when every
+        request does."""
+        if not triton_provider.ROUTE_DECODE_ROWS:
             return ()
-        return tuple(b for b, (d, n) in enumerate(zip(selection.dense, ctx.q_lens)) if n == 1 and not d)
+        one = tuple(b for b, n in enumerate(ctx.q_lens) if n == 1)
+        return one if len(one) < len(ctx.q_lens) else ()
 
-    def _routed_prefill(self, q, k_cache, v_cache, ctx, view, selection, sparse_rows):
-        """FlashInfer's paged prefill planned over the other requests only (their rows of q
-        gathered), the one-row requests with a selection through the Triton sparse decode."""
-        rest = ctx.group(b for b in range(len(ctx.q_lens)) if b not in set(sparse_rows))
-        sparse = ctx.group(sparse_rows)
+    def _routed_prefill(self, q, k_cache, v_cache, ctx, view, selection, one):
+        """FlashInfer's paged prefill planned over the requests with more than one row, its
+        paged decode over the one-row requests that read their whole cache, the Triton
+        sparse decode for those that read a selection (each group's rows of q gathered)."""
         out = torch.empty_like(q)
-        out[rest.rows] = self._plan(q, k_cache, ctx, view, rest).run(q[rest.rows], (k_cache, v_cache))
-        table, lens = view.page_table[sparse.reqs], view.kv_lens[sparse.reqs]
-        out[sparse.rows] = self.triton._sparse_decode(q[sparse.rows], k_cache, v_cache, table, lens,
-                                                      selection.take(sparse_rows, sparse.reqs))
+        chunks = ctx.group(b for b in range(len(ctx.q_lens)) if b not in set(one))
+        out[chunks.rows] = self._plan(q, k_cache, ctx, view, chunks).run(q[chunks.rows], (k_cache, v_cache))
+        sparse = () if selection is None else tuple(b for b in one if not selection.dense[b])
+        dense = tuple(b for b in one if b not in set(sparse))
+        if dense:
+            rows = ctx.group(dense)
+            out[rows.rows] = self._plan(q, k_cache, ctx, view, rows).run(q[rows.rows], (k_cache, v_cache))
+        if sparse:
+            rows = ctx.group(sparse)
+            table, lens = view.page_table[rows.reqs], view.kv_lens[rows.reqs]
+            out[rows.rows] = self.triton._sparse_decode(q[rows.rows], k_cache, v_cache, table, lens,
+                                                        selection.take(sparse, rows.reqs))
         return out
 
     def _prefill(self, q, k_cache, v_cache, ctx, view, selection):

@@ -208,31 +208,32 @@ def test_delegated_ops_match_triton(flashinfer):
 @pytest.mark.gpu
 @pytest.mark.parametrize("route", [True, False], ids=["routed", "not_routed"])
 @pytest.mark.parametrize("pages", [False, True], ids=["tokens", "pages"])
-def test_mixed_step_selected_rows_leave_flashinfer_prefill(flashinfer, monkeypatch, route, pages):
-    """A mixed step whose one-row requests read a selection: routed, FlashInfer's prefill is
-    planned over the other requests only (a dense one-row request stays in it), once for
-    the step's layers; the output matches the torch provider routed or not."""
+def test_mixed_step_decode_rows_leave_flashinfer_prefill(flashinfer, monkeypatch, route, pages):
+    """A mixed step with one-row requests: routed, FlashInfer's prefill is planned over the
+    requests with more rows, its decode over the one-row request that reads its whole
+    cache, and those that read a selection read only it; one plan of each for the step's
+    layers. The output matches the torch provider, routed or not."""
     from sparseengine.attention import triton_provider
     from sparseengine.attention.torch_ref import TorchAttentionProvider
     from sparseengine.kernels.testing import assert_close, randn
 
     monkeypatch.setattr(triton_provider, "ROUTE_DECODE_ROWS", route)
     planned = []
-    plan = flashinfer.BatchPrefillWithPagedKVCacheWrapper.plan
-    monkeypatch.setattr(flashinfer.BatchPrefillWithPagedKVCacheWrapper, "plan",
-                        lambda self, qo_indptr, *a, **k: planned.append(qo_indptr.tolist()) or plan(
-                            self, qo_indptr, *a, **k))
+    for kind, cls in (("prefill", flashinfer.BatchPrefillWithPagedKVCacheWrapper),
+                      ("decode", flashinfer.BatchDecodeWithPagedKVCacheWrapper)):
+        monkeypatch.setattr(cls, "plan", lambda self, first, *a, _plan=cls.plan, _kind=kind, **k: (
+            planned.append((_kind, first.tolist())), _plan(self, first, *a, **k))[1])
     gen = torch.Generator().manual_seed(5)
     lens, q_lens = [50, 64, 700, 1000, 17, 300], [1, 64, 1, 300, 17, 1]
     kv = _cache(lens, gen)
-    if pages:
-        idx = torch.stack([torch.stack([torch.randperm(-(-n // PS), generator=gen)[:3] for _ in range(HKV)])
-                           for n in lens]).cuda()
-        selection = Selection(idx, torch.full((6, HKV), 3, dtype=torch.int32, device="cuda"),
-                              (False, True, False, True, True, True), page_size=PS)
+    dense = (False, True, False, True, True, True)
+    if pages:  # three distinct logical pages a (request, KV head) where the request reads a selection
+        idx = torch.stack([torch.stack([torch.randperm(max(3, -(-n // PS)), generator=gen)[:3] % -(-n // PS)
+                                        for _ in range(HKV)]) for n in lens]).cuda()
+        selection = Selection(idx, torch.full((6, HKV), 3, dtype=torch.int32, device="cuda"), dense, page_size=PS)
     else:
         picks = [torch.randperm(n, generator=gen)[:32].cuda() for n in lens]
-        selection = Selection.from_lists([picks[0], None, picks[2], None, None, None], HKV, "cuda")
+        selection = Selection.from_lists([None if d else p for d, p in zip(dense, picks)], HKV, "cuda")
     q = randn(sum(q_lens), HQ, D, generator=gen, dtype=BF16, device="cuda")
     view = _view(kv)
     ctx = _ctx(q_lens, [view, view])
@@ -243,7 +244,8 @@ def test_mixed_step_selected_rows_leave_flashinfer_prefill(flashinfer, monkeypat
         assert cs is None
         assert_close(got, want, 2e-2, f"layer {layer}")
     full = np.concatenate([[0], np.cumsum(q_lens)]).tolist()
-    assert planned == [[0, 64, 364, 381, 382] if route else full]  # requests 1, 3, 4, 5 when routed
+    # routed: the prefill over requests 1, 3, 4 (qo_indptr), the decode over request 5 (its page indptr)
+    assert planned == ([("prefill", [0, 64, 364, 381]), ("decode", [0, 19])] if route else [("prefill", full)])
 
 
 @pytest.fixture(scope="module")
