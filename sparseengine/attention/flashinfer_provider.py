@@ -124,11 +124,17 @@ class FlashInferAttentionProvider(AttentionProvider):
                 return self.triton.attend(q, k_cache, v_cache, ctx, view, selection, score_rows)
             if selection is not None and not any(selection.dense):
                 return self.triton.attend(q, k_cache, v_cache, ctx, view, selection, None)
-            out = self._plan(q, k_cache, ctx, view).run(q.contiguous(), (k_cache, v_cache))
-            if selection is not None:  # dense rows from FlashInfer, the others read their selection
-                sparse = self.triton._sparse_decode(q, k_cache, v_cache, table, lens, selection)
-                dense_rows = torch.tensor(selection.dense, device=q.device)[:, None, None]
-                out = torch.where(dense_rows, out, sparse)
+            if selection is None or all(selection.dense):
+                return self._plan(q, k_cache, ctx, view).run(q.contiguous(), (k_cache, v_cache)), None
+            # rows that read their whole cache from FlashInfer (planned over them), the
+            # others only their selection (Triton)
+            whole = ctx.group(b for b, d in enumerate(selection.dense) if d)
+            picked = ctx.group(b for b, d in enumerate(selection.dense) if not d)
+            out = torch.empty_like(q)
+            out[whole.rows] = self._plan(q, k_cache, ctx, view, whole).run(q[whole.rows], (k_cache, v_cache))
+            out[picked.rows] = self.triton._sparse_decode(q[picked.rows], k_cache, v_cache, table[picked.reqs],
+                                                          lens[picked.reqs], selection.take(picked.requests,
+                                                                                            picked.reqs))
             return out, None
         check_prefill_scores(score_rows)
         one = self._one_row_requests(ctx)

@@ -88,14 +88,21 @@ class TritonAttentionProvider(AttentionProvider):
         if selection is None:
             return dense if dense is not None else kernels.paged_decode_triton(q, k_cache, v_cache, table, lens,
                                                                                **split)
-        sparse = self._sparse_decode(q, k_cache, v_cache, table, lens, selection)
         if not any(selection.dense):  # no host tensor: CUDA-graph capturable
-            return sparse
-        if dense is None:
-            dense = kernels.paged_decode_triton(q, k_cache, v_cache, table, lens, **split)
+            return self._sparse_decode(q, k_cache, v_cache, table, lens, selection)
         if all(selection.dense):
-            return dense
-        return torch.where(torch.tensor(selection.dense, device=q.device)[:, None, None], dense, sparse)
+            return dense if dense is not None else kernels.paged_decode_triton(q, k_cache, v_cache, table, lens,
+                                                                               **split)
+        # some rows read their whole cache, the others only their selection: each kernel
+        # reads its own rows (eager steps only: a graph's selections mark no row dense)
+        whole = [b for b, d in enumerate(selection.dense) if d]
+        picked = [b for b, d in enumerate(selection.dense) if not d]
+        w, p = torch.tensor(whole, device=q.device), torch.tensor(picked, device=q.device)
+        out = torch.empty_like(q)
+        out[w] = dense[w] if dense is not None else kernels.paged_decode_triton(q[w], k_cache, v_cache, table[w],
+                                                                                lens[w], **split)
+        out[p] = self._sparse_decode(q[p], k_cache, v_cache, table[p], lens[p], selection.take(picked, p))
+        return out
 
     def _prefill_rows(self, q, k_cache, v_cache, ctx: StepContext, view: LayerView, selection: Selection | None):
         """A step with prefill rows. With ``ROUTE_DECODE_ROWS`` the requests that bring one

@@ -248,6 +248,33 @@ def test_mixed_step_decode_rows_leave_flashinfer_prefill(flashinfer, monkeypatch
     assert planned == ([("prefill", [0, 64, 364, 381]), ("decode", [0, 19])] if route else [("prefill", full)])
 
 
+@pytest.mark.gpu
+def test_decode_step_some_rows_dense(flashinfer, monkeypatch):
+    """A decode step where one request reads its whole cache and the others a selection:
+    FlashInfer's decode is planned over that request alone; the torch provider's output."""
+    from sparseengine.attention.torch_ref import TorchAttentionProvider
+    from sparseengine.kernels.testing import assert_close, randn
+
+    planned = []
+    plan = flashinfer.BatchDecodeWithPagedKVCacheWrapper.plan
+    monkeypatch.setattr(flashinfer.BatchDecodeWithPagedKVCacheWrapper, "plan",
+                        lambda self, indptr, *a, **k: (planned.append(indptr.tolist()), plan(self, indptr, *a, **k))[1])
+    gen = torch.Generator().manual_seed(6)
+    lens = [50, 700, 1000, 300]
+    kv = _cache(lens, gen)
+    picks = [torch.randperm(n, generator=gen)[:32].cuda() for n in lens]
+    selection = Selection.from_lists([picks[0], None, picks[2], picks[3]], HKV, "cuda")
+    q = randn(len(lens), HQ, D, generator=gen, dtype=BF16, device="cuda")
+    view = _view(kv)
+    ctx = _ctx([1] * len(lens), [view])
+    want, _ = TorchAttentionProvider().attend(q, kv.k_cache, kv.v_cache, ctx, view, selection, None)
+    fi = _providers()[0]
+    for layer in range(2):
+        got, _ = fi.attend(q, kv.k_cache, kv.v_cache, ctx, view, selection, None)
+        assert_close(got, want, 2e-2, f"layer {layer}")
+    assert planned == [[0, 44]]  # once for the step, over request 1's 44 pages (700 tokens)
+
+
 @pytest.fixture(scope="module")
 def tiny_llama_d128(tmp_path_factory):
     """The tiny Llama with FlashInfer's head_dim 128 (the one head_dim the GPU tests build

@@ -64,6 +64,32 @@ def test_mixed_step_matches_torch_provider(gen, device, monkeypatch, route, kind
         assert_close(a, e, 1e-4, f"colsum {b}")
 
 
+@pytest.mark.parametrize("kind", ["tokens", "pool_rows", "pages"])
+def test_decode_step_some_rows_dense(gen, device, monkeypatch, kind):
+    """A decode step where one request reads its whole cache and the others a selection:
+    the torch provider's output, and each kernel reads only its own rows (the dense decode
+    the dense request's, the sparse decode the others')."""
+    from sparseengine import kernels
+
+    reqs = [(61, 1), (33, 1), (129, 1), (20, 1)]
+    q, kv, view, ctx = make_step(reqs, 8, 2, 16, 8, gen, device)
+    ctx.is_decode = True
+    selection = selections(reqs, 2, 8, kv.page_table, gen, device)[kind]
+    assert selection.dense == (False, False, False, True)
+    seen = []
+    for name in ("paged_decode_triton", "sparse_decode_triton", "sparse_rows_decode_triton",
+                 "sparse_page_decode_triton"):
+        fn = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda q, *a, _fn=fn, _name=name, **k: (
+            seen.append((_name, q.shape[0])), _fn(q, *a, **k))[1])
+    want, _ = TorchAttentionProvider().attend(q, kv.k_cache, kv.v_cache, ctx, view, selection, None)
+    got, _ = TritonAttentionProvider().attend(q, kv.k_cache, kv.v_cache, ctx, view, selection, None)
+    assert_close(got, want, 1e-4, "out")
+    sparse = {"tokens": "sparse_decode_triton", "pool_rows": "sparse_rows_decode_triton",
+              "pages": "sparse_page_decode_triton"}[kind]
+    assert sorted(seen) == sorted([("paged_decode_triton", 1), (sparse, 3)])
+
+
 def test_routing_runs_the_prefill_kernel_without_the_decode_rows(gen, device, monkeypatch):
     """With the routing on, the chunked prefill is launched with `skip_one_row` and the
     large-tile rule sees only the requests it computes (`min_q_len` of the chunks)."""
