@@ -38,7 +38,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import _common
 from ._common import cdiv, check_launch, lazy_jit, next_pow2
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
