@@ -191,7 +191,7 @@ def block_sparse_paged_attend(q, k_cache, v_cache, ctx, view, selection, score_r
         out[last] = torch.where(use[:, None, None], decoded, out[last])
     if score_rows is None:
         return out, None
-    colsums = [torch.zeros(k_cache.shape[2], n, device=q.device) for n in lens]
+    colsums = [None] * len(lens)
     for b, c in decoded_cs.items():
         if score_rows.rows[b]:
             colsums[b] = c
@@ -205,8 +205,10 @@ def block_sparse_paged_attend(q, k_cache, v_cache, ctx, view, selection, score_r
             colsums[b] = c
     elif rest:
         part = _masked_colsums(q, lse, k_cache, view, ctx, block_mask.masks, block_mask.block_size, score_rows.rows)
-        colsums = [c if c is not None else z for c, z in zip(part, colsums)]
-    return out, colsums
+        colsums = [p if p is not None else c for p, c in zip(part, colsums)]
+    # zeros where a request asked for none
+    return out, [c if c is not None else torch.zeros(k_cache.shape[2], n, device=q.device)
+                 for c, n in zip(colsums, lens)]
 
 
 def _masked_colsums(q, lse, k_cache, view, ctx, masks, block_size, rows):
