@@ -3,7 +3,7 @@ steps), with a mixed step's decode rows routed to the split-K decode
 (`triton_provider.ROUTE_DECODE_ROWS`) and not, alternating in one process.
 
 Llama-3.1-8B shape, dummy bf16 weights, the Triton provider (or `--provider flashinfer`:
-routed, its prefill leaves out the decode rows that read a selection). `--decoders` requests of
+routed, its prefill leaves out the decode rows). `--decoders` requests of
 `--context` tokens are synthesised (their KV filled directly, as the decode benchmarks do)
 and decode; then a prompt of `--prompt` tokens arrives and is prefilled in chunks of
 `--chunk` tokens beside them. Each step is timed with the device synchronised at its end,

@@ -118,7 +118,6 @@ class FlashInferAttentionProvider(AttentionProvider):
                view: LayerView, selection: Selection | None, score_rows: ScoreRows | None, block_mask=None):
         if block_mask is not None:  # block-sparse prefill rows
             return self.triton.attend(q, k_cache, v_cache, ctx, view, selection, score_rows, block_mask)
-        table, lens = view.page_table, view.kv_lens
         if ctx.is_decode:
             if score_rows is not None:  # Triton computes the output and the column sums in one pass
                 return self.triton.attend(q, k_cache, v_cache, ctx, view, selection, score_rows)
@@ -126,15 +125,8 @@ class FlashInferAttentionProvider(AttentionProvider):
                 return self.triton.attend(q, k_cache, v_cache, ctx, view, selection, None)
             if selection is None or all(selection.dense):
                 return self._plan(q, k_cache, ctx, view).run(q.contiguous(), (k_cache, v_cache)), None
-            # rows that read their whole cache from FlashInfer (planned over them), the
-            # others only their selection (Triton)
-            whole = ctx.group(b for b, d in enumerate(selection.dense) if d)
-            picked = ctx.group(b for b, d in enumerate(selection.dense) if not d)
             out = torch.empty_like(q)
-            out[whole.rows] = self._plan(q, k_cache, ctx, view, whole).run(q[whole.rows], (k_cache, v_cache))
-            out[picked.rows] = self.triton._sparse_decode(q[picked.rows], k_cache, v_cache, table[picked.reqs],
-                                                          lens[picked.reqs], selection.take(picked.requests,
-                                                                                            picked.reqs))
+            self._one_row_requests_into(out, q, k_cache, v_cache, ctx, view, selection, range(len(ctx.q_lens)))
             return out, None
         check_prefill_scores(score_rows)
         one = self._one_row_requests(ctx)
@@ -162,8 +154,15 @@ class FlashInferAttentionProvider(AttentionProvider):
         out = torch.empty_like(q)
         chunks = ctx.group(b for b in range(len(ctx.q_lens)) if b not in set(one))
         out[chunks.rows] = self._plan(q, k_cache, ctx, view, chunks).run(q[chunks.rows], (k_cache, v_cache))
-        sparse = () if selection is None else tuple(b for b in one if not selection.dense[b])
-        dense = tuple(b for b in one if b not in set(sparse))
+        self._one_row_requests_into(out, q, k_cache, v_cache, ctx, view, selection, one)
+        return out
+
+    def _one_row_requests_into(self, out, q, k_cache, v_cache, ctx, view, selection, requests):
+        """Fill ``out``'s rows of the listed one-row requests: those that read their whole
+        cache from FlashInfer's paged decode planned over them, the others only their
+        selection (the Triton sparse decode); each kernel reads only its own rows."""
+        sparse = () if selection is None else tuple(b for b in requests if not selection.dense[b])
+        dense = tuple(b for b in requests if b not in set(sparse))
         if dense:
             rows = ctx.group(dense)
             out[rows.rows] = self._plan(q, k_cache, ctx, view, rows).run(q[rows.rows], (k_cache, v_cache))
@@ -172,7 +171,6 @@ class FlashInferAttentionProvider(AttentionProvider):
             table, lens = view.page_table[rows.reqs], view.kv_lens[rows.reqs]
             out[rows.rows] = self.triton._sparse_decode(q[rows.rows], k_cache, v_cache, table, lens,
                                                         selection.take(sparse, rows.reqs))
-        return out
 
     def _prefill(self, q, k_cache, v_cache, ctx, view, selection):
         """FlashInfer's paged prefill over every row; without the routing, decode rows that

@@ -64,7 +64,7 @@ class TritonAttentionProvider(AttentionProvider):
                 colsums = colsum if bound else [colsum[b, :, :n] for b, n in enumerate(view.kv_lens_list)]
             else:
                 out, colsums = None, None
-            return self._decode_rows(q, k_cache, v_cache, table, lens, selection, out), colsums
+            return self._decode_rows(q, k_cache, v_cache, ctx, table, lens, selection, out), colsums
         check_prefill_scores(score_rows)
         out = self._prefill_rows(q, k_cache, v_cache, ctx, view, selection)
         colsums = None
@@ -80,10 +80,11 @@ class TritonAttentionProvider(AttentionProvider):
                        for b, (w, n) in enumerate(zip(score_rows.rows, view.kv_lens_list))]
         return out, colsums
 
-    def _decode_rows(self, q, k_cache, v_cache, table, lens, selection: Selection | None, dense=None):
-        """One query row a request ``q [B, Hq, d]``: the split-K decode over each request's
-        whole cache, or over its selection where it has one. ``dense``: the whole-cache
-        output if a kernel that emitted scores computed it already."""
+    def _decode_rows(self, q, k_cache, v_cache, step: StepContext, table, lens, selection: Selection | None,
+                     dense=None):
+        """One query row a request ``q [B, Hq, d]`` of ``step``: the split-K decode over each
+        request's whole cache, or over its selection where it has one. ``dense``: the
+        whole-cache output if a kernel that emitted scores computed it already."""
         split = self.split_kw(q.device)
         if selection is None:
             return dense if dense is not None else kernels.paged_decode_triton(q, k_cache, v_cache, table, lens,
@@ -95,13 +96,13 @@ class TritonAttentionProvider(AttentionProvider):
                                                                                **split)
         # some rows read their whole cache, the others only their selection: each kernel
         # reads its own rows (eager steps only: a graph's selections mark no row dense)
-        whole = [b for b, d in enumerate(selection.dense) if d]
-        picked = [b for b, d in enumerate(selection.dense) if not d]
-        w, p = torch.tensor(whole, device=q.device), torch.tensor(picked, device=q.device)
+        w = step.group(b for b, d in enumerate(selection.dense) if d).reqs  # one row a request: rows = requests
+        p = step.group(b for b, d in enumerate(selection.dense) if not d)
         out = torch.empty_like(q)
         out[w] = dense[w] if dense is not None else kernels.paged_decode_triton(q[w], k_cache, v_cache, table[w],
                                                                                 lens[w], **split)
-        out[p] = self._sparse_decode(q[p], k_cache, v_cache, table[p], lens[p], selection.take(picked, p))
+        out[p.reqs] = self._sparse_decode(q[p.reqs], k_cache, v_cache, table[p.reqs], lens[p.reqs],
+                                          selection.take(p.requests, p.reqs))
         return out
 
     def _prefill_rows(self, q, k_cache, v_cache, ctx: StepContext, view: LayerView, selection: Selection | None):
@@ -118,7 +119,8 @@ class TritonAttentionProvider(AttentionProvider):
         if route:
             rows = ctx.group(one)  # index tensors made once a step
             sub = selection.take(one, rows.reqs) if selection is not None else None
-            out[rows.rows] = self._decode_rows(q[rows.rows], k_cache, v_cache, table[rows.reqs], lens[rows.reqs], sub)
+            out[rows.rows] = self._decode_rows(q[rows.rows], k_cache, v_cache, rows.step, table[rows.reqs],
+                                               lens[rows.reqs], sub)
         elif selection is not None:  # decode rows of a mixed batch read only their selection
             rows = [int(c) for c in ctx.cu_q_lens[1:].tolist()]
             last = torch.tensor([r - 1 for r in rows], device=q.device)

@@ -178,17 +178,15 @@ class RequestGroup:
     reqs: torch.Tensor
     rows: torch.Tensor
     step: "StepContext"
-    total_rows: int  # the whole step's query rows
     _views: dict = field(default_factory=dict, repr=False, compare=False)
 
     def view(self, view: LayerView) -> LayerView:
-        """``view`` cut to these requests (the same object for the same view all step)."""
+        """``view`` cut to these requests, for reading (no slots: the step's K/V are written
+        before attention), the same object for the same view all step."""
         held = self._views.get(id(view))
         if held is None:
-            slots = view.slot_mapping[self.rows] if view.slot_mapping.numel() == self.total_rows \
-                else view.slot_mapping[:0]  # a view whose slots are not the step's rows' (a test's) maps none
-            cut = LayerView(slots, view.kv_lens[self.reqs], tuple(view.kv_lens_list[b] for b in self.requests),
-                            view.page_table[self.reqs])
+            cut = LayerView(view.slot_mapping[:0], view.kv_lens[self.reqs],
+                            tuple(view.kv_lens_list[b] for b in self.requests), view.page_table[self.reqs])
             held = self._views[id(view)] = (view, cut)  # the view is held: its id stays unique this step
         return held[1]
 
@@ -228,7 +226,7 @@ class StepContext:
         step = dataclasses.replace(self, seqs=[self.seqs[b] for b in requests], q_lens=q_lens, cu_q_lens=cu,
                                    is_decode=all(m == 1 for m in q_lens), views=[],
                                    positions=None if self.positions is None else self.positions[rows])
-        group = RequestGroup(requests, torch.tensor(requests, device=device), rows, step, starts[-1])
+        group = RequestGroup(requests, torch.tensor(requests, device=device), rows, step)
         self._groups[requests] = group
         return group
 

@@ -135,8 +135,8 @@ PARTS = {
                          "first) at 32K and 128K", "bench_prefill", ("bench_prefill_launches",)),
     "mixed-steps": ("a mixed step's attention (decode rows beside a prefill chunk) with the decode rows routed "
                     "to the split-K decode and not", "bench_prefill", ("bench_mixed_steps",)),
-    "mixed-steps-flashinfer": ("the same through the FlashInfer provider (decode rows that read a selection "
-                               "out of its prefill, or not)", "bench_prefill", ("bench_mixed_steps_flashinfer",)),
+    "mixed-steps-flashinfer": ("the same through the FlashInfer provider (decode rows out of its prefill, or "
+                               "not)", "bench_prefill", ("bench_mixed_steps_flashinfer",)),
     "skinny-linear": ("the decode step's weight GEMMs, cuBLAS beside the skinny Triton linear's configurations",
                       "bench_linear", ("bench_skinny_linear",)),
     "pdl-chain": ("the decode step's GEMM chain: cuBLAS, the skinny Triton linear, and both with PDL", "bench_linear",

@@ -74,7 +74,7 @@ MIXED_STEPS = (
 def bench_mixed_steps(out_path, steps=MIXED_STEPS, provider_name="triton"):
     """A provider's attention of a mixed step with its decode rows routed
     (`triton_provider.ROUTE_DECODE_ROWS`: the Triton provider's go to the split-K decode,
-    FlashInfer's that read a selection leave its prefill) and not, beside the chunk alone.
+    FlashInfer's to its paged decode or their selection) and not, beside the chunk alone.
     One context a step: a FlashInfer plan is made once and reused, as by a step's layers."""
     from triton.testing import do_bench
 

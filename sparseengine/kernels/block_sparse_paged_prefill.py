@@ -26,9 +26,9 @@ import dataclasses
 
 import torch
 
-from . import _common
 from sparseengine.engine.step_context import ScoreRows
 
+from . import _common
 from ._common import LOG2E, cdiv, check_cache, check_launch, next_pow2
 from .block_sparse_paged_prefill_kernels import _masked_window_colsum_kernel, _paged_block_sparse_kernel
 
@@ -180,7 +180,7 @@ def block_sparse_paged_attend(q, k_cache, v_cache, ctx, view, selection, score_r
         decoded, cs = decode_attend(q[group.rows], k_cache, v_cache, group.step, group.view(view),
                                     None if selection is None else selection.take(one, group.reqs), sub_rows)
         out[group.rows] = decoded
-        decoded_cs = dict(zip(one, cs)) if asked else {}
+        decoded_cs = {b: c for b, c in zip(one, cs) if score_rows.rows[b]} if asked else {}
     elif selection is not None:
         n = len(q_lens)
         last = ctx.cu_q_lens[1:].long() - 1
@@ -191,10 +191,7 @@ def block_sparse_paged_attend(q, k_cache, v_cache, ctx, view, selection, score_r
         out[last] = torch.where(use[:, None, None], decoded, out[last])
     if score_rows is None:
         return out, None
-    colsums = [None] * len(lens)
-    for b, c in decoded_cs.items():
-        if score_rows.rows[b]:
-            colsums[b] = c
+    colsums = [decoded_cs.get(b) for b in range(len(lens))]
     rest = [b for b in range(len(lens)) if score_rows.rows[b] and not (route and q_lens[b] == 1)]
     if route and rest:  # the column sums' kernel over those requests only (their rows of q and lse)
         g = ctx.group(rest)
