@@ -137,6 +137,8 @@ PARTS = {
                     "to the split-K decode and not", "bench_prefill", ("bench_mixed_steps",)),
     "mixed-steps-flashinfer": ("the same through the FlashInfer provider (decode rows out of its prefill, or "
                                "not)", "bench_prefill", ("bench_mixed_steps_flashinfer",)),
+    "partly-dense-decode": ("a decode step whose rows are partly dense: each kernel over its own rows against "
+                            "both over every row", "bench_prefill", ("bench_partly_dense_decode",)),
     "skinny-linear": ("the decode step's weight GEMMs, cuBLAS beside the skinny Triton linear's configurations",
                       "bench_linear", ("bench_skinny_linear",)),
     "pdl-chain": ("the decode step's GEMM chain: cuBLAS, the skinny Triton linear, and both with PDL", "bench_linear",

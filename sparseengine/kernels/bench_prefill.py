@@ -1,7 +1,9 @@
 """The chunked prefill's launches side by side on the GPU (`bench_gpu --prefill-launches`):
 tile rows, key block, warps, stages and the split of unmasked from diagonal blocks
 (`paged_prefill.PrefillLaunch`), each timed with `triton.testing.do_bench` (median) and
-checked against the default launch's output on the same inputs."""
+checked against the default launch's output on the same inputs. Also the steps whose rows
+take different paths: a mixed step's decode rows routed out of the prefill or not
+(`--mixed-steps`), and a decode step whose rows are partly dense (`--partly-dense-decode`)."""
 from __future__ import annotations
 
 import torch
@@ -136,3 +138,61 @@ def bench_mixed_steps_flashinfer(out_path):
     """`bench_mixed_steps` through the FlashInfer provider (its steps without a block mask,
     which FlashInfer's provider hands to Triton)."""
     bench_mixed_steps(out_path, [s for s in MIXED_STEPS if not s[4]], "flashinfer")
+
+
+# A decode step where some rows read their whole cache and the others a selection (OmniKV's
+# or DeltaKV's choice leaves a request dense while its prompt is within the total): (label,
+# cache lengths of the rows with a selection, of the dense rows, pages each selected row reads)
+PARTLY_DENSE_STEPS = (
+    ("5 x 128K over 129 pages + 1 dense 2K row", (131072,) * 5, (2048,), 129),
+    ("5 x 128K over 129 pages + 3 dense 2K rows", (131072,) * 5, (2048,) * 3, 129),
+    ("31 x 32K over 129 pages + 1 dense 2K row", (32768,) * 31, (2048,), 129),
+)
+
+
+def bench_partly_dense_decode(out_path, steps=PARTLY_DENSE_STEPS, providers=("triton", "flashinfer")):
+    """One layer's attention of a decode step whose rows are partly dense, through each
+    provider that is installed: `attend` (each kernel over its own rows: the whole-cache
+    decode over the dense rows, the sparse decode over the others) against what it ran
+    before 6af40da, both kernels over every row and a per-row pick (`ms_both_over_all`),
+    its whole-cache decode being the provider's and its sparse decode Triton's."""
+    from triton.testing import do_bench
+
+    from sparseengine.attention.provider import make_provider
+    from sparseengine.attention.triton_provider import TritonAttentionProvider
+    from sparseengine.engine.step_context import LayerView, Selection, StepContext
+
+    sparse = TritonAttentionProvider()
+    for name in providers:
+        try:
+            provider = make_provider(name, torch.device("cuda"))
+        except Exception as e:  # noqa: BLE001 - an optional provider not installed: say so, go on
+            emit(out_path, {"kind": "partly_dense_decode", "provider": name, "error": repr(e)[:300]})
+            continue
+        for label, sel_lens, dense_lens, pages in steps:
+            lens = list(sel_lens) + list(dense_lens)
+            kv = random_paged_kv(lens, HKV, D, PS, generator=torch.Generator().manual_seed(0), dtype=BF16,
+                                 device="cuda", poison=False)
+            q = torch.randn(len(lens), HQ, D, device="cuda", dtype=BF16,
+                            generator=torch.Generator("cuda").manual_seed(1))
+            cu = torch.arange(len(lens) + 1, device="cuda", dtype=torch.int32)
+            view = LayerView(torch.zeros(0, dtype=torch.long, device="cuda"), kv.kv_lens, tuple(lens),
+                             kv.page_table)
+            picked = [torch.linspace(0, n // PS - 1, pages, device="cuda").long().expand(HKV, -1) for n in sel_lens]
+            sel = Selection.from_lists(picked + [None] * len(dense_lens), HKV, "cuda")
+            selection = Selection(sel.token_indices, sel.num_selected, sel.dense, PS)
+            dense_rows = torch.tensor(selection.dense, device="cuda")[:, None, None]
+            ctx = StepContext([None] * len(lens), (1,) * len(lens), cu, True, [view], None, None, None, None)
+            split = lambda: provider.attend(q, kv.k_cache, kv.v_cache, ctx, view, selection, None)[0]  # noqa: E731
+
+            def both():
+                whole = provider.attend(q, kv.k_cache, kv.v_cache, ctx, view, None, None)[0]
+                return torch.where(dense_rows, whole, sparse._sparse_decode(q, kv.k_cache, kv.v_cache,
+                                                                            kv.page_table, kv.kv_lens, selection))
+
+            got, want = split(), both()
+            emit(out_path, {"kind": "partly_dense_decode", "provider": provider.name, "step": label,
+                            "selected_rows": len(sel_lens), "dense_rows": len(dense_lens), "selected_pages": pages,
+                            "ms_split": do_bench(split, return_mode="median"),
+                            "ms_both_over_all": do_bench(both, return_mode="median"),
+                            "max_abs_diff": (got.float() - want.float()).abs().max().item()})
