@@ -153,7 +153,7 @@ class FlashInferAttentionProvider(AttentionProvider):
         sparse decode for those that read a selection (each group's rows of q gathered)."""
         out = torch.empty_like(q)
         chunks = ctx.group(b for b in range(len(ctx.q_lens)) if b not in set(one))
-        out[chunks.rows] = self._plan(q, k_cache, ctx, view, chunks).run(q[chunks.rows], (k_cache, v_cache))
+        chunks.put_rows(out, self._plan(q, k_cache, ctx, view, chunks).run(chunks.rows_of(q), (k_cache, v_cache)))
         self._one_row_requests_into(out, q, k_cache, v_cache, ctx, view, selection, one)
         return out
 
@@ -165,12 +165,12 @@ class FlashInferAttentionProvider(AttentionProvider):
         dense = tuple(b for b in requests if b not in set(sparse))
         if dense:
             rows = ctx.group(dense)
-            out[rows.rows] = self._plan(q, k_cache, ctx, view, rows).run(q[rows.rows], (k_cache, v_cache))
+            rows.put_rows(out, self._plan(q, k_cache, ctx, view, rows).run(rows.rows_of(q), (k_cache, v_cache)))
         if sparse:
             rows = ctx.group(sparse)
-            table, lens = view.page_table[rows.reqs], view.kv_lens[rows.reqs]
-            out[rows.rows] = self.triton._sparse_decode(q[rows.rows], k_cache, v_cache, table, lens,
-                                                        selection.take(sparse, rows.reqs))
+            cut = rows.view(view)
+            rows.put_rows(out, self.triton._sparse_decode(rows.rows_of(q), k_cache, v_cache, cut.page_table,
+                                                          cut.kv_lens, selection.take(sparse, rows.reqs)))
 
     def _prefill(self, q, k_cache, v_cache, ctx, view, selection):
         """FlashInfer's paged prefill over every row; without the routing, decode rows that

@@ -64,7 +64,7 @@ class TritonAttentionProvider(AttentionProvider):
                 colsums = colsum if bound else [colsum[b, :, :n] for b, n in enumerate(view.kv_lens_list)]
             else:
                 out, colsums = None, None
-            return self._decode_rows(q, k_cache, v_cache, ctx, table, lens, selection, out), colsums
+            return self._decode_rows(q, k_cache, v_cache, ctx, view, selection, out), colsums
         check_prefill_scores(score_rows)
         out = self._prefill_rows(q, k_cache, v_cache, ctx, view, selection)
         colsums = None
@@ -80,11 +80,12 @@ class TritonAttentionProvider(AttentionProvider):
                        for b, (w, n) in enumerate(zip(score_rows.rows, view.kv_lens_list))]
         return out, colsums
 
-    def _decode_rows(self, q, k_cache, v_cache, step: StepContext, table, lens, selection: Selection | None,
+    def _decode_rows(self, q, k_cache, v_cache, step: StepContext, view: LayerView, selection: Selection | None,
                      dense=None):
         """One query row a request ``q [B, Hq, d]`` of ``step``: the split-K decode over each
         request's whole cache, or over its selection where it has one. ``dense``: the
         whole-cache output if a kernel that emitted scores computed it already."""
+        table, lens = view.page_table, view.kv_lens
         split = self.split_kw(q.device)
         if selection is None:
             return dense if dense is not None else kernels.paged_decode_triton(q, k_cache, v_cache, table, lens,
@@ -95,14 +96,16 @@ class TritonAttentionProvider(AttentionProvider):
             return dense if dense is not None else kernels.paged_decode_triton(q, k_cache, v_cache, table, lens,
                                                                                **split)
         # some rows read their whole cache, the others only their selection: each kernel
-        # reads its own rows (eager steps only: a graph's selections mark no row dense)
-        w = step.group(b for b, d in enumerate(selection.dense) if d).reqs  # one row a request: rows = requests
+        # reads its own rows (eager steps only: a graph's selections mark no row dense); one
+        # row a request, so a group's rows are its requests; its cut view is made once a step
+        w = step.group(b for b, d in enumerate(selection.dense) if d)
         p = step.group(b for b, d in enumerate(selection.dense) if not d)
+        wv, pv = w.view(view), p.view(view)
         out = torch.empty_like(q)
-        out[w] = dense[w] if dense is not None else kernels.paged_decode_triton(q[w], k_cache, v_cache, table[w],
-                                                                                lens[w], **split)
-        out[p.reqs] = self._sparse_decode(q[p.reqs], k_cache, v_cache, table[p.reqs], lens[p.reqs],
-                                          selection.take(p.requests, p.reqs))
+        w.put_rows(out, w.rows_of(dense) if dense is not None else kernels.paged_decode_triton(
+            w.rows_of(q), k_cache, v_cache, wv.page_table, wv.kv_lens, **split))
+        p.put_rows(out, self._sparse_decode(p.rows_of(q), k_cache, v_cache, pv.page_table, pv.kv_lens,
+                                            selection.take(p.requests, p.reqs)))
         return out
 
     def _prefill_rows(self, q, k_cache, v_cache, ctx: StepContext, view: LayerView, selection: Selection | None):
@@ -119,8 +122,7 @@ class TritonAttentionProvider(AttentionProvider):
         if route:
             rows = ctx.group(one)  # index tensors made once a step
             sub = selection.take(one, rows.reqs) if selection is not None else None
-            out[rows.rows] = self._decode_rows(q[rows.rows], k_cache, v_cache, rows.step, table[rows.reqs],
-                                               lens[rows.reqs], sub)
+            rows.put_rows(out, self._decode_rows(rows.rows_of(q), k_cache, v_cache, rows.step, rows.view(view), sub))
         elif selection is not None:  # decode rows of a mixed batch read only their selection
             rows = [int(c) for c in ctx.cu_q_lens[1:].tolist()]
             last = torch.tensor([r - 1 for r in rows], device=q.device)

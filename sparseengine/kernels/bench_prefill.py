@@ -150,6 +150,20 @@ PARTLY_DENSE_STEPS = (
 )
 
 
+def host_ms(fn, calls: int = 50) -> float:
+    """Host milliseconds to issue one ``fn()`` (``calls`` back to back, the device synced
+    only before and after: the launch queue does not fill at these sizes)."""
+    import time
+
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return 1e3 * elapsed / calls
+
+
 def bench_partly_dense_decode(out_path, steps=PARTLY_DENSE_STEPS, providers=("triton", "flashinfer")):
     """One layer's attention of a decode step whose rows are partly dense, through each
     provider that is installed: `attend` (each kernel over its own rows: the whole-cache
@@ -196,8 +210,10 @@ def bench_partly_dense_decode(out_path, steps=PARTLY_DENSE_STEPS, providers=("tr
                    "ms_split": do_bench(split, return_mode="median"),
                    "ms_both_over_all": do_bench(both, return_mode="median"),
                    "max_abs_diff": (got.float() - want.float()).abs().max().item()}
-            # The device's time alone: the split's small kernels take less than the host's
+            # The host's time to issue one call (50 back to back, no sync between), and the
+            # device's time alone: the split's small kernels take less than the host's
             # launches of them, which the eager times above include.
+            row["ms_host_split"], row["ms_host_both_over_all"] = host_ms(split), host_ms(both)
             for key, fn in (("ms_split_graph", split), ("ms_both_over_all_graph", both)):
                 try:
                     row[key] = per_launch_us(fn) / 1e3

@@ -177,9 +177,9 @@ def block_sparse_paged_attend(q, k_cache, v_cache, ctx, view, selection, score_r
         group = ctx.group(one)  # index tensors, sub-step and cut views made once a step
         asked = score_rows is not None and any(score_rows.rows[b] for b in one)
         sub_rows = ScoreRows(tuple(score_rows.rows[b] for b in one)) if asked else None
-        decoded, cs = decode_attend(q[group.rows], k_cache, v_cache, group.step, group.view(view),
+        decoded, cs = decode_attend(group.rows_of(q), k_cache, v_cache, group.step, group.view(view),
                                     None if selection is None else selection.take(one, group.reqs), sub_rows)
-        out[group.rows] = decoded
+        group.put_rows(out, decoded)
         decoded_cs = {b: c for b, c in zip(one, cs) if score_rows.rows[b]} if asked else {}
     elif selection is not None:
         n = len(q_lens)
@@ -195,7 +195,7 @@ def block_sparse_paged_attend(q, k_cache, v_cache, ctx, view, selection, score_r
     rest = [b for b in range(len(lens)) if score_rows.rows[b] and not (route and q_lens[b] == 1)]
     if route and rest:  # the column sums' kernel over those requests only (their rows of q and lse)
         g = ctx.group(rest)
-        part = _masked_colsums(q[g.rows], lse[g.rows], k_cache, g.view(view), g.step,
+        part = _masked_colsums(g.rows_of(q), g.rows_of(lse), k_cache, g.view(view), g.step,
                                [block_mask.masks[b] for b in rest], block_mask.block_size,
                                [score_rows.rows[b] for b in rest])
         for b, c in zip(rest, part):
