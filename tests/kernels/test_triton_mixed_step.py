@@ -153,13 +153,21 @@ def test_step_group(device):
     assert cut.slot_mapping.numel() == 0 and cut.kv_lens.tolist() == [6, 9] and cut.kv_lens_list == (6, 9)
     assert cut.page_table.tolist() == [[6, 7], [0, 1]]
     assert g.view(view) is cut and ctx.group((3, 0)) is g  # once a step
+    packed = torch.arange(7 * 2, device=device).view(7, 2)  # a tensor packed by the step's rows
+    assert g.rows_of(packed).tolist() == [[10, 11], [12, 13], [0, 1]]
+    out = torch.full((7, 2), -1, device=device)
+    assert g.put_rows(out, torch.tensor([[1, 2], [3, 4], [5, 6]], device=device)) is out
+    assert out.tolist() == [[5, 6]] + [[-1, -1]] * 4 + [[1, 2], [3, 4]]
     assert ctx.group([0, 2]).step.is_decode
     for bad in ([], [4], [1, 1], [-1]):
         with pytest.raises(ValueError, match="distinct requests in range"):
             ctx.group(bad)
     sel = Selection(torch.arange(24, device=device).view(4, 2, 3), torch.ones(4, 2, dtype=torch.int32, device=device),
                     (False,) * 4)
-    assert torch.equal(sel.take([3, 0], g.reqs).token_indices, sel.token_indices[[3, 0]])
+    for index in (g.reqs, None):
+        sub = sel.take([3, 0], index)
+        assert torch.equal(sub.token_indices, sel.token_indices[[3, 0]])
+        assert torch.equal(sub.num_selected, sel.num_selected[[3, 0]]) and sub.dense == (False, False)
 
 
 @pytest.mark.gpu
