@@ -152,7 +152,8 @@ class FlashInferAttentionProvider(AttentionProvider):
         paged decode over the one-row requests that read their whole cache, the Triton
         sparse decode for those that read a selection (each group's rows of q gathered)."""
         out = torch.empty_like(q)
-        chunks = ctx.group(b for b in range(len(ctx.q_lens)) if b not in set(one))
+        one_set = set(one)
+        chunks = ctx.group(b for b in range(len(ctx.q_lens)) if b not in one_set)
         chunks.put_rows(out, self._plan(q, k_cache, ctx, view, chunks).run(chunks.rows_of(q), (k_cache, v_cache)))
         self._one_row_requests_into(out, q, k_cache, v_cache, ctx, view, selection, one)
         return out
@@ -162,7 +163,8 @@ class FlashInferAttentionProvider(AttentionProvider):
         cache from FlashInfer's paged decode planned over them, the others only their
         selection (the Triton sparse decode); each kernel reads only its own rows."""
         sparse = () if selection is None else tuple(b for b in requests if not selection.dense[b])
-        dense = tuple(b for b in requests if b not in set(sparse))
+        sparse_set = set(sparse)
+        dense = tuple(b for b in requests if b not in sparse_set)
         if dense:
             rows = ctx.group(dense)
             rows.put_rows(out, self._plan(q, k_cache, ctx, view, rows).run(rows.rows_of(q), (k_cache, v_cache)))

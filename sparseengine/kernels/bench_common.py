@@ -1,6 +1,7 @@
 """What the GPU benchmarks share: the Llama-3.1-8B attention shape, the JSON-lines writer
-with its provenance record, a random dense decode cache, and the three timers (CUDA events per
-call, calls back to back, launches replayed in one CUDA graph)."""
+with its provenance record, a random dense decode cache, the three device timers (CUDA events
+per call, calls back to back, launches replayed in one CUDA graph) and the host's time to
+issue a call."""
 from __future__ import annotations
 
 import json
@@ -80,3 +81,15 @@ def per_launch_us(fn, launches: int = 30) -> float:
             fn()
     median, _ = time_cuda(graph.replay, iters=20)
     return 1e3 * median / launches
+
+
+def host_ms(fn, calls: int = 50) -> float:
+    """Host milliseconds to issue one ``fn()`` (``calls`` back to back, the device synced
+    only before and after: the launch queue does not fill at these sizes)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return 1e3 * elapsed / calls

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .bench_common import BF16, D, HKV, HQ, PS, emit, per_launch_us
+from .bench_common import BF16, D, HKV, HQ, PS, emit, host_ms, per_launch_us
 from .paged_prefill import paged_prefill_triton, prefill_launch
 from .testing import random_paged_kv
 
@@ -148,20 +148,6 @@ PARTLY_DENSE_STEPS = (
     ("5 x 128K over 129 pages + 3 dense 2K rows", (131072,) * 5, (2048,) * 3, 129),
     ("31 x 32K over 129 pages + 1 dense 2K row", (32768,) * 31, (2048,), 129),
 )
-
-
-def host_ms(fn, calls: int = 50) -> float:
-    """Host milliseconds to issue one ``fn()`` (``calls`` back to back, the device synced
-    only before and after: the launch queue does not fill at these sizes)."""
-    import time
-
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return 1e3 * elapsed / calls
 
 
 def bench_partly_dense_decode(out_path, steps=PARTLY_DENSE_STEPS, providers=("triton", "flashinfer")):
