@@ -11,7 +11,9 @@ import torch
 os.environ.setdefault("WANDB_MODE", "offline")
 if not torch.cuda.is_available():  # Triton kernels run interpreted; must precede any triton import
     os.environ.setdefault("TRITON_INTERPRET", "1")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# CI runs the suite on both cores with pytest-xdist: one torch thread per worker, so workers do not oversubscribe
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 
 def pytest_collection_modifyitems(config, items):
