@@ -40,7 +40,7 @@ class _NoReplay:
 class _StubGraphs(DecodeGraphs):
     """The decode graphs' host side, with captures that launch nothing."""
 
-    def _capture(self, size, seqs=None):
+    def _capture(self, size, seqs=None, graph_id=None):
         logits = torch.zeros(size, self.model.config.vocab_size)
         logits[:, 5] = 1.0
         return _NoReplay(), logits

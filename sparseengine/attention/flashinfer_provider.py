@@ -18,13 +18,14 @@ those that read a selection only to it, through the Triton sparse decode; each p
 planned over its own requests, their rows of q gathered (``triton_provider.ROUTE_DECODE_ROWS``
 off: every row in the prefill, the rows with a selection computed again over it).
 
-Planning happens on the host once per step and per distinct ``LayerView`` (layers that
-share a view share the plan); a plan needs the true host lengths, so FlashInfer cannot run inside
-the engine's decode CUDA graphs (their views carry placeholder lengths):
-``supports_cuda_graphs`` is False and a capture raises. FlashInfer runs float16/bfloat16
-only. ``backend="fa2"`` pins FlashInfer's kernels (no auto routing to cuDNN, FA3 or
-trtllm-gen) and keeps the JIT build to two modules per (dtype, head_dim): the CUDA-core
-decode kernel, and the FA2 paged prefill kernel, which tensor-core decode also uses.
+Eager steps plan on the host once per step and per distinct ``LayerView`` (layers that
+share a view share the plan). The engine's decode CUDA graphs (whose views carry placeholder
+host lengths) read graph wrappers planned before each capture and replay, from the step's
+host lengths (``plan_graph_step``, ``flashinfer_graph_plans``); a capture outside them
+raises. FlashInfer runs float16/bfloat16 only. ``backend="fa2"`` pins FlashInfer's kernels
+(no auto routing to cuDNN, FA3 or trtllm-gen) and keeps the JIT build to two modules per
+(dtype, head_dim): the CUDA-core decode kernel, and the FA2 paged prefill kernel, which
+tensor-core decode also uses.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch
 
 from sparseengine import kernels
 from sparseengine.attention import triton_provider
+from sparseengine.attention.flashinfer_graph_plans import FlashInferGraphPlans
 from sparseengine.attention.provider import OPS, AttentionProvider, check_prefill_scores
 from sparseengine.attention.triton_provider import TritonAttentionProvider
 from sparseengine.config import ConfigError
@@ -85,7 +87,6 @@ def paged_metadata(view: LayerView, page_size: int):
 
 class FlashInferAttentionProvider(AttentionProvider):
     name = "flashinfer"
-    supports_cuda_graphs = False
 
     def __init__(self, device: torch.device, decode_tensor_cores: bool | None = None,
                  split_plan: str = "auto") -> None:
@@ -104,6 +105,7 @@ class FlashInferAttentionProvider(AttentionProvider):
         self._step = lambda: None  # weak reference to the step planned for (a ctx holds the KV pool)
         self._plans: dict[tuple, tuple[LayerView, object]] = {}
         self._taken: dict[tuple, int] = {}
+        self._graph_plans: FlashInferGraphPlans | None = None  # made at the first graph plan
 
     def ops(self) -> dict[str, str]:
         return {op: self.name if op in FLASHINFER_OPS else self.triton.name for op in OPS}
@@ -187,16 +189,52 @@ class FlashInferAttentionProvider(AttentionProvider):
         return out
 
     # ---- planning -------------------------------------------------------------------
+    def plan_graph_step(self, graph, lens, table, k_cache, num_qo_heads):
+        dtype, (page_size, hkv, d) = k_cache.dtype, k_cache.shape[1:]
+        self._check_dtypes(dtype, dtype)
+        if self._graph_plans is None:
+            tensor_cores = self.decode_tensor_cores
+            if tensor_cores is None:
+                tensor_cores = decode_uses_tensor_cores(num_qo_heads, hkv)
+            self._graph_plans = FlashInferGraphPlans(self.flashinfer, self._float_workspace(), tensor_cores)
+        return self._graph_plans.plan(graph, lens, table, page_size, num_qo_heads, hkv, d, dtype)
+
+    def graph_layouts(self) -> dict:
+        """Per decode graph, the plan each layer reads (``FlashInferGraphPlans.layouts``)."""
+        return {} if self._graph_plans is None else self._graph_plans.layouts()
+
+    @staticmethod
+    def _check_dtypes(q_dtype, kv_dtype) -> None:
+        if q_dtype not in (torch.float16, torch.bfloat16) or kv_dtype != q_dtype:
+            raise ConfigError(f"attention_provider='flashinfer' runs float16/bfloat16 attention; got q {q_dtype}, "
+                              f"cache {kv_dtype}: use dtype='bfloat16' or attention_provider='triton'")
+
+    def _graph_wrapper(self, ctx: StepContext, view: LayerView, group: RequestGroup | None):
+        """In a decode graph's context: the graph wrapper of ``view``'s layer, planned by
+        ``plan_graph_step`` before this capture or replay."""
+        layer = next((i for i, v in enumerate(ctx.views) if v is view), None)
+        if group is not None or layer is None or self._graph_plans is None:
+            raise RuntimeError("attention_provider='flashinfer' in a decode graph plans whole-cache decode over "
+                               "every row of a layer's view only (planned by plan_graph_step before the capture)")
+        return self._graph_plans.wrapper(ctx.graph, layer)
+
+    def _float_workspace(self) -> torch.Tensor:
+        if self._workspace is None:
+            self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        return self._workspace
+
     def _plan(self, q: torch.Tensor, k_cache: torch.Tensor, ctx: StepContext, view: LayerView,
               group: RequestGroup | None = None):
         """The planned wrapper for this step and view (or for ``group``'s requests of them):
-        planned at its first layer, reused by the others."""
+        planned at its first layer, reused by the others. In a decode graph's context: the
+        graph wrapper of the view's layer."""
+        self._check_dtypes(q.dtype, k_cache.dtype)
+        if ctx.graph is not None:
+            return self._graph_wrapper(ctx, view, group)
         if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("attention_provider='flashinfer' cannot run inside a CUDA graph capture: its plan "
-                               "needs the step's host-side lengths; run the engine with enforce_eager=True")
-        if q.dtype not in (torch.float16, torch.bfloat16) or k_cache.dtype != q.dtype:
-            raise ConfigError(f"attention_provider='flashinfer' runs float16/bfloat16 attention; got q {q.dtype}, "
-                              f"cache {k_cache.dtype}: use dtype='bfloat16' or attention_provider='triton'")
+            raise RuntimeError("attention_provider='flashinfer' cannot run inside a CUDA graph capture outside the "
+                               "engine's decode graphs: its plan needs the step's host-side lengths (the engine plans "
+                               "them before each replay); run such a step with enforce_eager=True")
         if ctx is not self._step():  # a dead reference never matches, even at a reused address
             self._step, self._plans, self._taken = weakref.ref(ctx), {}, {}
         page_size, hkv, d = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
@@ -227,8 +265,7 @@ class FlashInferAttentionProvider(AttentionProvider):
     def _wrapper(self, kind: tuple):
         """A wrapper of this kind not yet planned this step (each holds one plan)."""
         fi = self.flashinfer
-        if self._workspace is None:
-            self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self._float_workspace()
         pool = self._wrappers.setdefault(kind, [])
         n = self._taken.get(kind, 0)
         if n == len(pool):

@@ -21,7 +21,8 @@ OPS = ("write_kv", "decode", "prefill", "sparse_decode", "decode_colsum", "decod
 class AttentionProvider:
     name = "base"
     # Decode steps may be captured in CUDA graphs: the provider reads lengths from device
-    # tensors only (a graph's views carry placeholder host lengths).
+    # tensors only (a graph's views carry placeholder host lengths), or from the plans it
+    # makes in ``plan_graph_step``.
     supports_cuda_graphs = True
     # Method-side helper kernels (Quest page bounds, OmniKV scores) run as Triton kernels
     # beside this provider; False: their vectorised torch versions.
@@ -43,6 +44,16 @@ class AttentionProvider:
         q, k = rotary_qk(q, k, cos, sin)
         self.write_kv(k_cache, v_cache, k, v, slot_mapping)
         return q
+
+    def plan_graph_step(self, graph, lens, table: torch.Tensor, k_cache: torch.Tensor, num_qo_heads: int):
+        """The decode graphs call this before each capture and replay of graph ``graph`` (an
+        id; the capture's ``StepContext.graph``), outside the graph, with the step's host
+        lengths ``lens`` ``[L, B]`` (numpy; padding rows 1), the graph's device page table
+        ``[B, W]`` and a layer's K cache ``[pages, page_size, Hkv, d]`` (its shape and dtype
+        are every layer's): a provider whose kernels read plans made from host lengths makes them
+        here. -> a key of what the capture bound (which plan each layer reads); when it
+        changes, the graph is captured again. Default: no plans (None)."""
+        return None
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: "StepContext",
                view: "LayerView", selection: "Selection | None",

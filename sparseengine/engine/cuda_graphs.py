@@ -9,7 +9,9 @@ requests (in the context) and replayed while the key holds (one per bucket). Inp
 buffers: token ids, positions, per-layer slot mappings and lengths, and a page table as
 wide as the method's longest row needs (``table_pages``), so a replay never depends on
 the batch's lengths.
-Padding rows write nowhere (slot -1) and read one token of page 0.
+Padding rows write nowhere (slot -1) and read one token of page 0. A provider whose kernels
+read plans made on the host (FlashInfer's) makes them in ``plan_graph_step`` before every
+capture and replay, outside the graph; the graph is captured again when what it bound changes.
 """
 
 from __future__ import annotations
@@ -70,8 +72,9 @@ class DecodeGraphs:
         self._in_dev.copy_(self._in_host)
         self.table = torch.zeros((top, max_pages), dtype=torch.int32, device=device)
         self.cu = torch.arange(top + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        # graphs of a method's ``graph_key``: per bucket the last key's (key, graph, logits)
+        # per bucket: (the provider's plan layout it was captured with, graph, logits)
+        self.graphs: dict[int, tuple[object, torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # graphs of a method's ``graph_key``: per bucket the last key's ((key, layout), graph, logits)
         self.keyed: dict[int, tuple[object, torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         # host mirror of ``table`` (pinned: its rows go up without a staging copy); per row,
@@ -98,16 +101,16 @@ class DecodeGraphs:
     def bucket(self, batch: int) -> int | None:
         return next((b for b in self.sizes if b >= batch), None)
 
-    def _context(self, size: int, seqs=None) -> StepContext:
+    def _context(self, size: int, seqs=None, graph=None) -> StepContext:
         layers = self.model.config.num_layers
         views = [LayerView(self.slots[l, :size], self.lens[l, :size], (1,) * size, self.table[:size])
                  for l in range(layers)]
         rows = [None] * size if seqs is None else list(seqs) + [None] * (size - len(seqs))
         return StepContext(seqs=rows, q_lens=(1,) * size, cu_q_lens=self.cu[: size + 1], is_decode=True,
                            views=views, kv_cache=self.kv_cache, provider=self.provider, method=self.method,
-                           positions=self.positions[:size])
+                           positions=self.positions[:size], graph=graph)
 
-    def _capture(self, size: int, seqs=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, size: int, seqs=None, graph_id=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Capture a graph of the bucket (``seqs``: the requests a keyed graph is for, in the
         context; else every row None). The warm-up runs execute for real, so they see only
         padding inputs (no cache or method state is written: a method's in-graph update,
@@ -116,7 +119,7 @@ class DecodeGraphs:
         self._in[2][:] = -1
         self._in[3][:] = 1
         self._in_dev.copy_(self._in_host)
-        ctx = self._context(size, seqs)
+        ctx = self._context(size, seqs, graph_id)
         set_step_context(ctx)
         try:
             for _ in range(2):  # compile kernels and settle the allocator outside the capture
@@ -186,18 +189,18 @@ class DecodeGraphs:
         if self._dirty is not None:
             lo, hi = self._dirty
             self.table[lo:hi].copy_(self._host[lo:hi], non_blocking=True)
+        graph_id = (size, key is not None)
+        layout = self.provider.plan_graph_step(graph_id, self._in[3][:, :size], self.table[:size],
+                                               self.kv_cache.layer(0)[0], self.model.config.num_heads)
         if self._staged is not None:
-            self._staged.record()  # the host buffers are free again once these copies ran
-        if key is None:
-            if size not in self.graphs:
-                self.graphs[size] = self._capture(size)
-            graph, logits = self.graphs[size]
-        else:
-            held = self.keyed.get(size)
-            if held is None or held[0] != key:
-                self.keyed.pop(size, None)  # its memory returns to the pool first
-                self.keyed[size] = (key, *self._capture(size, seqs))
-            _, graph, logits = self.keyed[size]
+            self._staged.record()  # the host buffers (ours, a provider's plans) are free again once these copies ran
+        held = (self.graphs if key is None else self.keyed).get(size)
+        want = layout if key is None else (key, layout)
+        if held is None or held[0] != want:
+            (self.graphs if key is None else self.keyed).pop(size, None)  # its memory returns to the pool first
+            held = (want, *self._capture(size, None if key is None else seqs, graph_id))
+            (self.graphs if key is None else self.keyed)[size] = held
+        _, graph, logits = held
         if feed is not None:  # after any capture: its warm-up runs restage the host's ids
             feed.apply(self.ids)
         graph.replay()

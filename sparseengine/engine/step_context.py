@@ -213,6 +213,9 @@ class StepContext:
     provider: Any  # an AttentionProvider
     method: Any  # a SparseMethodRuntime
     positions: torch.Tensor  # [T]
+    # a decode CUDA graph's context (capture and its warm-up runs): the graph's id, the one
+    # ``AttentionProvider.plan_graph_step`` was given; None for an eager step
+    graph: Any = None
     _groups: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property

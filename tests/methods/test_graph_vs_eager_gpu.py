@@ -64,7 +64,7 @@ def test_deltakv_graph_replays_across_history_flushes(tiny_llama, tiny_method_kn
     captures = []
     capture = cuda_graphs.DecodeGraphs._capture
     monkeypatch.setattr(cuda_graphs.DecodeGraphs, "_capture",
-                        lambda self, size, seqs=None: (captures.append(size), capture(self, size, seqs))[1])
+                        lambda self, size, *args: (captures.append(size), capture(self, size, *args))[1])
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (160, 140)]
     params = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)  # two flushes each

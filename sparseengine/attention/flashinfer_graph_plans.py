@@ -1,0 +1,108 @@
+"""FlashInfer's paged decode inside the engine's decode CUDA graphs.
+
+A FlashInfer decode reads a plan made on the host from the step's lengths. In a CUDA graph
+the plan lives in fixed buffers (``use_cuda_graph=True`` wrappers: the page list, its
+offsets, the last page's fill, and the split schedule in the wrapper's own int workspace),
+so the graph captures kernels that read those buffers, and each replay is preceded by a
+new plan written into them (``DecodeGraphs`` calls ``plan`` before every capture and
+replay, outside the graph). FlashInfer keeps a graph wrapper's launch shape fixed across
+plans for one batch size: the split-KV choice depends on the batch size and heads only.
+
+Layers whose lengths agree share one plan (with no eviction, every layer: one plan a step);
+the layout (which plan each layer reads) is what a capture binds, and ``plan`` returns it,
+so the graph is captured again when it changes. Host staging buffers are pinned and kept
+per plan: their copies run when the stream reaches them, and ``DecodeGraphs`` writes the
+next step's only after the previous step's copies ran.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+INT_WORKSPACE_BYTES = 512 << 10  # a graph plan's split schedule: a few KB (FlashInfer raises if short)
+
+
+@dataclass
+class _Plan:
+    wrapper: object  # flashinfer.BatchDecodeWithPagedKVCacheWrapper(use_cuda_graph=True)
+    indptr: torch.Tensor  # [B+1] int32, pinned
+    last_page_len: torch.Tensor  # [B] int32, pinned
+    flat: torch.Tensor  # [B * W] int64, pinned: where each listed page sits in the page table
+    flat_dev: torch.Tensor  # [B * W] int64 on the device
+
+
+class FlashInferGraphPlans:
+    def __init__(self, flashinfer, workspace: torch.Tensor, tensor_cores: bool) -> None:
+        self.flashinfer = flashinfer
+        self.workspace = workspace  # float scratch, shared with the eager wrappers (one stream)
+        self.tensor_cores = tensor_cores
+        self._plans: dict[object, list[_Plan]] = {}  # graph id -> one plan per layout group
+        self._layouts: dict[object, tuple[int, ...]] = {}
+
+    def plan(self, graph, lens: np.ndarray, table: torch.Tensor, page_size: int, num_qo_heads: int,
+             num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple[int, ...]:
+        """Plan graph ``graph``'s decode for lengths ``lens`` ``[L, B]`` (host) over ``table``
+        ``[B, W]`` (device) -> the layout: per layer, the plan it reads."""
+        groups: dict[bytes, int] = {}
+        layout = tuple(groups.setdefault(np.ascontiguousarray(row).tobytes(), len(groups)) for row in lens)
+        first = {}
+        for layer, g in enumerate(layout):
+            first.setdefault(g, layer)
+        plans = self._plans.setdefault(graph, [])
+        batch, width = table.shape
+        for g, layer in first.items():
+            if g == len(plans):
+                plans.append(self._new_plan(batch, width, table.device))
+            self._plan_one(plans[g], lens[layer], table, page_size, num_qo_heads, num_kv_heads, head_dim, dtype)
+        self._layouts[graph] = layout
+        return layout
+
+    def layouts(self) -> dict[object, tuple[int, ...]]:
+        """Each graph's layout as last planned."""
+        return dict(self._layouts)
+
+    def wrapper(self, graph, layer: int):
+        """The wrapper layer ``layer`` of graph ``graph`` reads (planned by ``plan``)."""
+        layout = self._layouts.get(graph)
+        if layout is None:
+            raise RuntimeError(f"FlashInfer graph plans: graph {graph!r} was not planned before its capture")
+        return self._plans[graph][layout[layer]].wrapper
+
+    def _new_plan(self, batch: int, width: int, device) -> _Plan:
+        def buf(n, dtype, pinned):
+            return torch.zeros(n, dtype=dtype, device="cpu", pin_memory=True) if pinned else \
+                torch.zeros(n, dtype=dtype, device=device)
+
+        wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_cores,
+            paged_kv_indptr_buffer=buf(batch + 1, torch.int32, False),
+            paged_kv_indices_buffer=buf(batch * width, torch.int32, False),
+            paged_kv_last_page_len_buffer=buf(batch, torch.int32, False), backend="fa2")
+        wrapper.reset_workspace_buffer(self.workspace, buf(INT_WORKSPACE_BYTES, torch.uint8, False))
+        return _Plan(wrapper, buf(batch + 1, torch.int32, True), buf(batch, torch.int32, True),
+                     buf(batch * width, torch.int64, True), buf(batch * width, torch.int64, False))
+
+    @staticmethod
+    def _plan_one(p: _Plan, lens: np.ndarray, table: torch.Tensor, page_size: int, num_qo_heads: int,
+                  num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        lens = lens.astype(np.int64)
+        width = table.shape[1]
+        if lens.min() < 1:
+            raise ValueError(f"FlashInfer paged attention needs kv_len >= 1 for every row; got {lens.tolist()}")
+        pages = -(-lens // page_size)
+        if pages.max() > width:
+            raise ValueError(f"kv_len {int(lens.max())} needs {int(pages.max())} pages but the graph's table "
+                             f"holds {width}")
+        indptr = np.concatenate([[0], np.cumsum(pages)])
+        total = int(indptr[-1])
+        flat = p.flat.numpy()
+        flat[:total] = np.repeat(np.arange(len(lens)) * width - indptr[:-1], pages) + np.arange(total)
+        p.indptr.numpy()[:] = indptr
+        p.last_page_len.numpy()[:] = lens - (pages - 1) * page_size
+        p.flat_dev[:total].copy_(p.flat[:total], non_blocking=True)
+        indices = table.reshape(-1).index_select(0, p.flat_dev[:total]).to(torch.int32)
+        p.wrapper.plan(p.indptr, indices, p.last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+                       pos_encoding_mode="NONE", q_data_type=dtype, kv_data_type=dtype, non_blocking=True)
