@@ -129,3 +129,44 @@ def test_graph_table_width_follows_the_longest_row(tiny_llama, method, knobs, wa
     short, long = (Sequence([1], SamplingParams(), 1) for _ in range(2))
     short.page_table, long.page_table = [0] * pages, [0] * (pages + 1)
     assert g.fits([short]) and not g.fits([short, long])
+
+
+def test_a_new_plan_layout_or_key_captures_again():
+    """Before each replay the provider plans the step (``plan_graph_step``, given the graph's
+    id, the step's host lengths and table); the bucket's graph is captured again exactly when
+    the layout it returns changes (for a method's keyed graph: the key or the layout).
+    The capture itself needs a GPU: here it only records what it was asked for."""
+    from sparseengine.attention.provider import AttentionProvider
+
+    class ScriptedLayouts(AttentionProvider):  # a provider whose plans read host lengths
+        layout, planned = None, []
+
+        def plan_graph_step(self, graph, lens, table, k_cache, num_qo_heads):
+            self.planned.append((graph, lens.tolist(), tuple(table.shape), num_qo_heads))
+            return self.layout
+
+    class Recorded(DecodeGraphs):
+        def _capture(self, size, seqs=None, graph_id=None):
+            captures.append((size, graph_id))
+            return types.SimpleNamespace(replay=lambda: None), np.zeros((size, 3))
+
+    captures = []
+    provider = ScriptedLayouts()
+    model = types.SimpleNamespace(config=types.SimpleNamespace(num_layers=2, num_heads=4))
+    kv = types.SimpleNamespace(layer=lambda layer: (np.zeros((1, 16, 1, 8)), None))
+    g = Recorded(model, kv, provider, None, "cpu", max_batch=4, max_pages=3)
+    step = dict(slots=np.zeros((2, 3), dtype=np.int64), lens=np.array([[5, 9, 2], [5, 9, 2]], dtype=np.int32))
+    g.run([1, 2, 3], [4, 8, 1], **step)
+    assert provider.planned == [((4, False), [[5, 9, 2, 1], [5, 9, 2, 1]], (4, 3), 4)]  # padded to the bucket
+    g.run([1, 2, 3], [4, 8, 1], **step)
+    provider.layout = (0, 1)
+    g.run([1, 2, 3], [4, 8, 1], **step)
+    g.run([1, 2, 3], [4, 8, 1], **step)
+    assert captures == [(4, (4, False))] * 2
+    g.run([1, 2, 3], [4, 8, 1], key="a", **step)
+    g.run([1, 2, 3], [4, 8, 1], key="a", **step)
+    g.run([1, 2, 3], [4, 8, 1], key="b", **step)
+    provider.layout = (0, 0)
+    g.run([1, 2, 3], [4, 8, 1], key="b", **step)
+    assert captures == [(4, (4, False))] * 2 + [(4, (4, True))] * 3
+    assert len(provider.planned) == 8

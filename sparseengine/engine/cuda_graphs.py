@@ -194,12 +194,11 @@ class DecodeGraphs:
                                                self.kv_cache.layer(0)[0], self.model.config.num_heads)
         if self._staged is not None:
             self._staged.record()  # the host buffers (ours, a provider's plans) are free again once these copies ran
-        held = (self.graphs if key is None else self.keyed).get(size)
-        want = layout if key is None else (key, layout)
+        store, want = (self.graphs, layout) if key is None else (self.keyed, (key, layout))
+        held = store.get(size)
         if held is None or held[0] != want:
-            (self.graphs if key is None else self.keyed).pop(size, None)  # its memory returns to the pool first
-            held = (want, *self._capture(size, None if key is None else seqs, graph_id))
-            (self.graphs if key is None else self.keyed)[size] = held
+            store.pop(size, None)  # its memory returns to the pool first
+            held = store[size] = (want, *self._capture(size, None if key is None else seqs, graph_id))
         _, graph, logits = held
         if feed is not None:  # after any capture: its warm-up runs restage the host's ids
             feed.apply(self.ids)
