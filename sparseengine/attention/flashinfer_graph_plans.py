@@ -25,6 +25,21 @@ import torch
 INT_WORKSPACE_BYTES = 512 << 10  # a graph plan's split schedule: a few KB (FlashInfer raises if short)
 
 
+def page_csr(lens, page_size: int, width: int):
+    """FlashInfer's CSR page layout of rows of ``lens`` tokens over a ``[B, width]`` page
+    table -> (indptr [B+1], flat [pages]: where each listed page sits in the flattened table,
+    last_page_len [B]), numpy int64."""
+    lens = np.asarray(lens, dtype=np.int64)
+    if lens.size == 0 or lens.min() < 1:
+        raise ValueError(f"FlashInfer paged attention needs kv_len >= 1 for every request; got {lens.tolist()}")
+    pages = -(-lens // page_size)
+    if pages.max() > width:
+        raise ValueError(f"kv_len {int(lens.max())} needs {int(pages.max())} pages but the page table holds {width}")
+    indptr = np.concatenate([[0], np.cumsum(pages)])
+    flat = np.repeat(np.arange(len(lens)) * width - indptr[:-1], pages) + np.arange(indptr[-1])
+    return indptr, flat, lens - (pages - 1) * page_size
+
+
 @dataclass
 class _Plan:
     wrapper: object  # flashinfer.BatchDecodeWithPagedKVCacheWrapper(use_cuda_graph=True)
@@ -88,20 +103,11 @@ class FlashInferGraphPlans:
     @staticmethod
     def _plan_one(p: _Plan, lens: np.ndarray, table: torch.Tensor, page_size: int, num_qo_heads: int,
                   num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
-        lens = lens.astype(np.int64)
-        width = table.shape[1]
-        if lens.min() < 1:
-            raise ValueError(f"FlashInfer paged attention needs kv_len >= 1 for every row; got {lens.tolist()}")
-        pages = -(-lens // page_size)
-        if pages.max() > width:
-            raise ValueError(f"kv_len {int(lens.max())} needs {int(pages.max())} pages but the graph's table "
-                             f"holds {width}")
-        indptr = np.concatenate([[0], np.cumsum(pages)])
-        total = int(indptr[-1])
-        flat = p.flat.numpy()
-        flat[:total] = np.repeat(np.arange(len(lens)) * width - indptr[:-1], pages) + np.arange(total)
+        indptr, flat, last_page_len = page_csr(lens, page_size, table.shape[1])
+        total = len(flat)
+        p.flat.numpy()[:total] = flat
         p.indptr.numpy()[:] = indptr
-        p.last_page_len.numpy()[:] = lens - (pages - 1) * page_size
+        p.last_page_len.numpy()[:] = last_page_len
         p.flat_dev[:total].copy_(p.flat[:total], non_blocking=True)
         indices = table.reshape(-1).index_select(0, p.flat_dev[:total]).to(torch.int32)
         p.wrapper.plan(p.indptr, indices, p.last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,

@@ -37,7 +37,7 @@ import torch
 
 from sparseengine import kernels
 from sparseengine.attention import triton_provider
-from sparseengine.attention.flashinfer_graph_plans import FlashInferGraphPlans
+from sparseengine.attention.flashinfer_graph_plans import FlashInferGraphPlans, page_csr
 from sparseengine.attention.provider import OPS, AttentionProvider, check_prefill_scores
 from sparseengine.attention.triton_provider import TritonAttentionProvider
 from sparseengine.config import ConfigError
@@ -68,19 +68,8 @@ def decode_uses_tensor_cores(num_qo_heads: int, num_kv_heads: int) -> bool:
 def paged_metadata(view: LayerView, page_size: int):
     """FlashInfer's CSR page layout of a view -> (indptr [B+1] int32 host, indices [pages]
     int32 device, last_page_len [B] int32 host)."""
-    lens = np.asarray(view.kv_lens_list, dtype=np.int64)
-    if lens.size == 0 or lens.min() < 1:
-        raise ValueError(f"FlashInfer paged attention needs kv_len >= 1 for every request; got {view.kv_lens_list}")
-    pages = -(-lens // page_size)
-    width = view.page_table.shape[1]
-    if pages.max() > width:
-        raise ValueError(f"kv_len {int(lens.max())} needs {int(pages.max())} pages but the page table holds {width}")
-    indptr = np.concatenate([[0], np.cumsum(pages)])
-    rows = np.repeat(np.arange(len(lens)), pages)
-    cols = np.arange(indptr[-1]) - np.repeat(indptr[:-1], pages)
-    flat = torch.from_numpy(rows * width + cols).to(view.page_table.device)
-    indices = view.page_table.reshape(-1)[flat].to(torch.int32)
-    last_page_len = lens - (pages - 1) * page_size
+    indptr, flat, last_page_len = page_csr(view.kv_lens_list, page_size, view.page_table.shape[1])
+    indices = view.page_table.reshape(-1)[torch.from_numpy(flat).to(view.page_table.device)].to(torch.int32)
     return (torch.from_numpy(indptr.astype(np.int32)), indices,
             torch.from_numpy(last_page_len.astype(np.int32)))
 
