@@ -14,11 +14,13 @@ from tests.attention.test_flashinfer_provider import BF16, D, HQ, PS, _cache, _c
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tensor_cores", [False, True], ids=["cuda_cores", "tensor_cores"])
-def test_graph_replays_read_the_plan_made_before_each(flashinfer, tensor_cores):
+def test_graph_replays_read_the_plan_made_before_each(flashinfer, tensor_cores, monkeypatch):
     """Two layers' decode captured once in a CUDA graph (a decode graph's context), then
     replayed over other lengths, each planned by plan_graph_step just before: every replay
     equals the Triton decode over that replay's lengths; layers whose lengths differ read
-    their own plans; a change in which layers agree is a new layout (the engine recaptures)."""
+    their own plans; a change in which layers agree is a new layout (the engine recaptures).
+    The last replay keeps every row's page count and changes the last pages' fill: its plans
+    are refreshed without calling FlashInfer's plan, and still read the new lengths."""
     from sparseengine.kernels.testing import assert_close, randn
 
     gen = torch.Generator().manual_seed(11)
@@ -30,7 +32,12 @@ def test_graph_replays_read_the_plan_made_before_each(flashinfer, tensor_cores):
     views = [_view(kv, [1] * len(full)) for _ in range(2)]  # a graph's views: placeholder host lengths
     ctx = _ctx([1] * len(full), views)
     ctx.graph = graph_id
-    steps = [np.array([full, [12, 33, 1500, 4]]), np.array([[650, 1, 1999, 5], [300, 20, 2048, 1]])]
+    steps = [np.array([full, [12, 33, 1500, 4]]), np.array([[650, 1, 1999, 5], [300, 20, 2048, 1]]),
+             np.array([[645, 2, 1990, 3], [290, 17, 2040, 16]])]  # the page counts of the step before
+    planned, step = [], [0]  # the step of each FlashInfer plan made
+    real_plan = flashinfer.BatchDecodeWithPagedKVCacheWrapper.plan
+    monkeypatch.setattr(flashinfer.BatchDecodeWithPagedKVCacheWrapper, "plan",
+                        lambda self, *a, **k: (planned.append(step[0]), real_plan(self, *a, **k))[1])
     layouts = [fi.plan_graph_step(graph_id, steps[0], kv.page_table, kv.k_cache, HQ)]
     for _ in range(2):  # warm-up outside the capture (as the engine's graphs do)
         [fi.attend(q, kv.k_cache, kv.v_cache, ctx, v, None, None) for v in views]
@@ -40,13 +47,15 @@ def test_graph_replays_read_the_plan_made_before_each(flashinfer, tensor_cores):
         outs = [fi.attend(q, kv.k_cache, kv.v_cache, ctx, v, None, None)[0] for v in views]
     for i, lens in enumerate(steps):
         if i:
+            step[0] = i
             layouts.append(fi.plan_graph_step(graph_id, lens, kv.page_table, kv.k_cache, HQ))
         graph.replay()
         for layer, out in enumerate(outs):
             view = _view(kv, lens[layer].tolist())
             ref = tri.attend(q, kv.k_cache, kv.v_cache, _ctx([1] * len(full), [view]), view, None, None)[0]
             assert_close(out, ref, 2e-2, f"replay {i} layer {layer}: flashinfer graph vs triton")
-    assert layouts == [(0, 1), (0, 1)]
+    assert layouts == [(0, 1), (0, 1), (0, 1)]
+    assert planned == [0, 0, 1, 1], planned  # two plans for each of the first two steps, none for the third
     same = np.array([full, full])
     assert fi.plan_graph_step(graph_id, same, kv.page_table, kv.k_cache, HQ) == (0, 0)
 
