@@ -58,7 +58,8 @@ class _Plan:
     flat_dev: torch.Tensor  # [B * W] int64 on the device
     indices_dev: torch.Tensor  # [B * W] int32: the wrapper's page-list buffer
     last_dev: torch.Tensor  # [B] int32: the wrapper's last-page-fill buffer
-    planned: np.ndarray | None = None  # the indptr (page counts) FlashInfer last planned
+    planned: np.ndarray | None = None  # the rows' page counts FlashInfer last planned
+    total: int = 0  # their sum
 
 
 class FlashInferGraphPlans:
@@ -115,17 +116,20 @@ class FlashInferGraphPlans:
     @staticmethod
     def _plan_one(p: _Plan, lens: np.ndarray, table: torch.Tensor, page_size: int, num_qo_heads: int,
                   num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        lens = np.asarray(lens, dtype=np.int64)
+        pages = -(-lens // page_size)
+        if p.planned is not None and np.array_equal(p.planned, pages):  # same schedule: refresh
+            p.last_page_len.numpy()[:] = lens - (pages - 1) * page_size
+            p.last_dev.copy_(p.last_page_len, non_blocking=True)
+            torch.index_select(table.reshape(-1), 0, p.flat_dev[:p.total], out=p.indices_dev[:p.total])
+            return
         indptr, flat, last_page_len = page_csr(lens, page_size, table.shape[1])
         total = len(flat)
         p.last_page_len.numpy()[:] = last_page_len
-        if p.planned is not None and np.array_equal(p.planned, indptr):  # same schedule: refresh
-            p.last_dev.copy_(p.last_page_len, non_blocking=True)
-            torch.index_select(table.reshape(-1), 0, p.flat_dev[:total], out=p.indices_dev[:total])
-            return
         p.flat.numpy()[:total] = flat
         p.indptr.numpy()[:] = indptr
         p.flat_dev[:total].copy_(p.flat[:total], non_blocking=True)
         indices = table.reshape(-1).index_select(0, p.flat_dev[:total]).to(torch.int32)
         p.wrapper.plan(p.indptr, indices, p.last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
                        pos_encoding_mode="NONE", q_data_type=dtype, kv_data_type=dtype, non_blocking=True)
-        p.planned = indptr
+        p.planned, p.total = pages, total
