@@ -8,6 +8,7 @@ import types
 
 import numpy as np
 import pytest
+import torch
 
 from sparseengine.engine.cuda_graphs import DecodeGraphs
 from sparseengine.engine.page_table import PageTable
@@ -131,42 +132,37 @@ def test_graph_table_width_follows_the_longest_row(tiny_llama, method, knobs, wa
     assert g.fits([short]) and not g.fits([short, long])
 
 
-def test_a_new_plan_layout_or_key_captures_again():
-    """Before each replay the provider plans the step (``plan_graph_step``, given the graph's
-    id, the step's host lengths and table); the bucket's graph is captured again exactly when
-    the layout it returns changes (for a method's keyed graph: the key or the layout).
-    The capture itself needs a GPU: here it only records what it was asked for."""
-    from sparseengine.attention.provider import AttentionProvider
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the Triton kernels on CPU tensors: the interpreter, "
+                    "which tests/conftest.py sets only on a machine without CUDA")
+@pytest.mark.parametrize("method,graph_key", [("quest", False), ("deltakv", True)])
+def test_cpu_decode_graphs_sample_the_eager_tokens(method, graph_key, tiny_llama, tiny_method_knobs):
+    """The engine's decode graphs on the CPU, each capture a ``Rerun`` (the same forward over
+    the graph's static buffers and context), with the Triton provider interpreted: the runner
+    sends the pure-decode steps there. Four requests of different lengths finishing at
+    different steps: 4 rows, then 3 (the bucket of 4 with a padding row), then 2 (a bucket of
+    2). Seeded sampled tokens equal the eager engine's. Quest's hooks are capturable: one
+    graph per bucket. DeltaKV's graphs are keyed by its requests' state, so the bucket of 4 is
+    captured again when a request leaves it."""
+    from sparseengine import LLM, SamplingParams
+    from sparseengine.engine.cuda_graphs import Rerun, table_pages
 
-    class ScriptedLayouts(AttentionProvider):  # a provider whose plans read host lengths
-        layout, planned = None, []
-
-        def plan_graph_step(self, graph, lens, table, k_cache, num_qo_heads):
-            self.planned.append((graph, lens.tolist(), tuple(table.shape), num_qo_heads))
-            return self.layout
-
-    class Recorded(DecodeGraphs):
-        def _capture(self, size, seqs=None, graph_id=None):
-            captures.append((size, graph_id))
-            return types.SimpleNamespace(replay=lambda: None), np.zeros((size, 3))
-
-    captures = []
-    provider = ScriptedLayouts()
-    model = types.SimpleNamespace(config=types.SimpleNamespace(num_layers=2, num_heads=4))
-    kv = types.SimpleNamespace(layer=lambda layer: (np.zeros((1, 16, 1, 8)), None))
-    g = Recorded(model, kv, provider, None, "cpu", max_batch=4, max_pages=3)
-    step = dict(slots=np.zeros((2, 3), dtype=np.int64), lens=np.array([[5, 9, 2], [5, 9, 2]], dtype=np.int32))
-    g.run([1, 2, 3], [4, 8, 1], **step)
-    assert provider.planned == [((4, False), [[5, 9, 2, 1], [5, 9, 2, 1]], (4, 3), 4)]  # padded to the bucket
-    g.run([1, 2, 3], [4, 8, 1], **step)
-    provider.layout = (0, 1)
-    g.run([1, 2, 3], [4, 8, 1], **step)
-    g.run([1, 2, 3], [4, 8, 1], **step)
-    assert captures == [(4, (4, False))] * 2
-    g.run([1, 2, 3], [4, 8, 1], key="a", **step)
-    g.run([1, 2, 3], [4, 8, 1], key="a", **step)
-    g.run([1, 2, 3], [4, 8, 1], key="b", **step)
-    provider.layout = (0, 0)
-    g.run([1, 2, 3], [4, 8, 1], key="b", **step)
-    assert captures == [(4, (4, False))] * 2 + [(4, (4, True))] * 3
-    assert len(provider.planned) == 8
+    knobs = {k: v for k, v in tiny_method_knobs.items() if k.startswith(method)}
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (70, 45, 58, 52)]
+    params = [SamplingParams(temperature=1.0, max_tokens=m, ignore_eos=True, seed=s)
+              for m, s in ((12, 1), (4, 2), (12, 3), (7, 4))]
+    out = {}
+    for graphs in (False, True):
+        with LLM(str(tiny_llama[0]), attention_provider="triton", sparse_method=method, sink_tokens=4, budget=24,
+                 recent_tokens=8, num_kv_pages=64, max_num_batched_tokens=512, max_model_len=128, **knobs) as llm:
+            if graphs:
+                g = llm.runner.graphs = DecodeGraphs(
+                    llm.model, llm.kv_cache, llm.provider, llm.method, llm.device, max_batch=4,
+                    max_pages=table_pages(llm.method, llm.max_model_len, llm.config.page_size))
+            out[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
+            steps = llm.runner.graph_steps
+    assert steps == 11, steps  # every step after the prefill: 3 with four requests, 3 with three, 5 with two
+    assert out[True] == out[False]
+    four = [(4, (4, graph_key))] * (2 if graph_key else 1)
+    assert g.captured == four + [(2, (2, graph_key))], g.captured
+    assert all(isinstance(held[1], Rerun) for held in (*g.graphs.values(), *g.keyed.values()))

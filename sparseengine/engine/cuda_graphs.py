@@ -54,6 +54,25 @@ def _input_buffers(top: int, layers: int, device, pinned: bool):
     return buf, (longs[:top], longs[top:2 * top], longs[2 * top:].view(layers, top), ints.view(layers, top))
 
 
+class Rerun:
+    """A captured decode graph where CUDA graphs do not exist (the CPU): each replay runs the
+    capture's forward again, over the same static input buffers, in the same step context
+    (padding rows, device lengths, placeholder host lengths), so the graph path's host side
+    and its graph-shaped inputs run on any device. Unlike a CUDA graph it runs the Python of
+    the method's hooks again at every replay, so it does not catch state a capture baked in."""
+
+    def __init__(self, forward, ctx: StepContext, logits: torch.Tensor) -> None:
+        self.forward, self.ctx, self.logits = forward, ctx, logits
+
+    def replay(self) -> None:
+        set_step_context(self.ctx)
+        try:
+            out = self.forward()
+        finally:
+            set_step_context(None)
+        self.logits.resize_(out.shape).copy_(out)  # the tensor ``run`` returns, as a graph's output
+
+
 class DecodeGraphs:
     def __init__(self, model, kv_cache, provider, method, device, max_batch: int, max_pages: int) -> None:
         self.model, self.kv_cache, self.provider, self.method = model, kv_cache, provider, method
@@ -77,6 +96,7 @@ class DecodeGraphs:
         # graphs of a method's ``graph_key``: per bucket the last key's ((key, layout), graph, logits)
         self.keyed: dict[int, tuple[object, torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
+        self.captured: list[tuple[int, object]] = []  # (bucket, graph id) of every capture, in order
         # host mirror of ``table`` (pinned: its rows go up without a staging copy); per row,
         # what it holds: (request id, the request's table, its length), so a step rewrites
         # and re-sends only what changed
@@ -110,11 +130,18 @@ class DecodeGraphs:
                            views=views, kv_cache=self.kv_cache, provider=self.provider, method=self.method,
                            positions=self.positions[:size], graph=graph)
 
-    def _capture(self, size: int, seqs=None, graph_id=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, size: int, seqs=None, graph_id=None) -> "tuple[torch.cuda.CUDAGraph | Rerun, torch.Tensor]":
         """Capture a graph of the bucket (``seqs``: the requests a keyed graph is for, in the
         context; else every row None). The warm-up runs execute for real, so they see only
         padding inputs (no cache or method state is written: a method's in-graph update,
-        such as H2O's score sums, must count once); the step's staged inputs return after."""
+        such as H2O's score sums, must count once); the step's staged inputs return after.
+        Where there are no CUDA graphs (the CPU), a ``Rerun`` stands in: nothing is run here."""
+        self.captured.append((size, graph_id))
+        if self._in_dev.device.type != "cuda":
+            ctx = self._context(size, seqs, graph_id)
+            forward = lambda: self.model.compute_logits(self.model(self.ids[:size], self.positions[:size]))
+            logits = torch.empty(0)
+            return Rerun(forward, ctx, logits), logits
         staged = self._in_host.clone()
         self._in[2][:] = -1
         self._in[3][:] = 1

@@ -11,7 +11,7 @@ CAPTURED = ["vanilla", "snapkv", "pyramidkv", "quest", "omnikv", "streamingllm",
 
 
 def eager_and_graph(folder, method, knobs, prompts, params):
-    """{eager: (token ids per request, graph steps)} for eager=True and False."""
+    """{eager: (token ids per request, graph steps, the decode graphs' captures)} for eager=True and False."""
     from sparseengine import LLM
 
     knobs = {k: v for k, v in knobs.items() if k.startswith(method)}
@@ -20,7 +20,9 @@ def eager_and_graph(folder, method, knobs, prompts, params):
         with LLM(str(folder), device="cuda", dtype="float32", sparse_method=method, sink_tokens=4, budget=24,
                  recent_tokens=8, num_kv_pages=256, max_num_batched_tokens=1024, enforce_eager=eager,
                  **knobs) as llm:
-            out[eager] = ([o.token_ids for o in llm.generate(prompts, params)], llm.runner.graph_steps)
+            tokens = [o.token_ids for o in llm.generate(prompts, params)]
+            graphs = llm.runner.graphs
+            out[eager] = (tokens, llm.runner.graph_steps, [] if graphs is None else graphs.captured)
     return out
 
 
@@ -54,23 +56,18 @@ def test_graph_rows_follow_requests_that_finish(method, tiny_llama, tiny_method_
 
 
 @pytest.mark.gpu
-def test_deltakv_graph_replays_across_history_flushes(tiny_llama, tiny_method_knobs, monkeypatch):
+def test_deltakv_graph_replays_across_history_flushes(tiny_llama, tiny_method_knobs):
     """DeltaKV's graphs are keyed by its requests' state: one capture for the batch, then
     replays while the flushes (every 64 decode steps) append to the codec buffers and move
     the history's end on the device. Tokens equal the eager run's."""
     from sparseengine import SamplingParams
-    from sparseengine.engine import cuda_graphs
 
-    captures = []
-    capture = cuda_graphs.DecodeGraphs._capture
-    monkeypatch.setattr(cuda_graphs.DecodeGraphs, "_capture",
-                        lambda self, size, *args: (captures.append(size), capture(self, size, *args))[1])
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (160, 140)]
     params = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)  # two flushes each
     out = eager_and_graph(tiny_llama[0], "deltakv", tiny_method_knobs, prompts, params)
     assert out[True][1] == 0 and out[False][1] >= 140, out
-    assert captures == [2], captures  # flushes within the buffers' capacity keep the graph
+    assert [size for size, _ in out[False][2]] == [2], out[False][2]  # flushes within the buffers' capacity keep the graph
     assert out[False][0] == out[True][0]
 
 

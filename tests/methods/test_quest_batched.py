@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import types
 
-import numpy as np
 import pytest
 import torch
 
@@ -27,7 +26,7 @@ from sparseengine import LLM, SamplingParams
 from sparseengine.attention.provider import make_provider
 from sparseengine.attention.torch_ref import TorchAttentionProvider
 from sparseengine.config import Config, ConfigError
-from sparseengine.engine.step_context import LayerView, Selection, StepContext, set_step_context
+from sparseengine.engine.step_context import LayerView, Selection, StepContext
 from sparseengine.kernels import paged_kv_write_ref, quest_page_scores_ref, update_page_minmax_ref
 from sparseengine.kernels.quest import quest_page_scores_torch, update_page_minmax_torch
 from sparseengine.kernels.testing import random_paged_kv, randn
@@ -251,50 +250,6 @@ def test_engine_tokens_equal_the_per_request_path_and_vanilla_when_covered(tiny_
         with LLM(str(folder), sparse_method=method, **covering) as llm:
             outs[method] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs["quest"] == outs["vanilla"]
-
-
-def test_decode_steps_may_replay_a_graph(tiny_llama):
-    """The runner sends quest's pure-decode steps to the decode graph (faked here: the
-    eager forward behind the graph's interface, on a graph-shaped context)."""
-    folder, hf = tiny_llama
-    with LLM(str(folder), sparse_method="quest", sink_tokens=2, budget=8, recent_tokens=4, **ENGINE) as llm:
-        runner, calls = llm.runner, []
-
-        class FakeGraphs:
-            def bucket(self, batch):
-                return batch
-
-            def fits(self, seqs):
-                return True
-
-            def page_tables(self, seq_ids, tables):
-                self.table = np.zeros((len(tables), max(map(len, tables))), dtype=np.int32)
-                for b, pages in enumerate(tables):
-                    self.table[b, : len(pages)] = pages
-                return self.table
-
-            def run(self, ids, positions, slots, lens, seqs=None, key=None, feed=None):
-                assert feed is None  # on the CPU the engine reads each step's tokens in that step
-                calls.append(len(ids))
-                table = self.table
-                views = [LayerView(torch.from_numpy(slots[l]), torch.from_numpy(lens[l]),  # host lens: torch
-                                   tuple(lens[l].tolist()), torch.from_numpy(table)) for l in range(slots.shape[0])]
-                ctx = StepContext(seqs=[None] * len(ids), q_lens=(1,) * len(ids),
-                                  cu_q_lens=torch.arange(len(ids) + 1, dtype=torch.int32), is_decode=True,
-                                  views=views, kv_cache=llm.kv_cache, provider=llm.provider, method=llm.method,
-                                  positions=torch.tensor(positions))
-                set_step_context(ctx)
-                try:
-                    return llm.model.compute_logits(llm.model(torch.tensor(ids), ctx.positions))
-                finally:
-                    set_step_context(None)
-
-        prompts = [list(range(3, 3 + n)) for n in (30, 19)]
-        params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-        eager = [o.token_ids for o in llm.generate(prompts, params)]
-        runner.graphs = FakeGraphs()
-        replayed = [o.token_ids for o in llm.generate(prompts, params)]
-    assert calls == [2, 2, 2, 2] and replayed == eager
 
 
 def test_synthesized_prefill_fills_the_page_bounds(tiny_llama):
