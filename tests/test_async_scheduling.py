@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sparseengine import LLM, ConfigError, SamplingParams
-from sparseengine.engine.inflight import NEEDS_TOKENS, PLACEHOLDER, Feed, Inflight
+from sparseengine.engine.inflight import NEEDS_TOKENS, PLACEHOLDER, Inflight
 from sparseengine.engine.scheduler import ScheduledBatch
 from sparseengine.engine.sequence import Sequence
 

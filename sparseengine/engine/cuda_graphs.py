@@ -12,6 +12,8 @@ the batch's lengths.
 Padding rows write nowhere (slot -1) and read one token of page 0. A provider whose kernels
 read plans made on the host (FlashInfer's) makes them in ``plan_graph_step`` before every
 capture and replay, outside the graph; the graph is captured again when what it bound changes.
+The engine captures on CUDA only; built on the CPU, a capture is a ``Rerun`` (the tests drive
+the graph path there, with the Triton kernels interpreted).
 """
 
 from __future__ import annotations
