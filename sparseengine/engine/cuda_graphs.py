@@ -138,7 +138,6 @@ class DecodeGraphs:
         padding inputs (no cache or method state is written: a method's in-graph update,
         such as H2O's score sums, must count once); the step's staged inputs return after.
         Where there are no CUDA graphs (the CPU), a ``Rerun`` stands in: nothing is run here."""
-        self.captured.append((size, graph_id))
         if self._in_dev.device.type != "cuda":
             ctx = self._context(size, seqs, graph_id)
             forward = lambda: self.model.compute_logits(self.model(self.ids[:size], self.positions[:size]))
@@ -228,6 +227,7 @@ class DecodeGraphs:
         if held is None or held[0] != want:
             store.pop(size, None)  # its memory returns to the pool first
             held = store[size] = (want, *self._capture(size, None if key is None else seqs, graph_id))
+            self.captured.append((size, graph_id))
         _, graph, logits = held
         if feed is not None:  # after any capture: its warm-up runs restage the host's ids
             feed.apply(self.ids)
