@@ -99,6 +99,112 @@ __global__ void __launch_bounds__(THREADS, 1)
   }
 }
 
+// The same product on the tensor cores (mma.sync m16n8k16, bf16 in, float32 sums): a CTA
+// takes 16 weight rows at a time and its 16 warps split their K; each lane loads 16 B of two
+// of the rows (n = g and g + 8, g = lane / 4) at k = kb + 8t (t = lane % 4) and 16 B of x's
+// row g (zero for g >= M), which make two MMAs' fragments: the sum over k does not care
+// which k each fragment slot holds, as long as A and B agree. The warps' partial sums meet
+// in shared memory. x's rows sit in shared memory padded by 16 B (no bank conflicts).
+constexpr int MMA_STEPS = 4;  // 32-k steps a warp's loads cover at a time (8 loads of 16 B a lane)
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+template <int M>
+__global__ void __launch_bounds__(THREADS, 1)
+    gemv_mma_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
+                    __nv_bfloat16* __restrict__ y, int N, int K, int pdl) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int xrow = K / 8 + 1;  // uint4 per padded row of x
+  uint4* xs = reinterpret_cast<uint4*>(smem);  // [M][xrow]
+  float* red = reinterpret_cast<float*>(xs + M * xrow);  // [WARPS][32][4]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int blocks = N / 16, kw = K / WARPS;  // k per warp (a multiple of 32 * MMA_STEPS)
+  const uint4* w4 = reinterpret_cast<const uint4*>(w);
+  const size_t kv = K / 8;
+  int blk = blockIdx.x;
+  if (pdl) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  uint4 wr[MMA_STEPS][2];
+  auto load = [&](int b, int k0) {
+#pragma unroll
+    for (int s = 0; s < MMA_STEPS; ++s) {
+      const size_t col = (size_t)(k0 + s * 32) / 8 + t;
+      wr[s][0] = __ldcs(w4 + (size_t)(b * 16 + g) * kv + col);
+      wr[s][1] = __ldcs(w4 + (size_t)(b * 16 + g + 8) * kv + col);
+    }
+  };
+  if (blk < blocks) load(blk, warp * kw);  // before the wait: the weights are ours
+  if (pdl) asm volatile("griddepcontrol.wait;" ::: "memory");
+  const uint4* x4 = reinterpret_cast<const uint4*>(x);
+  for (int i = threadIdx.x; i < M * (K / 8); i += THREADS) xs[(i / (K / 8)) * xrow + i % (K / 8)] = x4[i];
+  __syncthreads();
+  bool loaded = true;
+  for (; blk < blocks; blk += gridDim.x) {
+    float c[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int k0 = warp * kw; k0 < (warp + 1) * kw; k0 += 32 * MMA_STEPS) {
+      if (!loaded) load(blk, k0);
+      loaded = false;
+#pragma unroll
+      for (int s = 0; s < MMA_STEPS; ++s) {
+        uint4 xv = make_uint4(0u, 0u, 0u, 0u);
+        if (g < M) xv = xs[g * xrow + (k0 + s * 32) / 8 + t];
+        const uint4 lo = wr[s][0], hi = wr[s][1];
+        mma_bf16(c, lo.x, hi.x, lo.y, hi.y, xv.x, xv.y);
+        mma_bf16(c, lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
+      }
+    }
+    // c: y^T[g][2t..2t+1] and y^T[g+8][2t..2t+1] of this warp's k; sum the 16 warps'
+    float* mine = red + (warp * 32 + lane) * 4;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) mine[i] = c[i];
+    __syncthreads();
+    if (threadIdx.x < 128) {  // one output (n, m) of the 16 x 8 tile each
+      const int l = threadIdx.x >> 2, i = threadIdx.x & 3;
+      float sum = 0.f;
+#pragma unroll
+      for (int q = 0; q < WARPS; ++q) sum += red[(q * 32 + l) * 4 + i];
+      const int n = (l >> 2) + (i >= 2 ? 8 : 0), m = 2 * (l & 3) + (i & 1);
+      if (m < M) y[(size_t)m * N + blk * 16 + n] = __float2bfloat16(sum);
+    }
+    __syncthreads();
+  }
+}
+
+template <int M>
+int launch_mma(const void* x, const void* w, void* y, int N, int K, int pdl, void* stream) {
+  static int sms = 0;
+  static size_t smem_set = 0;
+  size_t smem = (size_t)M * (K / 8 + 1) * 16 + WARPS * 32 * 4 * sizeof(float);
+  if (sms == 0) {
+    int dev = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  }
+  if (smem > smem_set) {
+    cudaError_t e = cudaFuncSetAttribute(gemv_mma_kernel<M>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return (int)e;
+    smem_set = smem;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(sms);
+  cfg.blockDim = dim3(THREADS);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = (cudaStream_t)stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return (int)cudaLaunchKernelEx(&cfg, gemv_mma_kernel<M>, (const __nv_bfloat16*)x, (const __nv_bfloat16*)w,
+                                 (__nv_bfloat16*)y, N, K, pdl);
+}
+
 template <int M>
 int launch(const void* x, const void* w, void* y, int N, int K, int pdl, void* stream) {
   static int sms = 0;
@@ -131,8 +237,15 @@ int launch(const void* x, const void* w, void* y, int N, int K, int pdl, void* s
 
 }  // namespace
 
-// -> a cudaError_t (0: launched). Needs N % 4 == 0 and K % 512 == 0; M in {1, 6}.
-extern "C" int se_gemv(const void* x, const void* w, void* y, int M, int N, int K, int pdl, void* stream) {
+// -> a cudaError_t (0: launched). CUDA cores: N % 4 == 0 and K % 512 == 0; tensor cores
+// (`mma`): N % 16 == 0 and K % (16 warps x 256) == 0. M in {1, 6}.
+extern "C" int se_gemv(const void* x, const void* w, void* y, int M, int N, int K, int pdl, void* stream, int mma) {
+  if (mma) {
+    if (N % 16 != 0 || K % (WARPS * 32 * MMA_STEPS) != 0) return -1;
+    if (M == 1) return launch_mma<1>(x, w, y, N, K, pdl, stream);
+    if (M == 6) return launch_mma<6>(x, w, y, N, K, pdl, stream);
+    return -2;
+  }
   if (N % ROWS != 0 || K % (32 * 8 * VEC) != 0) return -1;
   switch (M) {
     case 1: return launch<1>(x, w, y, N, K, pdl, stream);

@@ -8,9 +8,11 @@ kernel's ramp and tail (results/README.md). Triton's PDL launches made the chain
 torch at every linear shape, then times, in one CUDA graph each:
 - each linear alone, cycling over weight copies (no weight in L2): CUDA beside the
   engine's Triton launch (`bench_linear.engine_variants`);
+- the same on the tensor cores (`mma`: mma.sync, 16 weight rows a CTA at a time, its warps
+  splitting K);
 - the step's chain (`bench_linear.bench_pdl_chain`'s: qkv, o, gate_up, down for 32 layers
   of their own weights, a one-program-a-row stand-in kernel between each pair): the
-  engine's Triton launches, CUDA, CUDA with PDL (and stand-ins with PDL that let the next
+  engine's Triton launches, each CUDA kernel, each with PDL (and stand-ins with PDL that let the next
   kernel launch at their start, or after their stores).
 
     python scripts/probe_cuda_gemv.py OUT.jsonl    (on the GPU; needs nvcc: CUDA_HOME or PATH)
@@ -45,17 +47,18 @@ def build() -> ctypes.CDLL:
     print(done.stderr[-600:], flush=True)
     so = ctypes.CDLL(str(lib))
     so.se_gemv.restype = ctypes.c_int
-    so.se_gemv.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4 + [ctypes.c_void_p]
+    so.se_gemv.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_int]
     return so
 
 
-def cuda_gemv(so, x: torch.Tensor, w: torch.Tensor, pdl: bool = False) -> torch.Tensor:
-    """x [M, K] @ w[N, K]^T -> [M, N] bf16, launched on the current stream."""
+def cuda_gemv(so, x: torch.Tensor, w: torch.Tensor, pdl: bool = False, mma: bool = False) -> torch.Tensor:
+    """x [M, K] @ w[N, K]^T -> [M, N] bf16, launched on the current stream (`mma`: the
+    tensor-core kernel)."""
     assert x.is_contiguous() and w.is_contiguous() and x.dtype == w.dtype == BF16
     (m, k), n = x.shape, w.shape[0]
     y = torch.empty((m, n), dtype=BF16, device=x.device)
     err = so.se_gemv(x.data_ptr(), w.data_ptr(), y.data_ptr(), m, n, k, int(pdl),
-                     torch.cuda.current_stream().cuda_stream)
+                     torch.cuda.current_stream().cuda_stream, int(mma))
     if err:
         raise RuntimeError(f"se_gemv launch failed: error {err} (M={m}, N={n}, K={k})")
     return y
@@ -73,7 +76,7 @@ def check_and_time_shapes(so, out, rows=(1, 6), min_bytes=512 << 20) -> None:
             x = torch.randn(m, k, generator=gen, device="cuda", dtype=BF16)
             want = F.linear(x.float(), weights[0].float())
             tri = engine_variants(n, m)[0]
-            runs = {"cuda": lambda a, w: cuda_gemv(so, a, w),
+            runs = {"cuda": lambda a, w: cuda_gemv(so, a, w), "cuda_mma": lambda a, w: cuda_gemv(so, a, w, mma=True),
                     "triton_engine": lambda a, w: skinny_linear_triton(a, w, **tri)}
             for impl, fn in runs.items():
                 got = fn(x, weights[0]).float()
@@ -111,11 +114,13 @@ def time_chains(so, out, rows=6, layers=32) -> None:
     def triton(a, w, name):
         return skinny_linear_triton(a, w[name], **engine_variants(SHAPES[name][0], rows)[0])
 
-    def cuda(pdl):
-        return lambda a, w, name: cuda_gemv(so, a, w[name], pdl)
+    def cuda(pdl, mma=False):
+        return lambda a, w, name: cuda_gemv(so, a, w[name], pdl, mma)
 
     variants = {"triton_engine": chain(triton, False), "cuda": chain(cuda(False), False),
-                "cuda_pdl": chain(cuda(True), True), "cuda_pdl_stand_ins_trigger_last": chain(cuda(True), True, False),
+                "cuda_pdl": chain(cuda(True), True), "cuda_mma": chain(cuda(False, True), False),
+                "cuda_mma_pdl": chain(cuda(True, True), True),
+                "cuda_mma_pdl_stand_ins_trigger_last": chain(cuda(True, True), True, False),
                 "triton_engine_again": chain(triton, False)}
     nbytes = sum(t.numel() * t.element_size() for w in weights for t in w.values())
     ref = None
