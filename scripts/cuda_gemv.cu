@@ -104,7 +104,8 @@ __global__ void __launch_bounds__(THREADS, 1)
 // of the rows (n = g and g + 8, g = lane / 4) at k = kb + 8t (t = lane % 4) and 16 B of x's
 // row g (zero for g >= M), which make two MMAs' fragments: the sum over k does not care
 // which k each fragment slot holds, as long as A and B agree. The warps' partial sums meet
-// in shared memory. x's rows sit in shared memory padded by 16 B (no bank conflicts).
+// in shared memory. x's rows sit in shared memory padded by 16 B (no bank conflicts). A warp
+// loads its next step's weights before it multiplies the current one's.
 constexpr int MMA_STEPS = 4;  // 32-k steps a warp's loads cover at a time (8 loads of 16 B a lane)
 
 __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -130,49 +131,54 @@ __global__ void __launch_bounds__(THREADS, 1)
   const size_t kv = K / 8;
   int blk = blockIdx.x;
   if (pdl) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  uint4 wr[MMA_STEPS][2];
-  auto load = [&](int b, int k0) {
+  // The warp's steps, in order: (block, chunk of its k). The next step's loads are in
+  // flight while this one multiplies, across a block's reduction too.
+  const int chunks = kw / (32 * MMA_STEPS);
+  uint4 cur[MMA_STEPS][2], nxt[MMA_STEPS][2];
+  auto load = [&](uint4 (&dst)[MMA_STEPS][2], int b, int chunk) {
 #pragma unroll
     for (int s = 0; s < MMA_STEPS; ++s) {
-      const size_t col = (size_t)(k0 + s * 32) / 8 + t;
-      wr[s][0] = __ldcs(w4 + (size_t)(b * 16 + g) * kv + col);
-      wr[s][1] = __ldcs(w4 + (size_t)(b * 16 + g + 8) * kv + col);
+      const size_t col = (size_t)(warp * kw + (chunk * MMA_STEPS + s) * 32) / 8 + t;
+      dst[s][0] = __ldcs(w4 + (size_t)(b * 16 + g) * kv + col);
+      dst[s][1] = __ldcs(w4 + (size_t)(b * 16 + g + 8) * kv + col);
     }
   };
-  if (blk < blocks) load(blk, warp * kw);  // before the wait: the weights are ours
+  if (blk < blocks) load(cur, blk, 0);  // before the wait: the weights are ours
   if (pdl) asm volatile("griddepcontrol.wait;" ::: "memory");
   const uint4* x4 = reinterpret_cast<const uint4*>(x);
   for (int i = threadIdx.x; i < M * (K / 8); i += THREADS) xs[(i / (K / 8)) * xrow + i % (K / 8)] = x4[i];
   __syncthreads();
-  bool loaded = true;
-  for (; blk < blocks; blk += gridDim.x) {
-    float c[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int k0 = warp * kw; k0 < (warp + 1) * kw; k0 += 32 * MMA_STEPS) {
-      if (!loaded) load(blk, k0);
-      loaded = false;
+  float c[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int ch = 0; blk < blocks;) {
+    int nblk = blk, nch = ch + 1;
+    if (nch == chunks) nch = 0, nblk += gridDim.x;
+    if (nblk < blocks) load(nxt, nblk, nch);
 #pragma unroll
-      for (int s = 0; s < MMA_STEPS; ++s) {
-        uint4 xv = make_uint4(0u, 0u, 0u, 0u);
-        if (g < M) xv = xs[g * xrow + (k0 + s * 32) / 8 + t];
-        const uint4 lo = wr[s][0], hi = wr[s][1];
-        mma_bf16(c, lo.x, hi.x, lo.y, hi.y, xv.x, xv.y);
-        mma_bf16(c, lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
+    for (int s = 0; s < MMA_STEPS; ++s) {
+      uint4 xv = make_uint4(0u, 0u, 0u, 0u);
+      if (g < M) xv = xs[g * xrow + (warp * kw + (ch * MMA_STEPS + s) * 32) / 8 + t];
+      const uint4 lo = cur[s][0], hi = cur[s][1];
+      mma_bf16(c, lo.x, hi.x, lo.y, hi.y, xv.x, xv.y);
+      mma_bf16(c, lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
+    }
+    if (nch == 0) {  // the block's k is done: sum the 16 warps' c (y^T[g][2t..2t+1], y^T[g+8][2t..2t+1])
+      float* mine = red + (warp * 32 + lane) * 4;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) mine[i] = c[i], c[i] = 0.f;
+      __syncthreads();
+      if (threadIdx.x < 128) {  // one output (n, m) of the 16 x 8 tile each
+        const int l = threadIdx.x >> 2, i = threadIdx.x & 3;
+        float sum = 0.f;
+#pragma unroll
+        for (int q = 0; q < WARPS; ++q) sum += red[(q * 32 + l) * 4 + i];
+        const int n = (l >> 2) + (i >= 2 ? 8 : 0), m = 2 * (l & 3) + (i & 1);
+        if (m < M) y[(size_t)m * N + blk * 16 + n] = __float2bfloat16(sum);
       }
+      __syncthreads();
     }
-    // c: y^T[g][2t..2t+1] and y^T[g+8][2t..2t+1] of this warp's k; sum the 16 warps'
-    float* mine = red + (warp * 32 + lane) * 4;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) mine[i] = c[i];
-    __syncthreads();
-    if (threadIdx.x < 128) {  // one output (n, m) of the 16 x 8 tile each
-      const int l = threadIdx.x >> 2, i = threadIdx.x & 3;
-      float sum = 0.f;
-#pragma unroll
-      for (int q = 0; q < WARPS; ++q) sum += red[(q * 32 + l) * 4 + i];
-      const int n = (l >> 2) + (i >= 2 ? 8 : 0), m = 2 * (l & 3) + (i & 1);
-      if (m < M) y[(size_t)m * N + blk * 16 + n] = __float2bfloat16(sum);
-    }
-    __syncthreads();
+    for (int s = 0; s < MMA_STEPS; ++s) cur[s][0] = nxt[s][0], cur[s][1] = nxt[s][1];
+    blk = nblk, ch = nch;
   }
 }
 
