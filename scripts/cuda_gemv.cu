@@ -104,8 +104,9 @@ __global__ void __launch_bounds__(THREADS, 1)
 // of the rows (n = g and g + 8, g = lane / 4) at k = kb + 8t (t = lane % 4) and 16 B of x's
 // row g (zero for g >= M), which make two MMAs' fragments: the sum over k does not care
 // which k each fragment slot holds, as long as A and B agree. The warps' partial sums meet
-// in shared memory. x's rows sit in shared memory padded by 16 B (no bank conflicts). A warp
-// loads its next step's weights before it multiplies the current one's.
+// in shared memory. x is read from L2 (L1) as the weights go, not staged in shared memory
+// (at 326e2a6 every CTA copied all of x, 168 KB for `down`, before its first MMA). A warp
+// loads its next step's weights and x before it multiplies the current one's.
 constexpr int MMA_STEPS = 4;  // 32-k steps a warp's loads cover at a time (8 loads of 16 B a lane)
 
 __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -122,9 +123,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     gemv_mma_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
                     __nv_bfloat16* __restrict__ y, int N, int K, int pdl) {
   extern __shared__ __align__(16) unsigned char smem[];
-  const int xrow = K / 8 + 1;  // uint4 per padded row of x
-  uint4* xs = reinterpret_cast<uint4*>(smem);  // [M][xrow]
-  float* red = reinterpret_cast<float*>(xs + M * xrow);  // [WARPS][32][4]
+  float* red = reinterpret_cast<float*>(smem);  // [WARPS][32][4]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int blocks = N / 16, kw = K / WARPS;  // k per warp (a multiple of 32 * MMA_STEPS)
   const uint4* w4 = reinterpret_cast<const uint4*>(w);
@@ -134,7 +133,14 @@ __global__ void __launch_bounds__(THREADS, 1)
   // The warp's steps, in order: (block, chunk of its k). The next step's loads are in
   // flight while this one multiplies, across a block's reduction too.
   const int chunks = kw / (32 * MMA_STEPS);
-  uint4 cur[MMA_STEPS][2], nxt[MMA_STEPS][2];
+  uint4 cur[MMA_STEPS][2], nxt[MMA_STEPS][2], xc[MMA_STEPS], xn[MMA_STEPS];
+  const uint4* x4 = reinterpret_cast<const uint4*>(x);
+  auto load_x = [&](uint4 (&dst)[MMA_STEPS], int chunk) {  // x's row g (zero for g >= M), from L2 / L1
+#pragma unroll
+    for (int s = 0; s < MMA_STEPS; ++s)
+      dst[s] = g < M ? __ldg(x4 + (size_t)g * kv + (warp * kw + (chunk * MMA_STEPS + s) * 32) / 8 + t)
+                     : make_uint4(0u, 0u, 0u, 0u);
+  };
   auto load = [&](uint4 (&dst)[MMA_STEPS][2], int b, int chunk) {
 #pragma unroll
     for (int s = 0; s < MMA_STEPS; ++s) {
@@ -145,18 +151,15 @@ __global__ void __launch_bounds__(THREADS, 1)
   };
   if (blk < blocks) load(cur, blk, 0);  // before the wait: the weights are ours
   if (pdl) asm volatile("griddepcontrol.wait;" ::: "memory");
-  const uint4* x4 = reinterpret_cast<const uint4*>(x);
-  for (int i = threadIdx.x; i < M * (K / 8); i += THREADS) xs[(i / (K / 8)) * xrow + i % (K / 8)] = x4[i];
-  __syncthreads();
+  if (blk < blocks) load_x(xc, 0);
   float c[4] = {0.f, 0.f, 0.f, 0.f};
   for (int ch = 0; blk < blocks;) {
     int nblk = blk, nch = ch + 1;
     if (nch == chunks) nch = 0, nblk += gridDim.x;
-    if (nblk < blocks) load(nxt, nblk, nch);
+    if (nblk < blocks) load(nxt, nblk, nch), load_x(xn, nch);
 #pragma unroll
     for (int s = 0; s < MMA_STEPS; ++s) {
-      uint4 xv = make_uint4(0u, 0u, 0u, 0u);
-      if (g < M) xv = xs[g * xrow + (warp * kw + (ch * MMA_STEPS + s) * 32) / 8 + t];
+      const uint4 xv = xc[s];
       const uint4 lo = cur[s][0], hi = cur[s][1];
       mma_bf16(c, lo.x, hi.x, lo.y, hi.y, xv.x, xv.y);
       mma_bf16(c, lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
@@ -177,7 +180,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       __syncthreads();
     }
 #pragma unroll
-    for (int s = 0; s < MMA_STEPS; ++s) cur[s][0] = nxt[s][0], cur[s][1] = nxt[s][1];
+    for (int s = 0; s < MMA_STEPS; ++s) cur[s][0] = nxt[s][0], cur[s][1] = nxt[s][1], xc[s] = xn[s];
     blk = nblk, ch = nch;
   }
 }
@@ -186,7 +189,7 @@ template <int M>
 int launch_mma(const void* x, const void* w, void* y, int N, int K, int pdl, void* stream) {
   static int sms = 0;
   static size_t smem_set = 0;
-  size_t smem = (size_t)M * (K / 8 + 1) * 16 + WARPS * 32 * 4 * sizeof(float);
+  size_t smem = WARPS * 32 * 4 * sizeof(float);
   if (sms == 0) {
     int dev = 0;
     cudaGetDevice(&dev);
