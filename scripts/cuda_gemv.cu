@@ -185,20 +185,22 @@ __global__ void __launch_bounds__(THREADS, 1)
   }
 }
 
-template <int M>
-int launch_mma(const void* x, const void* w, void* y, int N, int K, int pdl, void* stream) {
+using Kernel = void (*)(const __nv_bfloat16*, const __nv_bfloat16*, __nv_bfloat16*, int, int, int);
+
+// One CTA a SM on `stream`, as a programmatic dependent launch with `pdl`. `allowed`: the
+// dynamic shared memory `kernel` was last allowed (raised here when `smem` needs more).
+int launch(Kernel kernel, size_t smem, size_t& allowed, const void* x, const void* w, void* y, int N, int K,
+           int pdl, void* stream) {
   static int sms = 0;
-  static size_t smem_set = 0;
-  size_t smem = WARPS * 32 * 4 * sizeof(float);
   if (sms == 0) {
     int dev = 0;
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   }
-  if (smem > smem_set) {
-    cudaError_t e = cudaFuncSetAttribute(gemv_mma_kernel<M>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  if (smem > allowed) {
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return (int)e;
-    smem_set = smem;
+    allowed = smem;
   }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(sms);
@@ -210,38 +212,20 @@ int launch_mma(const void* x, const void* w, void* y, int N, int K, int pdl, voi
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 1 : 0;
-  return (int)cudaLaunchKernelEx(&cfg, gemv_mma_kernel<M>, (const __nv_bfloat16*)x, (const __nv_bfloat16*)w,
-                                 (__nv_bfloat16*)y, N, K, pdl);
+  return (int)cudaLaunchKernelEx(&cfg, kernel, (const __nv_bfloat16*)x, (const __nv_bfloat16*)w, (__nv_bfloat16*)y,
+                                 N, K, pdl);
 }
 
 template <int M>
-int launch(const void* x, const void* w, void* y, int N, int K, int pdl, void* stream) {
-  static int sms = 0;
-  static size_t smem_set = 0;
-  size_t smem = (size_t)M * K * 2;
-  if (sms == 0) {
-    int dev = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  }
-  if (smem > smem_set) {
-    cudaError_t e = cudaFuncSetAttribute(gemv_kernel<M>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    if (e != cudaSuccess) return (int)e;
-    smem_set = smem;
-  }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(sms);
-  cfg.blockDim = dim3(THREADS);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = (cudaStream_t)stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  cudaError_t e = cudaLaunchKernelEx(&cfg, gemv_kernel<M>, (const __nv_bfloat16*)x, (const __nv_bfloat16*)w,
-                                     (__nv_bfloat16*)y, N, K, pdl);
-  return (int)e;
+int launch_cores(const void* x, const void* w, void* y, int N, int K, int pdl, void* stream) {
+  static size_t allowed = 0;  // x sits whole in shared memory
+  return launch(gemv_kernel<M>, (size_t)M * K * 2, allowed, x, w, y, N, K, pdl, stream);
+}
+
+template <int M>
+int launch_mma(const void* x, const void* w, void* y, int N, int K, int pdl, void* stream) {
+  static size_t allowed = 0;  // the warps' partial sums
+  return launch(gemv_mma_kernel<M>, WARPS * 32 * 4 * sizeof(float), allowed, x, w, y, N, K, pdl, stream);
 }
 
 }  // namespace
@@ -257,8 +241,8 @@ extern "C" int se_gemv(const void* x, const void* w, void* y, int M, int N, int 
   }
   if (N % ROWS != 0 || K % (32 * 8 * VEC) != 0) return -1;
   switch (M) {
-    case 1: return launch<1>(x, w, y, N, K, pdl, stream);
-    case 6: return launch<6>(x, w, y, N, K, pdl, stream);
+    case 1: return launch_cores<1>(x, w, y, N, K, pdl, stream);
+    case 6: return launch_cores<6>(x, w, y, N, K, pdl, stream);
     default: return -2;
   }
 }

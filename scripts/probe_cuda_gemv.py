@@ -31,10 +31,10 @@ import torch
 import torch.nn.functional as F
 
 from sparseengine.kernels.bench_common import BF16, emit, per_launch_us, run_meta
-from sparseengine.kernels.bench_linear import SHAPES, _cycling, _stand_in, engine_variants
+from sparseengine.kernels.bench_linear import (CHAIN_CONFIGS, SHAPES, _cycling, chain_inputs, engine_variants,
+                                               step_chain)
 
 SOURCE = Path(__file__).with_name("cuda_gemv.cu")
-CHAIN = ("qkv", "o", "gate_up", "down")
 
 
 def build() -> ctypes.CDLL:
@@ -68,7 +68,7 @@ def check_and_time_shapes(so, out, rows=(1, 6), min_bytes=512 << 20) -> None:
     from sparseengine.kernels.skinny_linear import skinny_linear_triton
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for name in CHAIN:
+    for name in CHAIN_CONFIGS:  # qkv, o, gate_up, down
         n, k = SHAPES[name]
         copies = max(2, -(-min_bytes // (2 * n * k)))
         weights = [torch.randn(n, k, generator=gen, device="cuda", dtype=BF16) * 0.02 for _ in range(copies)]
@@ -94,22 +94,10 @@ def check_and_time_shapes(so, out, rows=(1, 6), min_bytes=512 << 20) -> None:
 def time_chains(so, out, rows=6, layers=32) -> None:
     from sparseengine.kernels.skinny_linear import skinny_linear_triton
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    hidden, inter = SHAPES["o"][0], SHAPES["down"][1]
-    weights = [{name: torch.randn(*SHAPES[name], generator=gen, device="cuda", dtype=BF16) * 0.02 for name in CHAIN}
-               for _ in range(layers)]
-    x0 = torch.randn(rows, hidden, generator=gen, device="cuda", dtype=BF16)
+    weights, x0 = chain_inputs(rows, layers)
 
     def chain(gemm, pdl, early=True):
-        def run():
-            x = x0
-            for w in weights:
-                h = _stand_in(x, hidden, pdl, early)
-                a = _stand_in(gemm(h, w, "qkv"), hidden, pdl, early)
-                h = _stand_in(gemm(a, w, "o"), hidden, pdl, early)
-                x = gemm(_stand_in(gemm(h, w, "gate_up"), inter, pdl, early), w, "down")
-            return x
-        return run
+        return step_chain(weights, x0, gemm, pdl, early)
 
     def triton(a, w, name):
         return skinny_linear_triton(a, w[name], **engine_variants(SHAPES[name][0], rows)[0])

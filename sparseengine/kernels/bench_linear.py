@@ -93,22 +93,10 @@ def bench_pdl_chain(out_path, rows=6, layers=32):
     much of the step the kernel boundaries cost, and how much PDL gives back."""
     from sparseengine.kernels.skinny_linear import skinny_linear_triton
 
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    hidden, inter = SHAPES["o"][0], SHAPES["down"][1]
-    weights = [{name: torch.randn(*SHAPES[name], generator=gen, device="cuda", dtype=BF16) * 0.02
-                for name in CHAIN_CONFIGS} for _ in range(layers)]
-    x0 = torch.randn(rows, hidden, generator=gen, device="cuda", dtype=BF16)
+    weights, x0 = chain_inputs(rows, layers)
 
     def chain(gemm, pdl, early=True):
-        def run():
-            x = x0
-            for w in weights:
-                h = _stand_in(x, hidden, pdl, early)
-                a = _stand_in(gemm(h, w, "qkv"), hidden, pdl, early)
-                h = _stand_in(gemm(a, w, "o"), hidden, pdl, early)
-                x = gemm(_stand_in(gemm(h, w, "gate_up"), inter, pdl, early), w, "down")
-            return x
-        return run
+        return step_chain(weights, x0, gemm, pdl, early)
 
     def triton_gemm(pdl):
         def gemm(a, w, name):
@@ -146,6 +134,30 @@ def bench_pdl_chain(out_path, rows=6, layers=32):
         emit(out_path, {"kind": "pdl_chain", "variant": name, "rows": rows, "layers": layers, "us_per_chain": us,
                         "weight_gbps": nbytes / us / 1e3,
                         "equals_triton": bool(torch.equal(outs[name], outs.get("triton", outs[name])))})
+
+
+def chain_inputs(rows: int = 6, layers: int = 32):
+    """The chain's weights (per layer {qkv, o, gate_up, down}: [N, K] bf16) and its first x [rows, hidden]."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weights = [{name: torch.randn(*SHAPES[name], generator=gen, device="cuda", dtype=BF16) * 0.02
+                for name in CHAIN_CONFIGS} for _ in range(layers)]
+    return weights, torch.randn(rows, SHAPES["o"][0], generator=gen, device="cuda", dtype=BF16)
+
+
+def step_chain(weights, x0, gemm, pdl: bool, early: bool = True):
+    """-> a callable running the decode step's GEMMs in layer order, ``gemm(a, layer_weights,
+    name)`` each, with a stand-in kernel (``_stand_in``) between each pair."""
+    hidden, inter = SHAPES["o"][0], SHAPES["down"][1]
+
+    def run():
+        x = x0
+        for w in weights:
+            h = _stand_in(x, hidden, pdl, early)
+            a = _stand_in(gemm(h, w, "qkv"), hidden, pdl, early)
+            h = _stand_in(gemm(a, w, "o"), hidden, pdl, early)
+            x = gemm(_stand_in(gemm(h, w, "gate_up"), inter, pdl, early), w, "down")
+        return x
+    return run
 
 
 def _stand_in(x, width, pdl, early=True):
