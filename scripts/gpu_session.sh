@@ -6,6 +6,7 @@
 #   BASE=<commit> bash scripts/gpu_session.sh deltakv_ab  # DeltaKV here and at BASE: tests, rebuild bench, b6 profiles, lane
 #   bash scripts/gpu_session.sh deltakv_tiles  # Nsight Compute over DeltaKV's rebuild, its tiles swept, the fastest profiled
 #   bash scripts/gpu_session.sh flush        # DeltaKV's history flushes at b=6, timed and one profiled
+#   bash scripts/gpu_session.sh cuda_linear  # the CUDA linears: build, GPU tests, bench_gpu --cuda-linear
 #   bash scripts/gpu_session.sh ab           # GPU tests, then each decode-step switch (AB_CONSTS) on/off in alternating profiles
 #   VARIANTS='default;M.NAME=V ...' [BENCH='--flag'] bash scripts/gpu_session.sh variants  # kernel-const A/B profiles
 #   bash scripts/gpu_session.sh quest_scores # Quest's score tests, its scoring launches swept, the fastest A/B in b6 profiles
@@ -196,6 +197,25 @@ for f in sorted(glob.glob(sys.argv[1] + "/ab_*.json")):
 PY
   # one archive: a call brings back at most 8 files (session 21 lost 6 of 14 profiles)
   (cd "$OUT" && tar czf ab_profiles.tgz ab_*.json && rm -f ab_*.json)
+  ;;
+cuda_linear)
+  # The decode step's linears in CUDA (kernels/cuda_linear.cu): its build (nvcc), its GPU tests and the
+  # model's linear tests, then bench_gpu --cuda-linear (per launch and in model order) into $OUT/bench.jsonl.
+  install_wheels .whl/hydra
+  timeout 120 python -c "import time; from sparseengine.kernels import cuda_linear as C; t = time.time(); \
+C.library(); print(f'cuda_linear built in {time.time() - t:.1f} s:', C.unavailable('cuda') or 'runs here')"
+  timeout 240 python -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_cuda_linear.py \
+    tests/test_decode_linears.py tests/kernels/test_skinny_linear.py tests/test_hf_equivalence.py 2>&1 | tail -15
+  timeout 240 python -m sparseengine.kernels.bench_gpu --cuda-linear --out "$OUT/bench.jsonl" 2>&1 | tail -3
+  python - "$OUT/bench.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if r["kind"] == "cuda_linear":
+        print(f"{r['layer']:8s} rows {r['rows']} {r['impl']:18s} {r['us_per_launch']:8.2f} us  rel {r['rel_err_vs_triton']:.1e}")
+    elif r["kind"] == "cuda_linear_chain":
+        print(f"chain {r['variant']:20s} {r['us_per_chain']:9.1f} us  rel {r['rel_err_vs_triton']:.1e}")
+PY
   ;;
 variants)
   # BENCH (bench_gpu flags, optional) into $OUT/bench.jsonl, then one method's graph step with each of VARIANTS

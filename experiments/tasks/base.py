@@ -25,11 +25,13 @@ class TaskEnv:
         (``provider.ops()``) and whether it schedules asynchronously (the config's ``None``
         resolved) go into the record at once."""
         from sparseengine import LLM
+        from sparseengine.kernels import cuda_linear
 
         llm = LLM(**{**self.engine_kwargs, **overrides})
         self.log({"attention/provider": llm.provider.name,
                   **{f"attention/ops/{op}": impl for op, impl in llm.provider.ops().items()},
-                  "engine/async_scheduling": llm.async_scheduling})
+                  "engine/async_scheduling": llm.async_scheduling,
+                  "engine/decode_linears": cuda_linear.engine_linears(llm.model, llm.device)})
         return llm
 
     def sample(self, row: dict[str, Any]) -> None:

@@ -21,7 +21,7 @@ from sparseengine.engine.pool_budget import pool_budget
 from sparseengine.engine.pool_plan import PoolPlan, plan_for
 from sparseengine.engine.scheduler import Scheduler, SchedulerConfig
 from sparseengine.engine.sequence import Sequence, SequenceStatus
-from sparseengine.kernels import fused_ops, skinny_linear
+from sparseengine.kernels import cuda_linear, fused_ops, skinny_linear
 from sparseengine.layers.sampler import Sampler
 from sparseengine.method_registry import get_spec, resolve_prefill_policy
 from sparseengine.methods.base import MethodStack
@@ -95,6 +95,10 @@ class LLM:
             model.rotary.reserve(self.max_model_len, self.dtype)
         if self.device.type == "cuda" and skinny_linear.FOLD_NORMS and skinny_linear.ENGINE_MAX_ROWS > 0:
             model.fold_norms()  # the decode steps' linears apply the norms and residual adds
+        gate_up = model.layers[0].mlp.gate_up_proj
+        if (cuda_linear.GATED and cuda_linear.ENGINE and cuda_linear.fits(gate_up.weight, gate_up.bias)
+                and cuda_linear.unavailable(self.device) is None):
+            model.interleave_gate_up()  # the decode steps' gate_up applies the SiLU too
         return model.eval()
 
     def _plan_pool(self) -> PoolPlan:

@@ -141,6 +141,8 @@ PARTS = {
                             "both over every row", "bench_prefill", ("bench_partly_dense_decode",)),
     "skinny-linear": ("the decode step's weight GEMMs, cuBLAS beside the skinny Triton linear's configurations",
                       "bench_linear", ("bench_skinny_linear",)),
+    "cuda-linear": ("the decode step's linears in CUDA (cuda_linear) beside the Triton kernel, per launch and "
+                    "in model order", "bench_cuda_linear", ("bench_cuda_linear",)),
     "pdl-chain": ("the decode step's GEMM chain: cuBLAS, the skinny Triton linear, and both with PDL", "bench_linear",
                   ("bench_pdl_chain",)),
     "omnikv-attention": ("OmniKV's sparse-layer attention: the split planner's launch against fixed chunks",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sparseengine.kernels import skinny_linear
+from sparseengine.kernels import cuda_linear, skinny_linear
 from sparseengine.kernels.fused_ops import silu_mul
 from sparseengine.layers.attention import Attention
 from sparseengine.layers.layernorm import RMSNorm
@@ -44,10 +44,27 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_group = 0  # gate_up's rows interleaved in groups of this many (`interleave_gate_up`)
 
     def forward(self, x: torch.Tensor, norm: nn.Module | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x, norm)), residual=residual)
+        up = self.gate_up_proj
+        if self.gate_group and cuda_linear.takes(x, up.weight, up.bias):  # the SiLU in gate_up's kernel
+            h = cuda_linear.cuda_linear(x, up.weight, rms_eps=None if norm is None else norm.eps, gated=True)
+        else:
+            y = up(x, norm)
+            h = silu_mul(cuda_linear.deinterleave_gate_up(y, self.gate_group) if self.gate_group else y)
+        return self.down_proj(h, residual=residual)
+
+    @torch.no_grad()
+    def interleave_gate_up(self, group: int = cuda_linear.GATE_GROUP) -> None:
+        """Reorder gate_up's rows for the CUDA kernel's gated epilogue (`cuda_linear.interleave_gate_up`):
+        the same layer, whose other paths put its output back in order."""
+        if self.gate_group:
+            raise RuntimeError("gate_up is interleaved already")
+        w = self.gate_up_proj.weight
+        w.copy_(cuda_linear.interleave_gate_up(w, group))
+        self.gate_group = group
 
 
 class DecoderLayer(nn.Module):
@@ -118,6 +135,12 @@ class LlamaForCausalLM(nn.Module):
             raise RuntimeError("the norms are folded already")
         for layer in self.layers:
             layer.fold_norms()
+
+    def interleave_gate_up(self) -> None:
+        """Every MLP's gate_up rows in the CUDA kernel's gated order (`MLP.interleave_gate_up`):
+        on a GPU that runs `cuda_linear`, a decode step's gate_up then applies the SiLU too."""
+        for layer in self.layers:
+            layer.mlp.interleave_gate_up()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -1,0 +1,232 @@
+// The decode step's linear layers for a few rows, in CUDA: y = x @ W^T in bf16 with float32
+// sums, on the tensor cores, with the model's folds (cuda_linear.py builds it with nvcc,
+// launches it and holds its contract; skinny_linear.py is the Triton kernel it replaces
+// where it can run).
+//
+// Why CUDA: the Triton linears lose ~3 us a launch to ramp and tail, and their
+// programmatic dependent launches were slower (results/README.md, pdl_chain_h200.jsonl);
+// the probe scripts/cuda_gemv.cu measured this design, launched that way, 2.2% under the
+// Triton chain (cuda_gemv_h200.jsonl).
+//
+// Layout: one persistent CTA of 16 warps an SM. A CTA takes 16 weight rows (a block) at a
+// time, blocks spread over the CTAs; its 16 warps split K. Each lane loads 16 B of two of
+// the block's rows (n = g and g + 8, g = lane / 4) at k = kb + 8t (t = lane % 4) and 16 B
+// of x's row g (zero for g >= M), which make two mma.sync m16n8k16 fragments: the sum over
+// k does not care which k a fragment slot holds, as long as A and B agree. A warp loads its
+// next step's weights (and x) before it multiplies the current one's, across blocks too.
+// At a block's end the warps' partial sums meet in shared memory and 128 threads (64 gated)
+// finish it.
+//
+// x: read from L2 as the warps go, or (`staged`) copied once into shared memory, which pays
+// when a CTA takes many blocks (gate_up: 13-14 at the Llama-3.1-8B shape).
+// Folds: `norm` scales each row by 1 / sqrt(mean(x^2) + eps) (the RMSNorm whose weight the
+// model folded into W); `residual` adds it after rounding the product to bf16; `gated`:
+// W's rows come in groups of 8 gate rows then their 8 up rows (cuda_linear.interleave_gate_up)
+// and y [M, N / 2] = silu(gate) * up, each rounded to bf16 as the model's SiLU-and-multiply
+// rounds (fused_ops.silu_mul).
+// `pdl`: launched as a programmatic dependent launch: the kernel lets the next one launch at
+// its start, issues its first weight loads (weights depend on no kernel), and only then waits
+// for the kernel before it (griddepcontrol.wait) to read x and the residual.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int WARPS = 16;
+constexpr int THREADS = WARPS * 32;
+constexpr int STEPS = 4;                    // 32-channel steps a warp's loads cover at a time
+constexpr int MAX_ROWS = 8;                 // the MMA's n: rows of x
+constexpr int K_MULTIPLE = WARPS * 32 * STEPS;  // K must be a multiple of this (2048)
+constexpr int RED_FLOATS = WARPS * 32 * 4;  // the warps' partial sums
+
+struct Params {
+  const __nv_bfloat16* x;         // [M, K]
+  const __nv_bfloat16* w;         // [N, K]
+  const __nv_bfloat16* residual;  // [M, N], or null
+  __nv_bfloat16* y;               // [M, N]; gated: [M, N / 2]
+  int M, N, K;
+  float eps;
+  int norm, gated, pdl;
+};
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
+
+// Row `row` of x's sum of squares in float32, by one warp; lane 0 has it.
+__device__ __forceinline__ float row_sumsq(const uint4* __restrict__ x4, int row, size_t kv, int lane) {
+  float ss = 0.f;
+  for (size_t i = lane; i < kv; i += 32) {
+    const uint4 u = __ldg(x4 + row * kv + i);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = __bfloat1622float2(h[j]);
+      ss += f.x * f.x;
+      ss += f.y * f.y;
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  return ss;
+}
+
+// Block `blk`'s outputs from the warps' partial sums in `red` (lane l's c[i] of warp q at
+// red[(q * 32 + l) * 4 + i] holds y^T[n][m], n = l / 4 + 8 (i >= 2), m = 2 (l % 4) + i % 2).
+__device__ __forceinline__ void finish_block(const Params& p, const float* red, const float* scale, int blk) {
+  if (!p.gated) {
+    if (threadIdx.x >= 128) return;
+    const int l = threadIdx.x >> 2, i = threadIdx.x & 3;
+    const int n = blk * 16 + (l >> 2) + (i >= 2 ? 8 : 0), m = 2 * (l & 3) + (i & 1);
+    if (m >= p.M) return;
+    float sum = 0.f;
+#pragma unroll
+    for (int q = 0; q < WARPS; ++q) sum += red[(q * 32 + l) * 4 + i];
+    if (p.norm) sum *= scale[m];
+    __nv_bfloat16 out = __float2bfloat16(sum);
+    if (p.residual) out = __float2bfloat16(__bfloat162float(out) + __bfloat162float(p.residual[(size_t)m * p.N + n]));
+    p.y[(size_t)m * p.N + n] = out;
+  } else {  // feature f of the block's 8: its gate at tile row f, its up at f + 8
+    if (threadIdx.x >= 64) return;
+    const int f = threadIdx.x >> 3, m = threadIdx.x & 7;
+    if (m >= p.M) return;
+    const int l = f * 4 + (m >> 1), i = m & 1;
+    float gate = 0.f, up = 0.f;
+#pragma unroll
+    for (int q = 0; q < WARPS; ++q) gate += red[(q * 32 + l) * 4 + i], up += red[(q * 32 + l) * 4 + 2 + i];
+    if (p.norm) gate *= scale[m], up *= scale[m];
+    gate = round_bf16(gate), up = round_bf16(up);  // the model's gate_up output
+    const float silu = round_bf16(gate / (1.0f + expf(-gate)));  // torch's silu: x / (1 + expf(-x))
+    p.y[(size_t)m * (p.N / 2) + blk * 8 + f] = __float2bfloat16(silu * up);
+  }
+}
+
+template <bool STAGED>
+__global__ void __launch_bounds__(THREADS, 1) linear_kernel(const Params p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  float* red = reinterpret_cast<float*>(smem);                // [WARPS][32][4]
+  float* scale = red + RED_FLOATS;                            // [MAX_ROWS]: each row's 1 / rms
+  uint4* xs = reinterpret_cast<uint4*>(scale + MAX_ROWS);     // STAGED: x, rows padded by 16 B
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int M = p.M, blocks = p.N / 16, kw = p.K / WARPS, chunks = kw / (32 * STEPS);
+  const size_t kv = p.K / 8;
+  const int xrow = p.K / 8 + 1;
+  const uint4* w4 = reinterpret_cast<const uint4*>(p.w);
+  const uint4* x4 = reinterpret_cast<const uint4*>(p.x);
+  int blk = blockIdx.x;
+  if (p.pdl) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  uint4 cur[STEPS][2], nxt[STEPS][2], xc[STEPS], xn[STEPS];
+  auto load_w = [&](uint4 (&dst)[STEPS][2], int b, int chunk) {
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s) {
+      const size_t col = (size_t)(warp * kw + (chunk * STEPS + s) * 32) / 8 + t;
+      dst[s][0] = __ldcs(w4 + (size_t)(b * 16 + g) * kv + col);
+      dst[s][1] = __ldcs(w4 + (size_t)(b * 16 + g + 8) * kv + col);
+    }
+  };
+  auto load_x = [&](uint4 (&dst)[STEPS], int chunk) {
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s) {
+      const int col = (warp * kw + (chunk * STEPS + s) * 32) / 8 + t;
+      if (g >= M)
+        dst[s] = make_uint4(0u, 0u, 0u, 0u);
+      else if (STAGED)
+        dst[s] = xs[g * xrow + col];
+      else
+        dst[s] = __ldg(x4 + g * kv + col);
+    }
+  };
+  if (blk < blocks) load_w(cur, blk, 0);  // before the wait: the weights are ours
+  if (p.pdl) asm volatile("griddepcontrol.wait;" ::: "memory");
+  if (STAGED)
+    for (int i = threadIdx.x; i < M * (int)kv; i += THREADS) xs[(i / kv) * xrow + i % kv] = x4[i];
+  if (p.norm && warp < M) {
+    const float ss = row_sumsq(x4, warp, kv, lane);
+    if (lane == 0) scale[warp] = 1.0f / __fsqrt_rn(ss / p.K + p.eps);
+  }
+  if (STAGED || p.norm) __syncthreads();
+  if (blk < blocks) load_x(xc, 0);
+  float c[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int ch = 0; blk < blocks;) {
+    int nblk = blk, nch = ch + 1;
+    if (nch == chunks) nch = 0, nblk += gridDim.x;
+    if (nblk < blocks) load_w(nxt, nblk, nch), load_x(xn, nch);
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s) {
+      const uint4 xv = xc[s], lo = cur[s][0], hi = cur[s][1];
+      mma_bf16(c, lo.x, hi.x, lo.y, hi.y, xv.x, xv.y);
+      mma_bf16(c, lo.z, hi.z, lo.w, hi.w, xv.z, xv.w);
+    }
+    if (nch == 0) {  // the block's k is done
+      float* mine = red + (warp * 32 + lane) * 4;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) mine[i] = c[i], c[i] = 0.f;
+      __syncthreads();
+      finish_block(p, red, scale, blk);
+      __syncthreads();
+    }
+#pragma unroll
+    for (int s = 0; s < STEPS; ++s) cur[s][0] = nxt[s][0], cur[s][1] = nxt[s][1], xc[s] = xn[s];
+    blk = nblk, ch = nch;
+  }
+}
+
+int sm_count() {
+  static int sms = 0;
+  if (sms == 0) {
+    int dev = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  }
+  return sms;
+}
+
+template <bool STAGED>
+int launch(const Params& p, void* stream) {
+  static size_t allowed = 0;  // the dynamic shared memory the kernel was last allowed
+  const size_t smem = (RED_FLOATS + MAX_ROWS) * sizeof(float) + (STAGED ? (size_t)p.M * (p.K / 8 + 1) * 16 : 0);
+  if (smem > allowed) {
+    const cudaError_t e = cudaFuncSetAttribute(linear_kernel<STAGED>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               (int)smem);
+    if (e != cudaSuccess) return (int)e;
+    allowed = smem;
+  }
+  const int blocks = p.N / 16, sms = sm_count();
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(blocks < sms ? blocks : sms);
+  cfg.blockDim = dim3(THREADS);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = (cudaStream_t)stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = p.pdl ? 1 : 0;
+  return (int)cudaLaunchKernelEx(&cfg, linear_kernel<STAGED>, p);
+}
+
+}  // namespace
+
+// -> 0 when launched, a cudaError_t, or -1 (N % 16 or K % 2048 not 0; gated with N % 16),
+// -2 (M outside 1..8). Every pointer 16-byte aligned, every tensor contiguous.
+extern "C" int se_linear(const void* x, const void* w, const void* residual, void* y, int M, int N, int K, float eps,
+                         int norm, int gated, int staged, int pdl, void* stream) {
+  if (N <= 0 || N % 16 != 0 || K <= 0 || K % K_MULTIPLE != 0) return -1;
+  if (M < 1 || M > MAX_ROWS) return -2;
+  const Params p = {(const __nv_bfloat16*)x, (const __nv_bfloat16*)w, (const __nv_bfloat16*)residual,
+                    (__nv_bfloat16*)y, M, N, K, eps, norm, gated, pdl};
+  return staged ? launch<true>(p, stream) : launch<false>(p, stream);
+}
+
+// The shared memory a launch needs (bytes): the wrapper checks it against the device's.
+extern "C" long long se_linear_smem(int M, int K, int staged) {
+  return (long long)(RED_FLOATS + MAX_ROWS) * sizeof(float) + (staged ? (long long)M * (K / 8 + 1) * 16 : 0);
+}

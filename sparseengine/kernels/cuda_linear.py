@@ -1,0 +1,231 @@
+"""The decode step's linear layers in CUDA (`cuda_linear.cu`): `y = x @ weight.T` for 1-8
+bf16 rows on the H200's tensor cores, one persistent CTA an SM, launched as a programmatic
+dependent launch that starts loading its weights while the kernel before it finishes.
+
+`cuda_linear(x, weight, *, rms_eps=None, residual=None, gated=False)` -> `[..., N]`
+(gated: `[..., N / 2]`), with the model's folds: `rms_eps` the RMSNorm (of unit weight)
+before the linear, `residual` the add after it (the product rounded to bf16 first), and
+`gated` the SiLU-and-multiply after gate_up, whose weight rows come interleaved in groups
+of `GATE_GROUP` (`interleave_gate_up`). `cuda_linear_ref` is the torch oracle: the model's
+own ops (`skinny_linear_ref`, `fused_ops.silu_mul_ref`), equal to float32 rounding of the
+sums (the kernel sums in another order).
+
+It needs an sm_90 GPU and nvcc (PATH, `CUDA_HOME` or `SPARSEENGINE_NVCC`): the first call
+builds the library once into `~/.cache/sparseengine/cuda/<hash>/` (`SPARSEENGINE_CACHE`).
+`unavailable(device)` says why it cannot run (None when it can); the model's linears take it
+where `takes` says so and fall back to the Triton kernel (`skinny_linear`) otherwise, which is
+how the engine chooses by capability. A build that fails where nvcc exists raises.
+
+Why: the Triton linears lose ~3 us a launch to ramp and tail (results/README.md); this
+design, probed as scripts/cuda_gemv.cu, ran the step's chain of GEMMs 2.2% under them when
+launched with PDL (cuda_gemv_h200.jsonl), and its persistent CTAs keep their next loads in
+flight through a block's epilogue, where the Triton kernel's SiLU epilogue cost what it saved.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+from . import _common
+from .fused_ops import silu_mul_ref
+from .skinny_linear import skinny_linear_ref
+
+SOURCE = Path(__file__).with_name("cuda_linear.cu")
+MAX_ROWS = 8  # the MMA's n
+K_MULTIPLE = 2048  # 16 warps, each taking whole chunks of 128 channels
+N_MULTIPLE = 16  # a block of weight rows
+GATE_GROUP = 8  # gate rows then up rows, this many each, a block (the kernel's gated epilogue)
+ARCH = "sm_90a"
+
+# The model's switches (profile_decode_step.py --kernel-const sets them for A/Bs):
+ENGINE = True  # its linears run this kernel where `takes` says it can (read at each call)
+PDL = True  # as programmatic dependent launches (read at each call)
+GATED = True  # gate_up interleaved at load, the SiLU in its epilogue (read when an engine loads its model)
+# Stage x in shared memory when each CTA takes at least this many blocks of 16 rows (gate_up:
+# 1792 blocks over 132 CTAs); fewer (qkv, o, down: 2-3) read it from L2. The probe at 6 rows
+# (cuda_gemv_h200.jsonl, s40-5 staged against s40-6 from L2, us): gate_up 58.18 against
+# 62.58, down 33.96 against 31.00, o 11.86 against 11.27, qkv 15.94 against 16.01.
+STAGE_BLOCKS = 8
+
+
+def _nvcc() -> str | None:
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    for cand in (os.environ.get("SPARSEENGINE_NVCC"), shutil.which("nvcc"),
+                 home and os.path.join(home, "bin", "nvcc"), "/usr/local/cuda/bin/nvcc"):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def library() -> ctypes.CDLL:
+    """The built kernel library (nvcc, once; cached on disk by the source's and nvcc's hash)."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        raise RuntimeError("cuda_linear needs nvcc: none on PATH, in CUDA_HOME/bin or /usr/local/cuda/bin "
+                           "(or set SPARSEENGINE_NVCC)")
+    key = hashlib.sha256(SOURCE.read_bytes() + nvcc.encode() + ARCH.encode()).hexdigest()[:16]
+    root = Path(os.environ.get("SPARSEENGINE_CACHE", Path.home() / ".cache" / "sparseengine"))
+    lib = root / "cuda" / key / "libse_linear.so"
+    if not lib.exists():
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        tmp = lib.with_name(f"{lib.name}.{os.getpid()}.tmp")
+        cmd = [nvcc, "-O3", f"-arch={ARCH}", "-shared", "-Xcompiler", "-fPIC", "-o", str(tmp), str(SOURCE)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"cuda_linear: nvcc failed ({' '.join(cmd)}):\n{done.stderr[-3000:]}")
+        os.replace(tmp, lib)  # atomic: a process building beside this one finds a whole file
+    so = ctypes.CDLL(str(lib))
+    so.se_linear.restype = ctypes.c_int
+    so.se_linear.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_float] + [ctypes.c_int] * 4
+                             + [ctypes.c_void_p])
+    so.se_linear_smem.restype = ctypes.c_longlong
+    so.se_linear_smem.argtypes = [ctypes.c_int] * 3
+    return so
+
+
+@functools.lru_cache(maxsize=None)
+def _device_reason(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return f"needs a CUDA device, got {device}"
+    cap = torch.cuda.get_device_capability(device)
+    if cap != (9, 0):
+        return f"built for {ARCH}: needs compute capability 9.0, got {cap[0]}.{cap[1]}"
+    if _nvcc() is None:
+        return "no nvcc to build it (PATH, CUDA_HOME/bin, /usr/local/cuda/bin or SPARSEENGINE_NVCC)"
+    return None
+
+
+def unavailable(device: torch.device | str) -> str | None:
+    """Why the kernel cannot run on `device` (None: it can; the first launch builds it)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _device_reason(device)
+
+
+def fits(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether the kernel takes this layer: a bf16 `[N, K]` weight, N and K multiples of 16
+    and 2048, no bias."""
+    return (bias is None and weight.dtype == torch.bfloat16 and weight.dim() == 2
+            and weight.shape[0] % N_MULTIPLE == 0 and weight.shape[1] % K_MULTIPLE == 0 and weight.shape[1] > 0)
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether the model's linear layers run this kernel on `x`: `ENGINE` on, a capable GPU,
+    1-`MAX_ROWS` rows of x, a layer it `fits`."""
+    if not ENGINE or not x.is_cuda or x.dtype != weight.dtype or not fits(weight, bias):
+        return False
+    rows = x.numel() // max(x.shape[-1], 1)
+    return 0 < rows <= MAX_ROWS and x.shape[-1] == weight.shape[1] and unavailable(x.device) is None
+
+
+def engine_linears(model, device: torch.device) -> str:
+    """Which kernels a decode step's linears run (for the records): cuda_linear for batches of
+    up to 8 where it runs and takes the model's layers, the Triton kernel up to
+    `skinny_linear.ENGINE_MAX_ROWS` rows, cuBLAS above; on a CPU, torch."""
+    from . import skinny_linear
+
+    if device.type != "cuda":
+        return "torch"
+    triton = f"triton<={skinny_linear.ENGINE_MAX_ROWS} rows" if skinny_linear.ENGINE_MAX_ROWS > 0 else ""
+    layer = model.layers[0]
+    weights = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    cuda = ENGINE and unavailable(device) is None and all(fits(m.weight, m.bias) for m in weights)
+    parts = ([f"cuda<={MAX_ROWS} rows" + (" pdl" if PDL else "") + (" gated" if layer.mlp.gate_group else "")]
+             if cuda else []) + ([triton] if triton else []) + ["cublas"]
+    return ", ".join(parts)
+
+
+def interleave_gate_up(weight: torch.Tensor, group: int = GATE_GROUP) -> torch.Tensor:
+    """gate_up's `[2I, K]` rows (gate, then up) -> groups of `group` gate rows then the same
+    features' up rows (the gated kernel's layout)."""
+    two_i = weight.shape[0]
+    if two_i % (2 * group):
+        raise ValueError(f"gate_up's {two_i} rows must be a multiple of 2 x group={group}")
+    return weight.reshape(2, two_i // (2 * group), group, *weight.shape[1:]).transpose(0, 1).reshape(weight.shape)
+
+
+def deinterleave_gate_up(y: torch.Tensor, group: int = GATE_GROUP) -> torch.Tensor:
+    """An interleaved gate_up's output `[..., 2I]` -> the model's order (gate, then up)."""
+    two_i = y.shape[-1]
+    if two_i % (2 * group):
+        raise ValueError(f"gate_up's {two_i} features must be a multiple of 2 x group={group}")
+    lead = y.shape[:-1]
+    return y.reshape(*lead, two_i // (2 * group), 2, group).transpose(-3, -2).reshape(*lead, two_i)
+
+
+def cuda_linear_ref(x, weight, *, rms_eps=None, residual=None, gated=False) -> torch.Tensor:
+    """The model's ops: `skinny_linear_ref`; gated, SiLU-and-multiply of its de-interleaved output."""
+    if gated:
+        return silu_mul_ref(deinterleave_gate_up(skinny_linear_ref(x, weight, rms_eps=rms_eps)))
+    return skinny_linear_ref(x, weight, rms_eps=rms_eps, residual=residual)
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.contiguous()
+
+
+def cuda_linear(x: torch.Tensor, weight: torch.Tensor, *, rms_eps: float | None = None,
+                residual: torch.Tensor | None = None, gated: bool = False, pdl: bool | None = None,
+                staged: bool | None = None) -> torch.Tensor:
+    """`x [..., K]` bf16 (1-8 rows), `weight [N, K]` bf16 contiguous -> `[..., N]` bf16 on
+    the current stream (gated: `[..., N / 2]`). `pdl`: a programmatic dependent launch
+    (default `PDL`); `staged`: x copied into shared memory (default: when each CTA takes at
+    least `STAGE_BLOCKS` blocks and it fits)."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"weight must be a [N, K] tensor, got {getattr(weight, 'shape', type(weight).__name__)}")
+    n, k = weight.shape
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise ValueError(f"x must end in K={k} features (weight {tuple(weight.shape)}), got {tuple(x.shape)}")
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        raise ValueError(f"cuda_linear takes bf16 x and weight, got {x.dtype} and {weight.dtype}")
+    rows = x.numel() // k if k else 0
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"cuda_linear takes 1 to {MAX_ROWS} rows, got {rows}")
+    if n % N_MULTIPLE or k % K_MULTIPLE or k == 0:
+        raise ValueError(f"cuda_linear needs N a multiple of {N_MULTIPLE} and K of {K_MULTIPLE}, got N={n}, K={k}")
+    if rms_eps is not None and not (isinstance(rms_eps, (int, float)) and rms_eps >= 0):
+        raise ValueError(f"rms_eps must be a number >= 0 or None, got {rms_eps!r}")
+    out_n = n // 2 if gated else n
+    if gated and residual is not None:
+        raise ValueError("gated takes no residual (the MLP adds it after down)")
+    if residual is not None and (tuple(residual.shape) != (*x.shape[:-1], n) or residual.dtype != x.dtype):
+        raise ValueError(f"residual must be {(*x.shape[:-1], n)} in {x.dtype}, got {tuple(residual.shape)} "
+                         f"{residual.dtype}")
+    if not weight.is_contiguous() or weight.data_ptr() % 16:
+        raise ValueError("weight must be contiguous and 16-byte aligned")
+    tensors = (x, weight) if residual is None else (x, weight, residual)
+    if any(t.device != x.device for t in tensors):
+        raise ValueError(f"x, weight and residual must share a device, got {[str(t.device) for t in tensors]}")
+    reason = unavailable(x.device)
+    if reason is not None:
+        raise RuntimeError(f"cuda_linear cannot run: {reason}")
+    so = library()
+    if staged is None:
+        per_cta = (n // N_MULTIPLE) / torch.cuda.get_device_properties(x.device).multi_processor_count
+        staged = per_cta >= STAGE_BLOCKS
+    smem = so.se_linear_smem(rows, k, int(staged))
+    limit = torch.cuda.get_device_properties(x.device).shared_memory_per_block_optin
+    if smem > limit:
+        if staged:  # x does not fit beside the partial sums: read it from L2
+            staged, smem = False, so.se_linear_smem(rows, k, 0)
+        if smem > limit:
+            raise ValueError(f"cuda_linear needs {smem} bytes of shared memory, the device allows {limit}")
+    lead = x.shape[:-1]
+    x2 = _aligned(x.reshape(rows, k))
+    r2 = None if residual is None else _aligned(residual.reshape(rows, n))
+    y = _common.empty((rows, out_n), x.dtype, x.device)
+    err = so.se_linear(x2.data_ptr(), weight.data_ptr(), 0 if r2 is None else r2.data_ptr(), y.data_ptr(), rows, n,
+                       k, float(rms_eps or 0.0), int(rms_eps is not None), int(gated), int(staged),
+                       int(PDL if pdl is None else pdl), torch.cuda.current_stream(x.device).cuda_stream)
+    if err:
+        raise RuntimeError(f"cuda_linear's launch failed: error {err} (M={rows}, N={n}, K={k}, staged={staged})")
+    return y.reshape(*lead, out_n)

@@ -1,0 +1,165 @@
+"""`cuda_linear` (the decode step's linears in CUDA) against the torch oracle on fresh random
+inputs: plain, with the RMSNorm and the residual folded in, and gated (SiLU-and-multiply
+of an interleaved gate_up); x from L2 or staged in shared memory; launched as a
+programmatic dependent launch or not, alone and chained in a CUDA graph; the Llama-3.1-8B
+layer shapes; a model whose linears it takes, token for token with the Triton path. On the
+CPU: the gate_up interleave's layout and the errors for bad input (checked before the
+device is)."""
+import pytest
+import torch
+
+from sparseengine.kernels import cuda_linear as C
+from sparseengine.kernels.fused_ops import silu_mul_triton
+
+BF16 = torch.bfloat16
+
+
+def test_interleave_layout():
+    """Groups of 8 gate rows, then the same features' 8 up rows; the output goes back in order."""
+    w = torch.arange(64 * 3, dtype=torch.float32).reshape(64, 3)  # 2I = 64: gate rows 0-31, up rows 32-63
+    wi = C.interleave_gate_up(w)
+    for j in range(4):
+        assert torch.equal(wi[16 * j:16 * j + 8], w[8 * j:8 * j + 8])
+        assert torch.equal(wi[16 * j + 8:16 * j + 16], w[32 + 8 * j:32 + 8 * j + 8])
+    x = torch.randn(5, 3, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(C.deinterleave_gate_up(x @ wi.T), x @ w.T)
+    with pytest.raises(ValueError, match="must be a multiple of 2 x group=8"):
+        C.interleave_gate_up(torch.zeros(24, 3))
+
+
+def test_bad_input():
+    x, w = torch.zeros(2, 2048, dtype=BF16), torch.zeros(16, 2048, dtype=BF16)
+    with pytest.raises(ValueError, match="takes bf16 x and weight, got torch.float32"):
+        C.cuda_linear(x.float(), w)
+    with pytest.raises(ValueError, match="takes 1 to 8 rows, got 9"):
+        C.cuda_linear(torch.zeros(9, 2048, dtype=BF16), w)
+    with pytest.raises(ValueError, match="N a multiple of 16 and K of 2048, got N=16, K=1024"):
+        C.cuda_linear(torch.zeros(2, 1024, dtype=BF16), torch.zeros(16, 1024, dtype=BF16))
+    with pytest.raises(ValueError, match="gated takes no residual"):
+        C.cuda_linear(x, w, gated=True, residual=torch.zeros(2, 16, dtype=BF16))
+    with pytest.raises(ValueError, match=r"residual must be \(2, 16\)"):
+        C.cuda_linear(x, w, residual=torch.zeros(2, 8, dtype=BF16))
+    with pytest.raises(ValueError, match="rms_eps must be a number >= 0"):
+        C.cuda_linear(x, w, rms_eps=-1.0)
+    with pytest.raises(ValueError, match="x must end in K=2048"):
+        C.cuda_linear(torch.zeros(2, 4096, dtype=BF16), w)
+    with pytest.raises(RuntimeError, match="cannot run: needs a CUDA device, got cpu"):
+        C.cuda_linear(x, w)
+    assert not C.takes(x, w) and C.fits(w) and not C.fits(w, bias=torch.zeros(16, dtype=BF16))
+
+
+# ---------------------------------------------------------------------------- on the GPU
+
+
+def _gpu():
+    reason = C.unavailable("cuda")
+    assert reason is None, reason  # the H200 runs it: a missing nvcc there is a failure, not a skip
+
+
+def _inputs(gen, M, N, K, spread=1.0):
+    x = (torch.randn(M, K, generator=gen) * spread + 0.3).to(BF16).cuda()
+    w = (torch.randn(N, K, generator=gen) / K ** 0.5).to(BF16).cuda()
+    return x, w
+
+
+def _check(y, x, w, eps=None, res=None, operand_ulps=0):
+    """Within float32 rounding of the exact product (float64; with `eps`, of RMSNorm(x)),
+    plus the output's rounding (an ulp of bf16), with a residual the add's too;
+    `operand_ulps`: the model's norm rounds the scaled x (the kernel scales after the sum)."""
+    xd = x.double()
+    if eps is not None:
+        xd = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
+    want = xd @ w.double().T
+    bound = xd.abs() @ w.double().abs().T
+    ulp = 2.0 ** -7
+    tol = (1e-5 + operand_ulps * ulp) * bound + ulp * want.abs() + 1e-30
+    if res is not None:
+        want = want + res.double()
+        tol = tol + ulp * want.abs()
+    err = (y.double() - want).abs()
+    assert bool((err <= tol).all()), f"max err {err.max().item():.3g}, tol there {tol.flatten()[err.argmax()]:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 3, 6, 8])
+@pytest.mark.parametrize("N,K", [(64, 2048), (48, 4096), (4096, 2048)])  # one block a CTA; several
+@pytest.mark.parametrize("norm,residual", [(False, False), (True, False), (False, True), (True, True)])
+def test_matches_the_exact_product(gen, M, N, K, norm, residual):
+    _gpu()
+    x, w = _inputs(gen, M, N, K, spread=3.0 if norm else 1.0)
+    res = torch.randn(M, N, generator=gen).to(BF16).cuda() if residual else None
+    eps = 1e-5 if norm else None
+    y = C.cuda_linear(x, w, rms_eps=eps, residual=res, staged=False, pdl=False)
+    _check(y, x, w, eps, res)
+    for staged, pdl in ((True, False), (False, True), (True, True)):  # the same sums in the same order
+        assert torch.equal(C.cuda_linear(x, w, rms_eps=eps, residual=res, staged=staged, pdl=pdl), y)
+    if norm:  # the model's unfolded ops, within the norm's rounding of x
+        _check(C.cuda_linear_ref(x, w, rms_eps=eps, residual=res), x, w, eps, res, operand_ulps=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 6, 8])
+@pytest.mark.parametrize("norm", [False, True])
+@pytest.mark.parametrize("staged", [False, True])
+def test_gated_is_silu_mul_of_the_plain_product(gen, M, norm, staged):
+    """gated = the SiLU-and-multiply kernel on the same launch's plain output, put back in
+    order: bit for bit (the same sums, the same roundings); and near the torch oracle."""
+    _gpu()
+    x, w = _inputs(gen, M, 2 * 1024, 4096, spread=3.0 if norm else 1.0)
+    w = w * 4  # gates spread over SiLU's curve
+    wi = C.interleave_gate_up(w)
+    eps = 1e-5 if norm else None
+    h = C.cuda_linear(x, wi, rms_eps=eps, gated=True, staged=staged)
+    assert h.shape == (M, 1024)
+    plain = C.deinterleave_gate_up(C.cuda_linear(x, wi, rms_eps=eps, staged=staged))
+    assert torch.equal(h, silu_mul_triton(plain))
+    want = C.cuda_linear_ref(x, wi, rms_eps=eps, gated=True)
+    assert ((h.float() - want.float()).abs() <= 0.02 * want.float().abs() + 0.02 * want.float().abs().max()).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,N,K", [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096),
+                                      ("down", 4096, 14336)])
+def test_llama_8b_shapes(gen, name, N, K):
+    """The benchmark's layers at 6 rows, with the folds each takes in the model."""
+    _gpu()
+    x, w = _inputs(gen, 6, N, K, spread=2.0)
+    if name == "gate_up":
+        wi = C.interleave_gate_up(w)
+        h = C.cuda_linear(x, wi, rms_eps=1e-5, gated=True)
+        assert torch.equal(h, silu_mul_triton(C.deinterleave_gate_up(C.cuda_linear(x, wi, rms_eps=1e-5))))
+        _check(C.deinterleave_gate_up(C.cuda_linear(x, wi, rms_eps=1e-5)), x, w, 1e-5)
+        return
+    eps = 1e-5 if name == "qkv" else None
+    res = None if name == "qkv" else torch.randn(6, N, generator=gen).to(BF16).cuda()
+    _check(C.cuda_linear(x, w, rms_eps=eps, residual=res), x, w, eps, res)
+
+
+@pytest.mark.gpu
+def test_pdl_chain_in_a_cuda_graph(gen):
+    """Programmatic dependent launches back to back in a CUDA graph (each reads the one
+    before's output), as a decode step's graph holds them: the eager chain's result."""
+    _gpu()
+    x, w1 = _inputs(gen, 6, 4096, 2048)
+    _, w2 = _inputs(gen, 6, 2048, 4096)
+    _, w3 = _inputs(gen, 6, 2 * 2048, 2048)
+    w3 = C.interleave_gate_up(w3)
+
+    def chain():
+        a = C.cuda_linear(x, w1, rms_eps=1e-5, pdl=True)
+        b = C.cuda_linear(a, w2, residual=x, pdl=True)
+        return C.cuda_linear(b, w3, rms_eps=1e-5, gated=True, pdl=True)
+
+    want = chain()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        chain()  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = chain()
+    x.copy_(x)  # same inputs
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)

@@ -1,0 +1,67 @@
+"""The model's decode-step linears: gate_up's rows interleaved for the CUDA kernel's gated
+epilogue leave the model's function on every path (the CPU's torch path here), and on the
+H200 a model whose layers `cuda_linear` takes decodes the Triton path's tokens, eager and
+through the decode graphs, with the kernel in its records."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from sparseengine import LLM, SamplingParams
+from sparseengine.kernels import cuda_linear
+from sparseengine.models.loader import SHAPES_DIR
+from tests.test_hf_equivalence import hf_greedy, rel_err
+
+
+def test_interleaved_gate_up_is_the_same_model(tiny_llama):
+    folder, hf = tiny_llama
+    gen = torch.Generator().manual_seed(3)
+    ids = [torch.randint(3, hf.config.vocab_size, (n,), generator=gen).tolist() for n in (7, 30)]
+    with LLM(str(folder), dtype="float32", page_size=8, kv_cache_memory=0.01) as llm:
+        before = llm.prompt_logits(ids)
+        w = llm.model.layers[1].mlp.gate_up_proj.weight.clone()
+        llm.model.interleave_gate_up()
+        assert all(layer.mlp.gate_group == cuda_linear.GATE_GROUP for layer in llm.model.layers)
+        assert not torch.equal(llm.model.layers[1].mlp.gate_up_proj.weight, w)  # the rows moved
+        for got, want in zip(llm.prompt_logits(ids), before):
+            assert rel_err(got, want) < 1e-6
+        outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+        assert [o.token_ids for o in outs] == [hf_greedy(hf, i, 10) for i in ids]
+        with pytest.raises(RuntimeError, match="interleaved already"):
+            llm.model.layers[0].mlp.interleave_gate_up()
+
+
+def _mid_llama(tmp_path) -> str:
+    """A two-layer Llama whose layers the CUDA kernel takes (K = 2048 and 4096), dummy weights."""
+    cfg = json.loads((SHAPES_DIR / "tiny-llama.json").read_text())
+    cfg.update(hidden_size=2048, intermediate_size=4096, num_hidden_layers=2, num_attention_heads=16,
+               num_key_value_heads=8, head_dim=128)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return str(tmp_path)
+
+
+@pytest.mark.gpu
+def test_cuda_linears_decode_the_triton_tokens(tmp_path, monkeypatch):
+    reason = cuda_linear.unavailable("cuda")
+    assert reason is None, reason
+    folder = _mid_llama(tmp_path)
+    gen = torch.Generator().manual_seed(4)
+    ids = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 40, 17, 64, 9, 33)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    tokens = {}
+    for engine in (False, True):
+        monkeypatch.setattr(cuda_linear, "ENGINE", engine)
+        for eager in (True, False):
+            with LLM(folder, load_format="dummy", device="cuda", dtype="bfloat16", page_size=16, num_kv_pages=256,
+                     enforce_eager=eager) as llm:
+                mlp = llm.model.layers[0].mlp
+                assert mlp.gate_group == (cuda_linear.GATE_GROUP if engine else 0)
+                x = torch.zeros(6, 2048, dtype=torch.bfloat16, device="cuda")
+                assert cuda_linear.takes(x, mlp.gate_up_proj.weight) == engine
+                assert cuda_linear.engine_linears(llm.model, llm.device).startswith("cuda<=8 rows pdl gated") == engine
+                tokens[engine, eager] = [o.token_ids for o in llm.generate(ids, params)]
+                assert (llm.runner.graph_steps > 0) != eager
+    assert tokens[True, True] == tokens[True, False]  # the graphs replay the eager launches
+    assert tokens[True, True] == tokens[False, True]
