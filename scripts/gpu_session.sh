@@ -204,8 +204,8 @@ cuda_linear)
   install_wheels .whl/hydra
   timeout 120 python -c "import time; from sparseengine.kernels import cuda_linear as C; t = time.time(); \
 C.library(); print(f'cuda_linear built in {time.time() - t:.1f} s:', C.unavailable('cuda') or 'runs here')"
-  timeout 240 python -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_cuda_linear.py \
-    tests/test_decode_linears.py tests/kernels/test_skinny_linear.py tests/test_hf_equivalence.py 2>&1 | tail -15
+  timeout 240 python -m pytest -q -rfE --tb=short -m gpu -p no:cacheprovider tests/kernels/test_cuda_linear.py \
+    tests/test_decode_linears.py tests/kernels/test_skinny_linear.py tests/test_hf_equivalence.py > "$OUT/tests.log" 2>&1; tail -40 "$OUT/tests.log"
   timeout 240 python -m sparseengine.kernels.bench_gpu --cuda-linear --out "$OUT/bench.jsonl" 2>&1 | tail -3
   python - "$OUT/bench.jsonl" <<'PY'
 import json, sys

@@ -61,22 +61,65 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
 
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
 
-// Row `row` of x's sum of squares in float32, by one warp; lane 0 has it.
-__device__ __forceinline__ float row_sumsq(const uint4* __restrict__ x4, int row, size_t kv, int lane) {
+// 16-byte x loads a thread has in flight at once in the prologue (x's copy into shared
+// memory and its rows' sums of squares): one L2 round trip for x, not one per load.
+constexpr int PRO_LOADS = 8;
+
+__device__ __forceinline__ float sumsq8(const uint4& u) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
   float ss = 0.f;
-  for (size_t i = lane; i < kv; i += 32) {
-    const uint4 u = __ldg(x4 + row * kv + i);
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 f = __bfloat1622float2(h[j]);
-      ss += f.x * f.x;
-      ss += f.y * f.y;
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = __bfloat1622float2(h[j]);
+    ss += f.x * f.x;
+    ss += f.y * f.y;
+  }
+  return ss;
+}
+
+// After the wait: x into shared memory (`STAGED`, rows padded by 16 B) and, with `norm`,
+// each row's 1 / sqrt(mean(x^2) + eps) into `scale` (float32 sums; `ssum` zeroed before).
+// All threads load, PRO_LOADS at a time.
+template <bool STAGED>
+__device__ __forceinline__ void prologue(const Params& p, const uint4* __restrict__ x4, uint4* xs, float* ssum,
+                                         float* scale) {
+  const int kv = p.K / 8, total = p.M * kv, xrow = kv + 1;
+  float part[MAX_ROWS];
+#pragma unroll
+  for (int r = 0; r < MAX_ROWS; ++r) part[r] = 0.f;
+  for (int base = threadIdx.x; base < total; base += THREADS * PRO_LOADS) {
+    uint4 v[PRO_LOADS];
+#pragma unroll
+    for (int j = 0; j < PRO_LOADS; ++j) {
+      const int i = base + j * THREADS;
+      v[j] = i < total ? __ldg(x4 + i) : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int j = 0; j < PRO_LOADS; ++j) {
+      const int i = base + j * THREADS;
+      if (i >= total) break;
+      const int row = i / kv;
+      if (STAGED) xs[row * xrow + i - row * kv] = v[j];
+      if (p.norm) {
+        const float s = sumsq8(v[j]);
+#pragma unroll
+        for (int r = 0; r < MAX_ROWS; ++r) part[r] += row == r ? s : 0.f;
+      }
     }
   }
+  if (p.norm) {
+    const int lane = threadIdx.x & 31;
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  return ss;
+    for (int r = 0; r < MAX_ROWS; ++r) {
+      float s = part[r];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+      if (lane == 0 && r < p.M) atomicAdd(ssum + r, s);
+    }
+  }
+  if (STAGED || p.norm) __syncthreads();
+  if (p.norm && threadIdx.x < p.M) scale[threadIdx.x] = 1.0f / __fsqrt_rn(ssum[threadIdx.x] / p.K + p.eps);
+  // `scale` is read at the first block's end, after that block's __syncthreads
 }
 
 // Block `blk`'s outputs from the warps' partial sums in `red` (lane l's c[i] of warp q at
@@ -114,7 +157,8 @@ __global__ void __launch_bounds__(THREADS, 1) linear_kernel(const Params p) {
   extern __shared__ __align__(16) unsigned char smem[];
   float* red = reinterpret_cast<float*>(smem);                // [WARPS][32][4]
   float* scale = red + RED_FLOATS;                            // [MAX_ROWS]: each row's 1 / rms
-  uint4* xs = reinterpret_cast<uint4*>(scale + MAX_ROWS);     // STAGED: x, rows padded by 16 B
+  float* ssum = scale + MAX_ROWS;                             // [MAX_ROWS]: each row's sum of squares
+  uint4* xs = reinterpret_cast<uint4*>(ssum + MAX_ROWS);      // STAGED: x, rows padded by 16 B
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int M = p.M, blocks = p.N / 16, kw = p.K / WARPS, chunks = kw / (32 * STEPS);
   const size_t kv = p.K / 8;
@@ -145,14 +189,10 @@ __global__ void __launch_bounds__(THREADS, 1) linear_kernel(const Params p) {
     }
   };
   if (blk < blocks) load_w(cur, blk, 0);  // before the wait: the weights are ours
+  if (threadIdx.x < MAX_ROWS) ssum[threadIdx.x] = 0.f;
+  __syncthreads();  // the zeros before any warp's sums land
   if (p.pdl) asm volatile("griddepcontrol.wait;" ::: "memory");
-  if (STAGED)
-    for (int i = threadIdx.x; i < M * (int)kv; i += THREADS) xs[(i / kv) * xrow + i % kv] = x4[i];
-  if (p.norm && warp < M) {
-    const float ss = row_sumsq(x4, warp, kv, lane);
-    if (lane == 0) scale[warp] = 1.0f / __fsqrt_rn(ss / p.K + p.eps);
-  }
-  if (STAGED || p.norm) __syncthreads();
+  prologue<STAGED>(p, x4, xs, ssum, scale);
   if (blk < blocks) load_x(xc, 0);
   float c[4] = {0.f, 0.f, 0.f, 0.f};
   for (int ch = 0; blk < blocks;) {
@@ -192,7 +232,7 @@ int sm_count() {
 template <bool STAGED>
 int launch(const Params& p, void* stream) {
   static size_t allowed = 0;  // the dynamic shared memory the kernel was last allowed
-  const size_t smem = (RED_FLOATS + MAX_ROWS) * sizeof(float) + (STAGED ? (size_t)p.M * (p.K / 8 + 1) * 16 : 0);
+  const size_t smem = (RED_FLOATS + 2 * MAX_ROWS) * sizeof(float) + (STAGED ? (size_t)p.M * (p.K / 8 + 1) * 16 : 0);
   if (smem > allowed) {
     const cudaError_t e = cudaFuncSetAttribute(linear_kernel<STAGED>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                (int)smem);
@@ -228,5 +268,5 @@ extern "C" int se_linear(const void* x, const void* w, const void* residual, voi
 
 // The shared memory a launch needs (bytes): the wrapper checks it against the device's.
 extern "C" long long se_linear_smem(int M, int K, int staged) {
-  return (long long)(RED_FLOATS + MAX_ROWS) * sizeof(float) + (staged ? (long long)M * (K / 8 + 1) * 16 : 0);
+  return (long long)(RED_FLOATS + 2 * MAX_ROWS) * sizeof(float) + (staged ? (long long)M * (K / 8 + 1) * 16 : 0);
 }
