@@ -1,4 +1,4 @@
-"""Decode CUDA graphs over batch-size buckets (1, 2, 4, 8, then every 16).
+"""Decode CUDA graphs over batch-size buckets (every size up to `EXACT_BUCKETS`, 8, then every 16).
 
 A graph is captured lazily per bucket for pure-decode steps whose method asks for no
 per-layer hooks in the forward, or whose hooks are graph-capturable (tensor-only; the
@@ -25,8 +25,16 @@ from sparseengine.engine.page_table import PageTable
 from sparseengine.engine.step_context import LayerView, StepContext, set_step_context
 
 
-def buckets(max_batch: int) -> list[int]:
-    sizes = [b for b in (1, 2, 4, 8) if b <= max_batch] + list(range(16, max_batch + 1, 16))
+# Every batch size up to this is a bucket of its own; above it 16, 32, ... (and the largest).
+# Padding rows cost the CUDA linears (kernels/cuda_linear) their x loads, norms and stores:
+# at the Llama-3.1-8B shape 8 rows against 6 took ~1.5 us a layer more (cuda_linear_h200.jsonl),
+# and a 128K batch of 6 (the benchmark's largest) otherwise replays the graph of 8.
+EXACT_BUCKETS = 8
+
+
+def buckets(max_batch: int, exact: int = EXACT_BUCKETS) -> list[int]:
+    sizes = list(range(1, min(exact, max_batch) + 1)) + [b for b in (2, 4, 8) if exact < b <= max_batch]
+    sizes += list(range(16, max_batch + 1, 16))
     if sizes[-1] != max_batch:
         sizes.append(max_batch)
     return sizes
@@ -76,10 +84,11 @@ class Rerun:
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv_cache, provider, method, device, max_batch: int, max_pages: int) -> None:
+    def __init__(self, model, kv_cache, provider, method, device, max_batch: int, max_pages: int,
+                 exact_buckets: int = EXACT_BUCKETS) -> None:
         self.model, self.kv_cache, self.provider, self.method = model, kv_cache, provider, method
         self.device = device
-        self.sizes = buckets(max_batch)
+        self.sizes = buckets(max_batch, exact_buckets)
         top, layers = self.sizes[-1], model.config.num_layers
         pinned = torch.device(device).type == "cuda"
         # The step's inputs (ids, positions, slots, lens) live in one byte buffer on each

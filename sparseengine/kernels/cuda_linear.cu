@@ -192,8 +192,9 @@ __global__ void __launch_bounds__(THREADS, 1) linear_kernel(const Params p) {
   if (threadIdx.x < MAX_ROWS) ssum[threadIdx.x] = 0.f;
   __syncthreads();  // the zeros before any warp's sums land
   if (p.pdl) asm volatile("griddepcontrol.wait;" ::: "memory");
+  if (!STAGED && blk < blocks) load_x(xc, 0);  // from L2: in flight through the prologue
   prologue<STAGED>(p, x4, xs, ssum, scale);
-  if (blk < blocks) load_x(xc, 0);
+  if (STAGED && blk < blocks) load_x(xc, 0);
   float c[4] = {0.f, 0.f, 0.f, 0.f};
   for (int ch = 0; blk < blocks;) {
     int nblk = blk, nch = ch + 1;
