@@ -13,7 +13,8 @@ agrees with `skinny_linear_ref` (`F.linear`) to float32 rounding, not bit for bi
 `skinny_linear_ref` is `torch.nn.functional.linear`, the oracle.
 
 The model's linear layers (`layers/linear.py`) use it for up to `ENGINE_MAX_ROWS` rows on
-a GPU, cuBLAS above. There it also applies the RMSNorm before qkv and gate_up (`rms_eps`:
+a GPU where the CUDA kernel (`cuda_linear`: 1-8 bf16 rows on an sm_90 GPU with nvcc) does
+not run, cuBLAS above. There it also applies the RMSNorm before qkv and gate_up (`rms_eps`:
 the model folds each norm's weight into those layers' weights at load, `FOLD_NORMS`) and
 the residual add after o and down (`residual`): two launches fewer a layer, 1.0-1.2% off
 the decode step of Quest b=6, OmniKV b=6 and vanilla b=1 at 128K on the H200
