@@ -207,7 +207,7 @@ C.library(); print(f'cuda_linear built in {time.time() - t:.1f} s:', C.unavailab
   # (selected with -k from the whole tree: listing these files from two folders on the command line made
   # the device's pytest miss tests/kernels/conftest.py's fixtures for test_skinny_linear, s41-1/2)
   timeout 240 python -m pytest tests -q -rfE --tb=short -m gpu --ignore=tests/toolkit -p no:cacheprovider \
-    -k "cuda_linear or decode_linears or skinny_linear or hf_equivalence" > "$OUT/tests.log" 2>&1; tail -40 "$OUT/tests.log"
+    -k "cuda_linear or decode_linears or skinny_linear or hf_equivalence or pdl" > "$OUT/tests.log" 2>&1; tail -40 "$OUT/tests.log"
   timeout 240 python -m sparseengine.kernels.bench_gpu --cuda-linear --out "$OUT/bench.jsonl" 2>&1 | tail -3
   python - "$OUT/bench.jsonl" <<'PY'
 import json, sys

@@ -90,6 +90,10 @@ def bind_shared_helpers(fn, compiled: bool, saved: dict | None = None) -> None:
         if name not in fn.__code__.co_names:
             continue
         helper.__globals__["tl"] = triton.language
+        if "tlc" in helper.__code__.co_names:  # griddepcontrol (pdl.pdl_enter)
+            import triton.language.extra.cuda
+
+            helper.__globals__["tlc"] = triton.language.extra.cuda
         if compiled:
             module = fn.__globals__
             if saved is not None:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _common, balanced_plan
+from . import _common, balanced_plan, pdl
 from ._common import LOG2E, check_cache, check_launch, next_pow2
 from .paged_decode_kernels import _decode_split_kernel
 from .split_merge import _combine_splits_kernel
@@ -200,7 +200,7 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
         _combine_splits_kernel[(B * Hq, merge_args["BLOCK_D"] // tile)](
             part_out, part_lse, out, lse, meta, num_splits, out.stride(0), out.stride(1), Hq,
             **dict(merge_args, BLOCK_D=tile, BLOCK_S=_merge_block_s(tile, num_splits, balanced)), GROUP=g,
-            BALANCED=balanced, num_warps=4,
+            BALANCED=balanced, TRIGGER=pdl.trigger_arg(device), num_warps=4,
         )
     return (out, lse) if return_lse else out
 
