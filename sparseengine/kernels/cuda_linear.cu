@@ -39,6 +39,7 @@ constexpr int STEPS = 4;                    // 32-channel steps a warp's loads c
 constexpr int MAX_ROWS = 8;                 // the MMA's n: rows of x
 constexpr int K_MULTIPLE = WARPS * 32 * STEPS;  // K must be a multiple of this (2048)
 constexpr int RED_FLOATS = WARPS * 32 * 4;  // the warps' partial sums
+constexpr int NORM_FLOATS = MAX_ROWS + WARPS * MAX_ROWS;  // each row's 1 / rms, each warp's sums of squares
 
 struct Params {
   const __nv_bfloat16* x;         // [M, K]
@@ -78,10 +79,11 @@ __device__ __forceinline__ float sumsq8(const uint4& u) {
 }
 
 // After the wait: x into shared memory (`STAGED`, rows padded by 16 B) and, with `norm`,
-// each row's 1 / sqrt(mean(x^2) + eps) into `scale` (float32 sums; `ssum` zeroed before).
-// All threads load, PRO_LOADS at a time.
+// each row's 1 / sqrt(mean(x^2) + eps) into `scale` (float32 sums: each warp's into
+// `wsum[warp][row]`, then the warps' summed in warp order, so a launch's bits never depend
+// on which warp finished first). All threads load, PRO_LOADS at a time.
 template <bool STAGED>
-__device__ __forceinline__ void prologue(const Params& p, const uint4* __restrict__ x4, uint4* xs, float* ssum,
+__device__ __forceinline__ void prologue(const Params& p, const uint4* __restrict__ x4, uint4* xs, float* wsum,
                                          float* scale) {
   const int kv = p.K / 8, total = p.M * kv, xrow = kv + 1;
   float part[MAX_ROWS];
@@ -114,11 +116,16 @@ __device__ __forceinline__ void prologue(const Params& p, const uint4* __restric
       float s = part[r];
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-      if (lane == 0 && r < p.M) atomicAdd(ssum + r, s);
+      if (lane == 0) wsum[(threadIdx.x >> 5) * MAX_ROWS + r] = s;
     }
   }
   if (STAGED || p.norm) __syncthreads();
-  if (p.norm && threadIdx.x < p.M) scale[threadIdx.x] = 1.0f / __fsqrt_rn(ssum[threadIdx.x] / p.K + p.eps);
+  if (p.norm && threadIdx.x < p.M) {
+    float ss = 0.f;
+#pragma unroll
+    for (int q = 0; q < WARPS; ++q) ss += wsum[q * MAX_ROWS + threadIdx.x];
+    scale[threadIdx.x] = 1.0f / __fsqrt_rn(ss / p.K + p.eps);
+  }
   // `scale` is read at the first block's end, after that block's __syncthreads
 }
 
@@ -157,8 +164,8 @@ __global__ void __launch_bounds__(THREADS, 1) linear_kernel(const Params p) {
   extern __shared__ __align__(16) unsigned char smem[];
   float* red = reinterpret_cast<float*>(smem);                // [WARPS][32][4]
   float* scale = red + RED_FLOATS;                            // [MAX_ROWS]: each row's 1 / rms
-  float* ssum = scale + MAX_ROWS;                             // [MAX_ROWS]: each row's sum of squares
-  uint4* xs = reinterpret_cast<uint4*>(ssum + MAX_ROWS);      // STAGED: x, rows padded by 16 B
+  float* wsum = scale + MAX_ROWS;                             // [WARPS][MAX_ROWS]: the warps' sums of squares
+  uint4* xs = reinterpret_cast<uint4*>(red + RED_FLOATS + NORM_FLOATS);  // STAGED: x, rows padded by 16 B
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int M = p.M, blocks = p.N / 16, kw = p.K / WARPS, chunks = kw / (32 * STEPS);
   const size_t kv = p.K / 8;
@@ -189,11 +196,9 @@ __global__ void __launch_bounds__(THREADS, 1) linear_kernel(const Params p) {
     }
   };
   if (blk < blocks) load_w(cur, blk, 0);  // before the wait: the weights are ours
-  if (threadIdx.x < MAX_ROWS) ssum[threadIdx.x] = 0.f;
-  __syncthreads();  // the zeros before any warp's sums land
   if (p.pdl) asm volatile("griddepcontrol.wait;" ::: "memory");
   if (!STAGED && blk < blocks) load_x(xc, 0);  // from L2: in flight through the prologue
-  prologue<STAGED>(p, x4, xs, ssum, scale);
+  prologue<STAGED>(p, x4, xs, wsum, scale);
   if (STAGED && blk < blocks) load_x(xc, 0);
   float c[4] = {0.f, 0.f, 0.f, 0.f};
   for (int ch = 0; blk < blocks;) {
@@ -233,7 +238,7 @@ int sm_count() {
 template <bool STAGED>
 int launch(const Params& p, void* stream) {
   static size_t allowed = 0;  // the dynamic shared memory the kernel was last allowed
-  const size_t smem = (RED_FLOATS + 2 * MAX_ROWS) * sizeof(float) + (STAGED ? (size_t)p.M * (p.K / 8 + 1) * 16 : 0);
+  const size_t smem = (RED_FLOATS + NORM_FLOATS) * sizeof(float) + (STAGED ? (size_t)p.M * (p.K / 8 + 1) * 16 : 0);
   if (smem > allowed) {
     const cudaError_t e = cudaFuncSetAttribute(linear_kernel<STAGED>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                (int)smem);
@@ -269,5 +274,5 @@ extern "C" int se_linear(const void* x, const void* w, const void* residual, voi
 
 // The shared memory a launch needs (bytes): the wrapper checks it against the device's.
 extern "C" long long se_linear_smem(int M, int K, int staged) {
-  return (long long)(RED_FLOATS + 2 * MAX_ROWS) * sizeof(float) + (staged ? (long long)M * (K / 8 + 1) * 16 : 0);
+  return (long long)(RED_FLOATS + NORM_FLOATS) * sizeof(float) + (staged ? (long long)M * (K / 8 + 1) * 16 : 0);
 }
