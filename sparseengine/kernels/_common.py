@@ -90,7 +90,7 @@ def bind_shared_helpers(fn, compiled: bool, saved: dict | None = None) -> None:
         if name not in fn.__code__.co_names:
             continue
         helper.__globals__["tl"] = triton.language
-        if "tlc" in helper.__code__.co_names:  # griddepcontrol (pdl.pdl_enter)
+        if "tlc" in helper.__code__.co_names:  # griddepcontrol (pdl.pdl_trigger)
             import triton.language.extra.cuda
 
             helper.__globals__["tlc"] = triton.language.extra.cuda
