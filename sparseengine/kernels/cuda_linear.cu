@@ -225,27 +225,39 @@ __global__ void __launch_bounds__(THREADS, 1) linear_kernel(const Params p) {
   }
 }
 
-int sm_count() {
-  static int sms = 0;
-  if (sms == 0) {
-    int dev = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  }
-  return sms;
+constexpr int MAX_DEVICES = 64;  // per-device caches below; a device past them is asked at every launch
+
+int current_device() {
+  int dev = 0;
+  cudaGetDevice(&dev);
+  return dev;
+}
+
+// The SM count of device `dev` (one persistent CTA an SM), asked once a device.
+int sm_count(int dev) {
+  static int sms[MAX_DEVICES] = {};
+  if (dev >= 0 && dev < MAX_DEVICES && sms[dev]) return sms[dev];
+  int n = 0;
+  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+  if (dev >= 0 && dev < MAX_DEVICES) sms[dev] = n;
+  return n;
 }
 
 template <bool STAGED>
 int launch(const Params& p, void* stream) {
-  static size_t allowed = 0;  // the dynamic shared memory the kernel was last allowed
+  // The dynamic shared memory the kernel was last allowed, a device each: the attribute
+  // belongs to the device current at the call.
+  static size_t allowed[MAX_DEVICES] = {};
+  const int dev = current_device();
+  const bool cached = dev >= 0 && dev < MAX_DEVICES;
   const size_t smem = (RED_FLOATS + NORM_FLOATS) * sizeof(float) + (STAGED ? (size_t)p.M * (p.K / 8 + 1) * 16 : 0);
-  if (smem > allowed) {
+  if (!cached || smem > allowed[dev]) {
     const cudaError_t e = cudaFuncSetAttribute(linear_kernel<STAGED>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                (int)smem);
     if (e != cudaSuccess) return (int)e;
-    allowed = smem;
+    if (cached) allowed[dev] = smem;
   }
-  const int blocks = p.N / 16, sms = sm_count();
+  const int blocks = p.N / 16, sms = sm_count(dev);
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(blocks < sms ? blocks : sms);
   cfg.blockDim = dim3(THREADS);

@@ -223,9 +223,14 @@ def cuda_linear(x: torch.Tensor, weight: torch.Tensor, *, rms_eps: float | None 
     x2 = _aligned(x.reshape(rows, k))
     r2 = None if residual is None else _aligned(residual.reshape(rows, n))
     y = _common.empty((rows, out_n), x.dtype, x.device)
-    err = so.se_linear(x2.data_ptr(), weight.data_ptr(), 0 if r2 is None else r2.data_ptr(), y.data_ptr(), rows, n,
-                       k, float(rms_eps or 0.0), int(rms_eps is not None), int(gated), int(staged),
-                       int(PDL if pdl is None else pdl), torch.cuda.current_stream(x.device).cuda_stream)
+    args = (x2.data_ptr(), weight.data_ptr(), 0 if r2 is None else r2.data_ptr(), y.data_ptr(), rows, n, k,
+            float(rms_eps or 0.0), int(rms_eps is not None), int(gated), int(staged), int(PDL if pdl is None else pdl),
+            torch.cuda.current_stream(x.device).cuda_stream)
+    if x.device.index is None or x.device.index == torch.cuda.current_device():
+        err = so.se_linear(*args)
+    else:  # the library launches on (and sizes for) the current device: make it x's
+        with torch.cuda.device(x.device):
+            err = so.se_linear(*args)
     if err:
         raise RuntimeError(f"cuda_linear's launch failed: error {err} (M={rows}, N={n}, K={k}, staged={staged})")
     return y.reshape(*lead, out_n)

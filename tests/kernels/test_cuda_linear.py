@@ -175,3 +175,18 @@ def test_pdl_chain_in_a_cuda_graph(gen):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_each_device_gets_its_own_launch_setup(gen):
+    """The library keeps the SM count and the shared memory it allowed the kernel a device
+    each: x on the second GPU while the first is current, staged (the larger allowance, set
+    on the first GPU before), gives the first GPU's bits."""
+    _gpu()
+    x, w = _inputs(gen, 8, 4096, 4096, spread=3.0)
+    want = C.cuda_linear(x, w, rms_eps=1e-5, staged=True)
+    with torch.cuda.device(0):
+        got = C.cuda_linear(x.to("cuda:1"), w.to("cuda:1"), rms_eps=1e-5, staged=True)
+    assert got.device == torch.device("cuda", 1)
+    assert torch.equal(got.cpu(), want.cpu())
