@@ -82,8 +82,11 @@ def runs_as_kernel(op: str, x: torch.Tensor) -> bool:
     return _fused(op, x)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    return silu_mul_triton(gate_up) if _fused("silu_mul", gate_up) else silu_mul_ref(gate_up)
+def silu_mul(gate_up: torch.Tensor, group: int = 0) -> torch.Tensor:
+    """`group`: gate_up's features interleaved in blocks of `group` gate then `group` up
+    features (the layout `cuda_linear.interleave_gate_up` gives the weight), read in place:
+    no de-interleaved copy of a prefill's [T, 2I] activations."""
+    return silu_mul_triton(gate_up, group) if _fused("silu_mul", gate_up) else silu_mul_ref(gate_up, group)
 
 
 # ------------------------------------------------------------------ torch references
@@ -116,10 +119,21 @@ def rotary_qk_ref(q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
     return rotary_ref(q, cos, sin), rotary_ref(k, cos, sin)
 
 
-def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2I] (gate, then up) -> silu(gate) * up [T, I]."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+def silu_mul_ref(gate_up: torch.Tensor, group: int = 0) -> torch.Tensor:
+    """[T, 2I] (gate, then up; with `group`, blocks of `group` gate then `group` up
+    features) -> silu(gate) * up [T, I]."""
+    if not group:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    lead, two_i = gate_up.shape[:-1], gate_up.shape[-1]
+    _check_group(two_i, group)
+    blocks = gate_up.reshape(*lead, two_i // (2 * group), 2, group)  # views: nothing copied
+    return (F.silu(blocks[..., 0, :]) * blocks[..., 1, :]).reshape(*lead, two_i // 2)
+
+
+def _check_group(two_i: int, group) -> None:
+    if not isinstance(group, int) or isinstance(group, bool) or group < 0 or (group and two_i % (2 * group)):
+        raise ValueError(f"group must be an int >= 0 whose double divides gate_up's {two_i} features, got {group!r}")
 
 
 # ------------------------------------------------------------------- Triton wrappers
@@ -250,10 +264,12 @@ def rotary_kv_write_triton(q, k, v, cos, sin, k_cache, v_cache, slot_mapping) ->
     return q_out
 
 
-def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2I] -> silu(gate_up[:, :I]) * gate_up[:, I:] as [T, I]."""
+def silu_mul_triton(gate_up: torch.Tensor, group: int = 0) -> torch.Tensor:
+    """[T, 2I] -> silu(gate_up[:, :I]) * gate_up[:, I:] as [T, I]; with `group`, `silu_mul_ref`'s
+    interleaved blocks."""
     if gate_up.dim() != 2 or gate_up.shape[1] % 2:
         raise ValueError(f"gate_up must be [T, 2I], got {tuple(gate_up.shape)}")
+    _check_group(gate_up.shape[1], group)
     gate_up = _unit_last_stride(gate_up)
     device = check_launch(gate_up)
     T, inter = gate_up.shape[0], gate_up.shape[1] // 2
@@ -262,7 +278,8 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     block = min(next_pow2(inter), 1024)
     _silu_mul_kernel[(T, cdiv(inter, block))](
-        gate_up, out, gate_up.stride(0), inter, BLOCK=block, INTERPRET=interpreting(), num_warps=4, **_EXACT,
+        gate_up, out, gate_up.stride(0), inter, BLOCK=block, INTERPRET=interpreting(), GROUP=group, num_warps=4,
+        **_EXACT,
     )
     return out
 

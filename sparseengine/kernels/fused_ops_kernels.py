@@ -214,13 +214,20 @@ def _rotary_kv_write_kernel(
 
 
 @lazy_jit
-def _silu_mul_kernel(gu_ptr, out_ptr, stride_t, I, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, stride_t, I, BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
+                     GROUP: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
     DTYPE: tl.constexpr = gu_ptr.dtype.element_ty
-    gate = tl.load(gu_ptr + t * stride_t + offs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gu_ptr + t * stride_t + I + offs, mask=mask, other=0.0).to(tl.float32)
+    if GROUP > 0:  # interleaved: GROUP gate features, then their GROUP up features, a block
+        gate_at = (offs // GROUP) * (2 * GROUP) + offs % GROUP
+        up_at = gate_at + GROUP
+    else:  # every gate feature, then every up feature
+        gate_at = offs
+        up_at = I + offs
+    gate = tl.load(gu_ptr + t * stride_t + gate_at, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptr + t * stride_t + up_at, mask=mask, other=0.0).to(tl.float32)
     if INTERPRET:
         silu = tl.math.div_rn(gate, 1.0 + tl.exp(-gate))
     else:  # torch: x / (1 + expf(-x)), IEEE division

@@ -52,8 +52,7 @@ class MLP(nn.Module):
         if self.gate_group and cuda_linear.takes(x, up.weight, up.bias):  # the SiLU in gate_up's kernel
             h = cuda_linear.cuda_linear(x, up.weight, rms_eps=None if norm is None else norm.eps, gated=True)
         else:
-            y = up(x, norm)
-            h = silu_mul(cuda_linear.deinterleave_gate_up(y, self.gate_group) if self.gate_group else y)
+            h = silu_mul(up(x, norm), self.gate_group)  # read interleaved in place (a prefill's [T, 2I])
         return self.down_proj(h, residual=residual)
 
     @torch.no_grad()

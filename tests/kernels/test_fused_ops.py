@@ -223,6 +223,29 @@ def test_silu_mul(T, inter, dtype, gen, device):
         assert_equal(out, silu_mul_ref(gate_up))
 
 
+@pytest.mark.parametrize("group", [8, 16])
+@pytest.mark.parametrize("T", [1, 17])
+def test_silu_mul_reads_interleaved_features_in_place(T, group, gen, device):
+    """gate_up's features interleaved (`cuda_linear.interleave_gate_up`'s layout: blocks of
+    `group` gate features, then their up features) give the plain layout's output, bit for
+    bit, with no de-interleaved copy made first."""
+    from sparseengine.kernels.cuda_linear import interleave_gate_up
+
+    plain = _randn(gen, T, 2 * 96, dtype=torch.bfloat16, device=device, scale=3.0)
+    mixed = interleave_gate_up(plain.T, group).T.contiguous()
+    assert not torch.equal(mixed, plain)
+    assert_equal(silu_mul_triton(mixed, group), silu_mul_triton(plain), "silu_mul interleaved")
+    assert_equal(silu_mul_ref(mixed, group), silu_mul_ref(plain), "silu_mul_ref interleaved")
+
+
+@pytest.mark.parametrize("group", [-1, 5, 2.0, True])
+def test_silu_mul_rejects_a_bad_group(group):
+    gate_up = torch.zeros(2, 32)
+    for fn in (silu_mul_ref, silu_mul_triton):
+        with pytest.raises(ValueError, match="group must be"):
+            fn(gate_up, group)
+
+
 # ------------------------------------------------------------------------- model
 
 
