@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from . import _common
-from .fused_ops import silu_mul_ref
+from .fused_ops import gate_up_blocks, silu_mul_ref
 from .skinny_linear import skinny_linear_ref
 
 SOURCE = Path(__file__).with_name("cuda_linear.cu")
@@ -155,11 +155,7 @@ def interleave_gate_up(weight: torch.Tensor, group: int = GATE_GROUP) -> torch.T
 
 def deinterleave_gate_up(y: torch.Tensor, group: int = GATE_GROUP) -> torch.Tensor:
     """An interleaved gate_up's output `[..., 2I]` -> the model's order (gate, then up)."""
-    two_i = y.shape[-1]
-    if two_i % (2 * group):
-        raise ValueError(f"gate_up's {two_i} features must be a multiple of 2 x group={group}")
-    lead = y.shape[:-1]
-    return y.reshape(*lead, two_i // (2 * group), 2, group).transpose(-3, -2).reshape(*lead, two_i)
+    return gate_up_blocks(y, group).transpose(-3, -2).reshape(y.shape)
 
 
 def cuda_linear_ref(x, weight, *, rms_eps=None, residual=None, gated=False) -> torch.Tensor:

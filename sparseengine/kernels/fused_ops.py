@@ -125,10 +125,18 @@ def silu_mul_ref(gate_up: torch.Tensor, group: int = 0) -> torch.Tensor:
     if not group:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
-    lead, two_i = gate_up.shape[:-1], gate_up.shape[-1]
-    _check_group(two_i, group)
-    blocks = gate_up.reshape(*lead, two_i // (2 * group), 2, group)  # views: nothing copied
-    return (F.silu(blocks[..., 0, :]) * blocks[..., 1, :]).reshape(*lead, two_i // 2)
+    blocks = gate_up_blocks(gate_up, group)  # a view: nothing copied
+    return (F.silu(blocks[..., 0, :]) * blocks[..., 1, :]).reshape(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+def gate_up_blocks(gate_up: torch.Tensor, group: int) -> torch.Tensor:
+    """An interleaved gate_up output `[..., 2I]` (blocks of `group` gate then `group` up
+    features, `cuda_linear.interleave_gate_up`'s layout) as `[..., I / group, 2, group]`:
+    index 0 of the block axis the gate features, 1 their up features."""
+    _check_group(gate_up.shape[-1], group)
+    if not group:
+        raise ValueError("gate_up_blocks needs an interleaved layout (group >= 1)")
+    return gate_up.reshape(*gate_up.shape[:-1], gate_up.shape[-1] // (2 * group), 2, group)
 
 
 def _check_group(two_i: int, group) -> None:
