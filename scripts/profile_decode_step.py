@@ -129,9 +129,11 @@ def kernel_table(llm, prompts, steps: int, sequence: dict | None = None) -> dict
 
 def launch_sequence(events, steps: int, pattern: str) -> list[dict] | str:
     """The device kernels matching ``pattern`` in launch order over ``steps`` equal steps:
-    position i of a step (its layer, for a kernel launched once a layer) with its name and
-    its median microseconds over the steps. A string says why not, when the matching
-    launches do not split into ``steps`` equal runs."""
+    position i of a step (its layer, for a kernel launched once a layer) with its name, its
+    median microseconds over the steps (``us``) and its median start after the step's first
+    matching launch began (``at_us``; with pattern ``.`` the step's timeline, gaps
+    included). A string says why not, when the matching launches do not split into
+    ``steps`` equal runs."""
     import re
     import statistics
 
@@ -146,7 +148,9 @@ def launch_sequence(events, steps: int, pattern: str) -> list[dict] | str:
         same = [runs[s * per + i] for s in range(steps)]
         if len({name for _, name, _ in same}) != 1:
             return f"position {i} differs between steps"
-        out.append({"name": same[0][1][:60], "us": round(statistics.median(us for _, _, us in same), 2)})
+        at = statistics.median(same[s][0] - runs[s * per][0] for s in range(steps))
+        out.append({"name": same[0][1][:60], "us": round(statistics.median(us for _, _, us in same), 2),
+                    "at_us": round(at, 2)})
     return out
 
 
