@@ -34,6 +34,14 @@ if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing need
     import triton.language as tl
 
 MODES = ("logits", "probs")
+# The filter layer's launch (`decode_max_logits_triton`), read at each call
+# (profile_decode_step.py --kernel-const sets them for A/Bs): tokens a tile, warps (None:
+# split_k_decode's choice, 4 here), pipeline stages; whether the scores past each row's
+# length are filled with -inf first (a separate launch).
+FILTER_BLOCK_N = 64
+FILTER_WARPS: int | None = None
+FILTER_STAGES = 2
+FILL_SCORES = True
 
 
 def omnikv_scores_ref(q, k_cache, page_table, kv_lens, mode="logits", max_kv_len=None, scale=None, lse=None):
@@ -112,16 +120,22 @@ def decode_max_logits_triton(q, k_cache, v_cache, page_table, kv_lens, max_kv_le
                              *, kv_chunk=None, balanced=None, counters=None):
     """`decode_max_logits_ref` in one pass: the split-K decode stores each token's group
     max as it computes the logits (4 bytes per token and KV head written, against the
-    2 * d * 2 bytes of K+V it reads anyway), so no second read of K scores the tokens."""
+    2 * d * 2 bytes of K+V it reads anyway), so no second read of K scores the tokens.
+    Launched in tiles of `FILTER_BLOCK_N` tokens, `FILTER_WARPS` warps, `FILTER_STAGES`
+    stages; `FILL_SCORES` False leaves the scores past `kv_lens` unwritten."""
     B, Hq, d = q.shape
     page_size, Hkv = check_cache(k_cache, Hq, d)
     device = check_launch(q, k_cache, v_cache, page_table, kv_lens)
     L = int(kv_lens.max()) if max_kv_len is None else max_kv_len
-    scores = torch.full((B, Hkv, max(L, 1)), float("-inf"), device=device)
+    if FILL_SCORES:
+        scores = torch.full((B, Hkv, max(L, 1)), float("-inf"), device=device)
+    else:
+        scores = torch.empty((B, Hkv, max(L, 1)), device=device)
     capacity = min(page_table.shape[1] * page_size, max(L, 1))  # L bounds every row: no empty splits
     out = split_k_decode(q, k_cache, v_cache, page_table, kv_lens, mode=MODE_DENSE, capacity=capacity,
                          scale=scale, kv_chunk=kv_chunk, logits=scores, logits_group_max=True,
-                         balanced=balanced, counters=counters)
+                         balanced=balanced, counters=counters, block_n=FILTER_BLOCK_N,
+                         num_warps=FILTER_WARPS, num_stages=FILTER_STAGES)
     return out, scores[..., :L]
 
 
