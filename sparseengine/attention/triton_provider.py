@@ -56,7 +56,8 @@ class TritonAttentionProvider(AttentionProvider):
             split = self.split_kw(q.device)
             if score_rows is not None and score_rows.kind == "max_logits":
                 out, colsums = kernels.decode_max_logits_triton(q, k_cache, v_cache, table, lens,
-                                                                padded_colsum_width(score_rows, view), **split)
+                                                                padded_colsum_width(score_rows, view), **split,
+                                                                fill=False)  # past a row: unread
             elif score_rows is not None:
                 bound = padded_colsum_width(score_rows, view)
                 out, colsum = kernels.decode_colsum_triton(q, k_cache, v_cache, table, lens,

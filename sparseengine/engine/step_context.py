@@ -113,8 +113,10 @@ class ScoreRows:
 
     ``kind`` "max_logits" (decode steps only, ``max_kv_len`` required): per KV head, the
     max over its query heads of the scaled logit ``q . k / sqrt(d)`` of every cached token,
-    ``[B, Hkv, max_kv_len]`` fp32, -inf past each row's length. The decode attention emits
-    them while it reads K anyway (OmniKV's filter-layer scores)."""
+    ``[B, Hkv, max_kv_len]`` fp32. Past each row's length the values are unspecified
+    (the torch provider's are -inf, the Triton provider leaves them unwritten): consumers
+    read each row's tokens only. The decode attention emits them while it reads K anyway
+    (OmniKV's filter-layer scores)."""
 
     rows: tuple[int, ...]
     max_kv_len: int | None = None

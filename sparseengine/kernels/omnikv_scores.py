@@ -36,12 +36,14 @@ if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing need
 MODES = ("logits", "probs")
 # The filter layer's launch (`decode_max_logits_triton`), read at each call
 # (profile_decode_step.py --kernel-const sets them for A/Bs): tokens a tile, warps (None:
-# split_k_decode's choice, 4 here), pipeline stages; whether the scores past each row's
-# length are filled with -inf first (a separate launch).
+# split_k_decode's choice, 4), pipeline stages. H200, OmniKV b=6 at 128K (session 44, call
+# s44-2, results/omnikv_filter_launch_s44_h200.jsonl): tiles of 64 at 4 warps and 2 stages
+# (the plain dense layers' launch) ran the filter layers at 820-823 us against 736-738 for
+# the dense layers 0 and 1; at 2 warps and 3 stages 747-750 us, graph step 8.498 / 8.499 ms
+# against 8.710 / 8.702 (tiles of 128 at 4 warps and 3 stages: 757 us, 8.527 / 8.531).
 FILTER_BLOCK_N = 64
-FILTER_WARPS: int | None = None
-FILTER_STAGES = 2
-FILL_SCORES = True
+FILTER_WARPS: int | None = 2
+FILTER_STAGES = 3
 
 
 def omnikv_scores_ref(q, k_cache, page_table, kv_lens, mode="logits", max_kv_len=None, scale=None, lse=None):
@@ -117,17 +119,19 @@ def group_max_logits_torch(q, k_cache, page_table, kv_lens, max_kv_len=None, sca
 
 
 def decode_max_logits_triton(q, k_cache, v_cache, page_table, kv_lens, max_kv_len=None, scale=None,
-                             *, kv_chunk=None, balanced=None, counters=None):
+                             *, kv_chunk=None, balanced=None, counters=None, fill=True):
     """`decode_max_logits_ref` in one pass: the split-K decode stores each token's group
     max as it computes the logits (4 bytes per token and KV head written, against the
     2 * d * 2 bytes of K+V it reads anyway), so no second read of K scores the tokens.
     Launched in tiles of `FILTER_BLOCK_N` tokens, `FILTER_WARPS` warps, `FILTER_STAGES`
-    stages; `FILL_SCORES` False leaves the scores past `kv_lens` unwritten."""
+    stages. `fill` False leaves the scores past each row's length unwritten (whatever the
+    memory held) and saves the launch that fills them with -inf: for callers that read
+    only each row's tokens (OmniKV's pick; the Triton provider)."""
     B, Hq, d = q.shape
     page_size, Hkv = check_cache(k_cache, Hq, d)
     device = check_launch(q, k_cache, v_cache, page_table, kv_lens)
     L = int(kv_lens.max()) if max_kv_len is None else max_kv_len
-    if FILL_SCORES:
+    if fill:
         scores = torch.full((B, Hkv, max(L, 1)), float("-inf"), device=device)
     else:
         scores = torch.empty((B, Hkv, max(L, 1)), device=device)

@@ -227,12 +227,13 @@ def pick_from_max_logits(colsums: torch.Tensor, kv_lens: torch.Tensor, config,
 
 def max_logit_bytes_per_token(num_kv_heads: int) -> int:
     """Bytes a fused ``logits`` choice moves per cached token of a filter layer on a Triton
-    provider (the benchmark's path): one fp32 max logit per KV head filled with -inf,
-    written by the attention and read by the pick's first pass, which writes one int32 key
-    that its five later passes read (three radix passes, the counts, the output). The torch
-    pick moves 4 bytes a token less (the max over heads written, then read and written by
-    the masking, read by the top-k), in many more launches."""
-    return 3 * 4 * num_kv_heads + 6 * 4
+    provider (the benchmark's path): one fp32 max logit per KV head written by the
+    attention (no -inf fill first: the pick reads each row's tokens only) and read by the
+    pick's first pass, which writes one int32 key that its five later passes read (three
+    radix passes, the counts, the output). The torch path moves more (its scores filled
+    with -inf first, the max over heads written, then read and written by the masking, read
+    by the top-k), in many more launches."""
+    return 2 * 4 * num_kv_heads + 6 * 4
 
 
 def pure_decode(ctx) -> bool:

@@ -97,6 +97,22 @@ def test_group_max_logits_by_launch(plan, keep, gen, device, monkeypatch):
     assert_close(out, out_ref, 1e-4, "out")
 
 
+def test_decode_max_logits_unfilled(gen, device):
+    """``fill=False`` (the Triton provider's): the same output, and the same scores over
+    each row's tokens (past a row nothing is written: the pick never reads there, as
+    test_omnikv_select's NaN tails check)."""
+    hq, hkv, d, ps, lens = 8, 2, 32, 4, [150, 37, 64]
+    q, kv = _inputs((hq, hkv, d, ps, lens), gen, device)
+    L = kv.page_table.shape[1] * ps
+    args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, L)
+    out_ref, ref = decode_max_logits_ref(*args)
+    out, got = decode_max_logits_triton(*args, fill=False)
+    assert got.shape == ref.shape
+    for b, n in enumerate(lens):
+        assert_close(got[b, :, :n], ref[b, :, :n], 1e-4, f"row {b}")
+    assert_close(out, out_ref, 1e-4, "out")
+
+
 def test_decode_max_logits_needs_room(gen, device):
     q, kv = _inputs((4, 2, 16, 4, [9, 3]), gen, device)
     out, scores = decode_max_logits_triton(q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens)
