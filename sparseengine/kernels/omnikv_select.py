@@ -22,7 +22,8 @@ their low 31 bits; -0.0 counts as +0.0), searched as uint32 (the sign bit flippe
    still to take (ties); each block counts its keys > t and == t.
 4. `_emit_kernel`: each block sums the counts of the blocks before it, so it knows its
    first output slot and how many earlier ties were taken, and writes its keys > t and its
-   share of the earliest ties at their ranks (an exclusive `tl.cumsum`): ascending output.
+   share of the earliest ties at their ranks (an exclusive `tl.cumsum`): ascending output;
+   block 0 also writes the request's count and its sink and recent slots.
 Six kernel launches after a memset that zeroes the histograms; no host sync, fixed
 shapes: CUDA-graph capturable. At the 128K benchmark's shape (6 x 8 x 133120, 1472 chosen)
 44 us a pick against 128 us for the torch path (results/omnikv_select_h200.jsonl).
@@ -39,14 +40,20 @@ if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing need
     import triton.language as tl
 
 PASSES = 4  # bytes of a 32-bit key
+# The launch when the caller names none (read at each call; --kernel-const sets them for
+# A/Bs): tokens a program, warps a program. H200, the 128K shape, per pick (session 11,
+# results/omnikv_select_h200.jsonl): blocks of 1024 44.0 us, of 2048 41.7.
+BLOCK = 1024
+WARPS = 4
 # Whether OmniKV asks its fused pick for the chosen tokens' pool rows (read at each step; an
 # A/B switch: False, its later layers look each token up in the page table)
 EMIT_POOL_ROWS = True
 
 
-def omnikv_select_triton(scores, kv_lens, sink_tokens, budget, recent_tokens, *, block: int = 1024,
-                         num_warps: int = 4, page_table=None, page_size: int = 0):
-    """`block`: tokens per program (a power of two >= 16); `num_warps`: per program.
+def omnikv_select_triton(scores, kv_lens, sink_tokens, budget, recent_tokens, *, block: int | None = None,
+                         num_warps: int | None = None, page_table=None, page_size: int = 0):
+    """`block`: tokens per program (a power of two >= 16); `num_warps`: per program
+    (None: `BLOCK`, `WARPS`).
     `page_table [B, P]` with `page_size`: also the chosen tokens' pool rows, a third output
     `[B, K]` int32 (`page_table[b, t // page_size] * page_size + t % page_size`, -1 past a
     request's count), written beside the tokens (the rows variant of the sparse decode
@@ -59,12 +66,12 @@ def omnikv_select_triton(scores, kv_lens, sink_tokens, budget, recent_tokens, *,
     sink = int_arg("sink_tokens", sink_tokens, 0)
     budget = int_arg("budget", budget, 0)
     recent = int_arg("recent_tokens", recent_tokens, 0)
+    block = BLOCK if block is None else block
+    num_warps = WARPS if num_warps is None else num_warps
     if int_arg("block", block, 16) & (block - 1):
         raise ValueError(f"block must be a power of two >= 16, got {block}")
     device = check_launch(scores, kv_lens)
     total = sink + budget + recent
-    everything = torch.arange(total, device=device).expand(B, total)
-    counts = kv_lens.clamp(max=total).to(torch.int32)
     with_rows = page_table is not None
     if with_rows:
         if page_table.dim() != 2 or page_table.shape[0] != B or int_arg("page_size", page_size, 1) < 1:
@@ -72,6 +79,8 @@ def omnikv_select_triton(scores, kv_lens, sink_tokens, budget, recent_tokens, *,
                              f"{tuple(page_table.shape)} and {page_size}")
         rows = torch.empty((B, total), dtype=torch.int32, device=device)  # every slot written
     if L <= total or B == 0:  # no request can hold more than the total
+        everything = torch.arange(total, device=device).expand(B, total)
+        counts = kv_lens.clamp(max=total).to(torch.int32)
         if not with_rows:
             return everything, counts
         within = everything < counts[:, None]
@@ -85,12 +94,13 @@ def omnikv_select_triton(scores, kv_lens, sink_tokens, budget, recent_tokens, *,
     hist = torch.zeros((B, PASSES, 256), dtype=torch.int32, device=device)
     block_counts = torch.empty((B, n_blocks, 2), dtype=torch.int32, device=device)
     indices = torch.empty((B, total), dtype=torch.int64, device=device)
+    counts = torch.empty((B,), dtype=torch.int32, device=device)  # min(n, total), written by the emit
     grid = (B, n_blocks)
     common = dict(SINK=sink, BUDGET=budget, RECENT=recent, BLOCK=block, num_warps=num_warps)
     for p in range(PASSES):
         _hist_kernel[grid](scores, kv_lens, keys, hist, scores.stride(0), scores.stride(1), L, H=H, PASS=p, **common)
     _count_kernel[grid](keys, hist, kv_lens, block_counts, L, n_blocks, **common)
-    _emit_kernel[grid](keys, hist, kv_lens, block_counts, indices, L, n_blocks,
+    _emit_kernel[grid](keys, hist, kv_lens, block_counts, indices, counts, L, n_blocks,
                        page_table if with_rows else kv_lens, rows if with_rows else indices,
                        page_table.stride(0) if with_rows else 0, PAGE_SIZE=page_size if with_rows else 0,
                        BLOCK_N=next_pow2(n_blocks), BLOCK_K=next_pow2(total), **common)
@@ -173,7 +183,8 @@ def _count_kernel(keys_ptr, hist_ptr, kv_lens_ptr, counts_ptr, L, n_blocks,
 
 
 @lazy_jit
-def _emit_kernel(keys_ptr, hist_ptr, kv_lens_ptr, counts_ptr, out_ptr, L, n_blocks, pt_ptr, rows_ptr, stride_pt,
+def _emit_kernel(keys_ptr, hist_ptr, kv_lens_ptr, counts_ptr, out_ptr, n_out_ptr, L, n_blocks, pt_ptr, rows_ptr,
+                 stride_pt,
                  PAGE_SIZE: tl.constexpr, SINK: tl.constexpr, BUDGET: tl.constexpr, RECENT: tl.constexpr,
                  BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     TOTAL: tl.constexpr = SINK + BUDGET + RECENT
@@ -181,7 +192,8 @@ def _emit_kernel(keys_ptr, hist_ptr, kv_lens_ptr, counts_ptr, out_ptr, L, n_bloc
     blk = tl.program_id(1)
     out = out_ptr + b.to(tl.int64) * TOTAL
     everything = n <= TOTAL
-    if blk == 0:  # sink and recent slots (every slot when the request is within the total)
+    if blk == 0:  # the count; sink and recent slots (every slot when the request is within the total)
+        tl.store(n_out_ptr + b, tl.minimum(n, TOTAL))
         j = tl.arange(0, BLOCK_K)
         fixed = everything | (j < SINK) | (j >= SINK + BUDGET)
         token = tl.where(everything | (j < SINK), j, n - TOTAL + j)
