@@ -42,8 +42,12 @@ if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing need
 PASSES = 4  # bytes of a 32-bit key
 # The launch when the caller names none (read at each call; --kernel-const sets them for
 # A/Bs): tokens a program, warps a program. H200, the 128K shape, per pick (session 11,
-# results/omnikv_select_h200.jsonl): blocks of 1024 44.0 us, of 2048 41.7.
-BLOCK = 1024
+# results/omnikv_select_h200.jsonl): blocks of 1024 44.0 us, of 2048 41.7. OmniKV b=6, its
+# three picks' launches in the graph step (session 44, call s44-3,
+# results/omnikv_filter_launch_s44_h200.jsonl): 43.7 us a pick in blocks of 2048 against
+# 50.6 in blocks of 1024 (4096 at 8 warps: 59.9), graph step 8.438 / 8.450 ms against
+# 8.457 / 8.455.
+BLOCK = 2048
 WARPS = 4
 # Whether OmniKV asks its fused pick for the chosen tokens' pool rows (read at each step; an
 # A/B switch: False, its later layers look each token up in the page table)

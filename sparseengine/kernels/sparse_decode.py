@@ -45,6 +45,10 @@ PAGE_STAGES: int | None = None
 TOKEN_CHUNK: int | None = None
 TOKEN_BLOCK_N = 64
 TOKEN_STAGES = 3
+# Warps a program of the page and token variants' launches above (None: split_k_decode's
+# choice, 4 there).
+PAGE_WARPS: int | None = None
+TOKEN_WARPS: int | None = None
 
 
 def _selected_attention_ref(q, k_cache, v_cache, page_table, kv_lens, tokens_of, scale, return_lse):
@@ -91,6 +95,7 @@ def _entries_launch(mode, q, k_cache, v_cache, page_table, kv_lens, sel, num_sel
         kv_chunk = TOKEN_CHUNK
         tuning.setdefault("block_n", TOKEN_BLOCK_N)
         tuning.setdefault("num_stages", TOKEN_STAGES)
+        tuning.setdefault("num_warps", TOKEN_WARPS)
     return split_k_decode(q, k_cache, v_cache, page_table, kv_lens, mode=mode, capacity=sel.shape[2], sel=sel,
                           num_sel=num_sel, scale=scale, return_lse=return_lse, kv_chunk=kv_chunk, balanced=balanced,
                           counters=counters, **tuning)
@@ -149,6 +154,7 @@ def sparse_page_decode_triton(q, k_cache, v_cache, page_table, kv_lens, page_ind
         kv_chunk = PAGE_CHUNK  # rows too few to fill the GPU alone (else the planner's one program a row)
         tuning.setdefault("block_n", PAGE_BLOCK_N)
         tuning.setdefault("fused_combine", PAGE_MERGE_IN_SPLIT)
+        tuning.setdefault("num_warps", PAGE_WARPS)
         if PAGE_STAGES:
             tuning.setdefault("num_stages", PAGE_STAGES)
     tuning.setdefault("num_stages", 2 if kv_chunk == 128 else 3)
