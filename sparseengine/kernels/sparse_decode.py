@@ -45,10 +45,15 @@ PAGE_STAGES: int | None = None
 TOKEN_CHUNK: int | None = None
 TOKEN_BLOCK_N = 64
 TOKEN_STAGES = 3
-# Warps a program of the page and token variants' launches above (None: split_k_decode's
-# choice, 4 there).
+# Warps a program of the page, token and rows variants' launches above (None:
+# split_k_decode's choice, 4 there). H200, b=6 at 128K, graph step, alternating, two rounds
+# (session 44, call s44-4, results/omnikv_filter_launch_s44_h200.jsonl): OmniKV's rows at 2
+# warps 8.440 / 8.439 ms against 8.463 / 8.453 (its split kernels 4124 us a step against
+# 4157); Quest's pages at 2 warps 8.247 / 8.232 against 8.175 / 8.182. DeltaKV's token ids
+# keep 4 (not measured at 2).
 PAGE_WARPS: int | None = None
 TOKEN_WARPS: int | None = None
+ROWS_WARPS: int | None = 2
 
 
 def _selected_attention_ref(q, k_cache, v_cache, page_table, kv_lens, tokens_of, scale, return_lse):
@@ -95,7 +100,7 @@ def _entries_launch(mode, q, k_cache, v_cache, page_table, kv_lens, sel, num_sel
         kv_chunk = TOKEN_CHUNK
         tuning.setdefault("block_n", TOKEN_BLOCK_N)
         tuning.setdefault("num_stages", TOKEN_STAGES)
-        tuning.setdefault("num_warps", TOKEN_WARPS)
+        tuning.setdefault("num_warps", ROWS_WARPS if mode == MODE_ROWS else TOKEN_WARPS)
     return split_k_decode(q, k_cache, v_cache, page_table, kv_lens, mode=mode, capacity=sel.shape[2], sel=sel,
                           num_sel=num_sel, scale=scale, return_lse=return_lse, kv_chunk=kv_chunk, balanced=balanced,
                           counters=counters, **tuning)
@@ -120,7 +125,7 @@ def sparse_rows_decode_ref(q, k_cache, v_cache, rows, num_selected, scale=None, 
 def sparse_rows_decode_triton(q, k_cache, v_cache, page_table, kv_lens, rows, num_selected, scale=None,
                               return_lse=False, *, kv_chunk=None, balanced=None, counters=None, **tuning):
     """`sparse_rows_decode_ref` with the token variant's launch (`sparse_decode_triton`'s
-    knobs, `TOKEN_*`): each tile loads its rows and then the K and V they name, where the
+    knobs, `TOKEN_*`, at `ROWS_WARPS` warps): each tile loads its rows and then the K and V they name, where the
     token variant first looks each token's page up in the page table (a load in between).
     `page_table`, `kv_lens`: the step's, checked as the token variant's (the rows must
     belong to those requests' pages; the kernel does not read them)."""
