@@ -41,6 +41,8 @@ MODES = ("logits", "probs")
 # (the plain dense layers' launch) ran the filter layers at 820-823 us against 736-738 for
 # the dense layers 0 and 1; at 2 warps and 3 stages 747-750 us, graph step 8.498 / 8.499 ms
 # against 8.710 / 8.702 (tiles of 128 at 4 warps and 3 stages: 757 us, 8.527 / 8.531).
+# DeltaKV b=20 (its full layers cut by their own lengths; s44-6, one profile each): graph
+# step median 34.884 ms against 35.458, split kernels 14475 us a step against 15124.
 FILTER_BLOCK_N = 64
 FILTER_WARPS: int | None = 2
 FILTER_STAGES = 3
