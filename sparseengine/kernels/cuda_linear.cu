@@ -31,13 +31,26 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+// The build's variant (cuda_linear.py passes them as -D flags; these defaults are the engine's):
+// warps a CTA, 32-channel steps a warp's loads cover at a time, and the CTAs an SM the
+// registers must leave room for (__launch_bounds__'s minimum: 2 holds a thread to 64).
+#ifndef SE_WARPS
+#define SE_WARPS 16
+#endif
+#ifndef SE_STEPS
+#define SE_STEPS 4
+#endif
+#ifndef SE_MIN_CTAS
+#define SE_MIN_CTAS 1
+#endif
+
 namespace {
 
-constexpr int WARPS = 16;
+constexpr int WARPS = SE_WARPS;
 constexpr int THREADS = WARPS * 32;
-constexpr int STEPS = 4;                    // 32-channel steps a warp's loads cover at a time
+constexpr int STEPS = SE_STEPS;             // 32-channel steps a warp's loads cover at a time
 constexpr int MAX_ROWS = 8;                 // the MMA's n: rows of x
-constexpr int K_MULTIPLE = WARPS * 32 * STEPS;  // K must be a multiple of this (2048)
+constexpr int K_MULTIPLE = WARPS * 32 * STEPS;  // K must be a multiple of this (2048 by default)
 constexpr int RED_FLOATS = WARPS * 32 * 4;  // the warps' partial sums
 constexpr int NORM_FLOATS = MAX_ROWS + WARPS * MAX_ROWS;  // each row's 1 / rms, each warp's sums of squares
 
@@ -160,7 +173,7 @@ __device__ __forceinline__ void finish_block(const Params& p, const float* red, 
 }
 
 template <bool STAGED>
-__global__ void __launch_bounds__(THREADS, 1) linear_kernel(const Params p) {
+__global__ void __launch_bounds__(THREADS, SE_MIN_CTAS) linear_kernel(const Params p) {
   extern __shared__ __align__(16) unsigned char smem[];
   float* red = reinterpret_cast<float*>(smem);                // [WARPS][32][4]
   float* scale = red + RED_FLOATS;                            // [MAX_ROWS]: each row's 1 / rms
@@ -273,7 +286,7 @@ int launch(const Params& p, void* stream) {
 
 }  // namespace
 
-// -> 0 when launched, a cudaError_t, or -1 (N % 16 or K % 2048 not 0; gated with N % 16),
+// -> 0 when launched, a cudaError_t, or -1 (N % 16 or K % K_MULTIPLE not 0; gated with N % 16),
 // -2 (M outside 1..8). Every pointer 16-byte aligned, every tensor contiguous.
 extern "C" int se_linear(const void* x, const void* w, const void* residual, void* y, int M, int N, int K, float eps,
                          int norm, int gated, int staged, int pdl, void* stream) {
@@ -283,6 +296,9 @@ extern "C" int se_linear(const void* x, const void* w, const void* residual, voi
                     (__nv_bfloat16*)y, M, N, K, eps, norm, gated, pdl};
   return staged ? launch<true>(p, stream) : launch<false>(p, stream);
 }
+
+// K must be a multiple of this: the wrapper checks it against the build it loaded.
+extern "C" int se_linear_k_multiple() { return K_MULTIPLE; }
 
 // The shared memory a launch needs (bytes): the wrapper checks it against the device's.
 extern "C" long long se_linear_smem(int M, int K, int staged) {

@@ -39,7 +39,6 @@ from .skinny_linear import skinny_linear_ref
 
 SOURCE = Path(__file__).with_name("cuda_linear.cu")
 MAX_ROWS = 8  # the MMA's n
-K_MULTIPLE = 2048  # 16 warps, each taking whole chunks of 128 channels
 N_MULTIPLE = 16  # a block of weight rows
 GATE_GROUP = 8  # gate rows then up rows, this many each, a block (the kernel's gated epilogue)
 ARCH = "sm_90a"
@@ -53,6 +52,30 @@ GATED = True  # gate_up interleaved at load, the SiLU in its epilogue (read when
 # (cuda_gemv_h200.jsonl, s40-5 staged against s40-6 from L2, us): gate_up 58.18 against
 # 62.58, down 33.96 against 31.00, o 11.86 against 11.27, qkv 15.94 against 16.01.
 STAGE_BLOCKS = 8
+# The build (read at the first launch of a process; a variant builds its own library, and
+# --kernel-const sets them for A/Bs): warps a CTA (they split K), 32-channel steps a warp's
+# loads cover at a time, and the CTAs an SM its registers leave room for. The engine's
+# build, 16 / 4 / 1, takes 122-124 registers a thread (ptxas, sm_90a): its 512 threads hold
+# the whole register file, so no other kernel's CTA can run beside it on an SM, and the
+# next kernel's programmatic dependent launch starts only on SMs it has left. 2 CTAs an SM
+# hold a thread to 64 registers (ptxas: 400 bytes of spills at 4 steps, 60-92 at 2).
+BUILD_WARPS = 16
+BUILD_STEPS = 4
+BUILD_MIN_CTAS = 1
+
+
+def k_multiple() -> int:
+    """K must be a multiple of this in the build the constants name: each warp takes whole
+    chunks of 32 * `BUILD_STEPS` channels (2048 for the engine's build)."""
+    return BUILD_WARPS * 32 * BUILD_STEPS
+
+
+def _build() -> tuple[int, int, int]:
+    build = (BUILD_WARPS, BUILD_STEPS, BUILD_MIN_CTAS)
+    if BUILD_WARPS not in (4, 8, 16, 32) or BUILD_STEPS not in (1, 2, 4, 8) or BUILD_MIN_CTAS not in (1, 2, 3, 4):
+        raise ValueError(f"cuda_linear build (warps, steps, min CTAs) must be in (4, 8, 16, 32) x (1, 2, 4, 8) "
+                         f"x (1, 2, 3, 4), got {build}")
+    return build
 
 
 def _nvcc() -> str | None:
@@ -64,20 +87,32 @@ def _nvcc() -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
 def library() -> ctypes.CDLL:
-    """The built kernel library (nvcc, once; cached on disk by the source's and nvcc's hash)."""
+    """The built kernel library of the build the constants name (nvcc, once a build; cached
+    on disk by the source's, nvcc's and the build's hash)."""
+    return _library(_build())
+
+
+def build_command(nvcc: str, out: str, build: tuple[int, int, int]) -> list[str]:
+    """nvcc's command line for a build (warps, steps, min CTAs)."""
+    warps, steps, min_ctas = build
+    return [nvcc, "-O3", f"-arch={ARCH}", "-shared", "-Xcompiler", "-fPIC", f"-DSE_WARPS={warps}",
+            f"-DSE_STEPS={steps}", f"-DSE_MIN_CTAS={min_ctas}", "-o", out, str(SOURCE)]
+
+
+@functools.lru_cache(maxsize=None)
+def _library(build: tuple[int, int, int]) -> ctypes.CDLL:
     nvcc = _nvcc()
     if nvcc is None:
         raise RuntimeError("cuda_linear needs nvcc: none on PATH, in CUDA_HOME/bin or /usr/local/cuda/bin "
                            "(or set SPARSEENGINE_NVCC)")
-    key = hashlib.sha256(SOURCE.read_bytes() + nvcc.encode() + ARCH.encode()).hexdigest()[:16]
+    key = hashlib.sha256(SOURCE.read_bytes() + nvcc.encode() + ARCH.encode() + repr(build).encode()).hexdigest()[:16]
     root = Path(os.environ.get("SPARSEENGINE_CACHE", Path.home() / ".cache" / "sparseengine"))
     lib = root / "cuda" / key / "libse_linear.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
         tmp = lib.with_name(f"{lib.name}.{os.getpid()}.tmp")
-        cmd = [nvcc, "-O3", f"-arch={ARCH}", "-shared", "-Xcompiler", "-fPIC", "-o", str(tmp), str(SOURCE)]
+        cmd = build_command(nvcc, str(tmp), build)
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"cuda_linear: nvcc failed ({' '.join(cmd)}):\n{done.stderr[-3000:]}")
@@ -88,6 +123,10 @@ def library() -> ctypes.CDLL:
                              + [ctypes.c_void_p])
     so.se_linear_smem.restype = ctypes.c_longlong
     so.se_linear_smem.argtypes = [ctypes.c_int] * 3
+    so.se_linear_k_multiple.restype = ctypes.c_int
+    if so.se_linear_k_multiple() != build[0] * 32 * build[1]:
+        raise RuntimeError(f"cuda_linear's library at {lib} takes K in multiples of {so.se_linear_k_multiple()}, "
+                           f"its build {build} in {build[0] * 32 * build[1]}")
     return so
 
 
@@ -113,9 +152,9 @@ def unavailable(device: torch.device | str) -> str | None:
 
 def fits(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether the kernel takes this layer: a bf16 `[N, K]` weight, N and K multiples of 16
-    and 2048, no bias."""
+    and `k_multiple()` (2048 in the engine's build), no bias."""
     return (bias is None and weight.dtype == torch.bfloat16 and weight.dim() == 2
-            and weight.shape[0] % N_MULTIPLE == 0 and weight.shape[1] % K_MULTIPLE == 0 and weight.shape[1] > 0)
+            and weight.shape[0] % N_MULTIPLE == 0 and weight.shape[1] % k_multiple() == 0 and weight.shape[1] > 0)
 
 
 def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
@@ -186,8 +225,8 @@ def cuda_linear(x: torch.Tensor, weight: torch.Tensor, *, rms_eps: float | None 
     rows = x.numel() // k if k else 0
     if not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"cuda_linear takes 1 to {MAX_ROWS} rows, got {rows}")
-    if n % N_MULTIPLE or k % K_MULTIPLE or k == 0:
-        raise ValueError(f"cuda_linear needs N a multiple of {N_MULTIPLE} and K of {K_MULTIPLE}, got N={n}, K={k}")
+    if n % N_MULTIPLE or k % k_multiple() or k == 0:
+        raise ValueError(f"cuda_linear needs N a multiple of {N_MULTIPLE} and K of {k_multiple()}, got N={n}, K={k}")
     if rms_eps is not None and not (isinstance(rms_eps, (int, float)) and rms_eps >= 0):
         raise ValueError(f"rms_eps must be a number >= 0 or None, got {rms_eps!r}")
     out_n = n // 2 if gated else n

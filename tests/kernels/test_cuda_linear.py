@@ -47,6 +47,32 @@ def test_bad_input():
     assert not C.takes(x, w) and C.fits(w) and not C.fits(w, bias=torch.zeros(16, dtype=BF16))
 
 
+def test_build_variants(monkeypatch):
+    """The build's constants name its K multiple, its nvcc flags and its own cached library;
+    a build outside the kernel's range raises."""
+    monkeypatch.setattr(C, "BUILD_STEPS", 2)
+    assert C.k_multiple() == 1024
+    w = torch.zeros(16, 1024, dtype=BF16)
+    assert C.fits(w)
+    with pytest.raises(ValueError, match="K of 1024, got N=16, K=1536"):
+        C.cuda_linear(torch.zeros(2, 1536, dtype=BF16), torch.zeros(16, 1536, dtype=BF16))
+    cmd = C.build_command("nvcc", "out.so", (16, 2, 2))
+    assert {"-DSE_WARPS=16", "-DSE_STEPS=2", "-DSE_MIN_CTAS=2"} <= set(cmd) and cmd[-1] == str(C.SOURCE)
+    monkeypatch.setattr(C, "BUILD_MIN_CTAS", 5)
+    with pytest.raises(ValueError, match=r"must be in .* got \(16, 2, 5\)"):
+        C.library()
+
+
+@pytest.mark.skipif(C._nvcc() is None, reason="needs nvcc (no GPU needed: the library loads without one)")
+def test_a_variant_builds(monkeypatch, tmp_path):
+    """A non-default build (2 CTAs an SM, 2 steps) compiles, and its library reports the K
+    multiple the Python side expects of it."""
+    monkeypatch.setenv("SPARSEENGINE_CACHE", str(tmp_path))
+    so = C._library((16, 2, 2))
+    assert so.se_linear_k_multiple() == 1024
+    assert list(tmp_path.glob("cuda/*/libse_linear.so"))
+
+
 # ---------------------------------------------------------------------------- on the GPU
 
 
