@@ -54,15 +54,39 @@ constexpr int K_MULTIPLE = WARPS * 32 * STEPS;  // K must be a multiple of this 
 constexpr int RED_FLOATS = WARPS * 32 * 4;  // the warps' partial sums
 constexpr int NORM_FLOATS = MAX_ROWS + WARPS * MAX_ROWS;  // each row's 1 / rms, each warp's sums of squares
 
+constexpr int ROPE_D = 128;  // the rope epilogue's head dim (rotate-half pairs j and j + 64)
+
 struct Params {
   const __nv_bfloat16* x;         // [M, K]
   const __nv_bfloat16* w;         // [N, K]
   const __nv_bfloat16* residual;  // [M, N], or null
-  __nv_bfloat16* y;               // [M, N]; gated: [M, N / 2]
+  __nv_bfloat16* y;               // [M, N]; gated: [M, N / 2]; rope: q rotated, [M, hq * ROPE_D]
   int M, N, K;
   float eps;
   int norm, gated, pdl;
 };
+
+// The ROPE kernel's own arguments: W is qkv's [(hq + 2 hkv) * ROPE_D, K]; the q and k rows'
+// blocks pair dims j .. j + 7 of a head with j + 64 .. j + 71, the epilogue rotates them and
+// writes q to y, k and v to the paged caches at `slots` (none for slot -1).
+struct Rope {
+  const __nv_bfloat16* cos;       // [M, ROPE_D] at row stride cs_stride (sin likewise)
+  const __nv_bfloat16* sin;
+  __nv_bfloat16* k_cache;         // token row (page, off) at page * k_page + off * k_tok, heads contiguous
+  __nv_bfloat16* v_cache;
+  const long long* slots;         // [M]: page * page_size + offset, or -1
+  long long cs_stride, k_page, k_tok, v_page, v_tok;
+  int page_size, hq, hkv;
+};
+
+// The ROPE kernel's weight row of block `b`'s tile row r (0-15): in the q and k heads' blocks
+// dims j .. j + 7 (r < 8) and j + 64 .. j + 71 (r >= 8) of head b / 8, j = 8 (b % 8); v's
+// blocks take consecutive rows.
+__device__ __forceinline__ int block_row(const Rope& p, int b, int r) {
+  if (b < (p.hq + p.hkv) * (ROPE_D / 16))
+    return (b >> 3) * ROPE_D + (r >= 8 ? ROPE_D / 2 : 0) + (b & 7) * 8 + (r & 7);
+  return b * 16 + r;
+}
 
 __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                          uint32_t b0, uint32_t b1) {
@@ -142,6 +166,58 @@ __device__ __forceinline__ void prologue(const Params& p, const uint4* __restric
   // `scale` is read at the first block's end, after that block's __syncthreads
 }
 
+// Feature f's tile rows f and f + 8 for row m, summed over the warps, scaled by the row's norm
+// and rounded to bf16 (the model's projection output): the gated and rope epilogues' pair.
+__device__ __forceinline__ void pair_sums(const float* red, const float* scale, int norm, int f, int m, float& lo,
+                                          float& hi) {
+  const int l = f * 4 + (m >> 1), i = m & 1;
+  lo = 0.f, hi = 0.f;
+#pragma unroll
+  for (int q = 0; q < WARPS; ++q) lo += red[(q * 32 + l) * 4 + i], hi += red[(q * 32 + l) * 4 + 2 + i];
+  if (norm) lo *= scale[m], hi *= scale[m];
+  lo = round_bf16(lo), hi = round_bf16(hi);
+}
+
+// ROPE: block `blk`'s 8 features x M rows, each thread one feature f and row m: tile rows f
+// and f + 8, rounded to bf16 as the model's qkv output is. A q or k block's pair (dims j and
+// j + 64 of its head) is rotated as fused_ops.rotary_kv_write rounds it (each product, then
+// the sum); a v block's rows are two consecutive dims 8 apart. q goes to y, k and v to the
+// token's cache row.
+__device__ __forceinline__ void finish_rope(const Params& a, const Rope& p, const float* red, const float* scale,
+                                            int blk) {
+  if (threadIdx.x >= 64) return;
+  const int f = threadIdx.x >> 3, m = threadIdx.x & 7;
+  if (m >= a.M) return;
+  float lo, hi;
+  pair_sums(red, scale, a.norm, f, m, lo, hi);
+  const int qk_blocks = (p.hq + p.hkv) * (ROPE_D / 16);
+  const long long slot = p.slots[m];
+  if (blk < qk_blocks) {
+    const int head = blk >> 3, j = (blk & 7) * 8 + f;
+    const __nv_bfloat16* cr = p.cos + m * p.cs_stride;
+    const __nv_bfloat16* sr = p.sin + m * p.cs_stride;
+    const float c1 = __bfloat162float(cr[j]), c2 = __bfloat162float(cr[j + ROPE_D / 2]);
+    const float s1 = __bfloat162float(sr[j]), s2 = __bfloat162float(sr[j + ROPE_D / 2]);
+    const float o1 = round_bf16(round_bf16(lo * c1) + round_bf16(-hi * s1));
+    const float o2 = round_bf16(round_bf16(hi * c2) + round_bf16(lo * s2));
+    __nv_bfloat16* dst;
+    if (head < p.hq) {
+      dst = a.y + (size_t)m * p.hq * ROPE_D + head * ROPE_D;
+    } else {
+      if (slot < 0) return;
+      dst = p.k_cache + (slot / p.page_size) * p.k_page + (slot % p.page_size) * p.k_tok + (head - p.hq) * ROPE_D;
+    }
+    dst[j] = __float2bfloat16(o1);
+    dst[j + ROPE_D / 2] = __float2bfloat16(o2);
+  } else {
+    if (slot < 0) return;
+    const int r = (blk - qk_blocks) * 16 + f;  // v's feature of tile row f; f + 8 is r + 8
+    __nv_bfloat16* dst = p.v_cache + (slot / p.page_size) * p.v_page + (slot % p.page_size) * p.v_tok;
+    dst[r] = __float2bfloat16(lo);
+    dst[r + 8] = __float2bfloat16(hi);
+  }
+}
+
 // Block `blk`'s outputs from the warps' partial sums in `red` (lane l's c[i] of warp q at
 // red[(q * 32 + l) * 4 + i] holds y^T[n][m], n = l / 4 + 8 (i >= 2), m = 2 (l % 4) + i % 2).
 __device__ __forceinline__ void finish_block(const Params& p, const float* red, const float* scale, int blk) {
@@ -161,19 +237,15 @@ __device__ __forceinline__ void finish_block(const Params& p, const float* red, 
     if (threadIdx.x >= 64) return;
     const int f = threadIdx.x >> 3, m = threadIdx.x & 7;
     if (m >= p.M) return;
-    const int l = f * 4 + (m >> 1), i = m & 1;
-    float gate = 0.f, up = 0.f;
-#pragma unroll
-    for (int q = 0; q < WARPS; ++q) gate += red[(q * 32 + l) * 4 + i], up += red[(q * 32 + l) * 4 + 2 + i];
-    if (p.norm) gate *= scale[m], up *= scale[m];
-    gate = round_bf16(gate), up = round_bf16(up);  // the model's gate_up output
+    float gate, up;
+    pair_sums(red, scale, p.norm, f, m, gate, up);  // the model's gate_up output
     const float silu = round_bf16(gate / (1.0f + expf(-gate)));  // torch's silu: x / (1 + expf(-x))
     p.y[(size_t)m * (p.N / 2) + blk * 8 + f] = __float2bfloat16(silu * up);
   }
 }
 
-template <bool STAGED>
-__global__ void __launch_bounds__(THREADS, SE_MIN_CTAS) linear_kernel(const Params p) {
+template <bool STAGED, bool ROPE>
+__global__ void __launch_bounds__(THREADS, SE_MIN_CTAS) linear_kernel(const Params p, const Rope r) {
   extern __shared__ __align__(16) unsigned char smem[];
   float* red = reinterpret_cast<float*>(smem);                // [WARPS][32][4]
   float* scale = red + RED_FLOATS;                            // [MAX_ROWS]: each row's 1 / rms
@@ -189,11 +261,21 @@ __global__ void __launch_bounds__(THREADS, SE_MIN_CTAS) linear_kernel(const Para
   if (p.pdl) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   uint4 cur[STEPS][2], nxt[STEPS][2], xc[STEPS], xn[STEPS];
   auto load_w = [&](uint4 (&dst)[STEPS][2], int b, int chunk) {
+    if constexpr (ROPE) {
+      const size_t lo = (size_t)block_row(r, b, g) * kv, hi = (size_t)block_row(r, b, g + 8) * kv;
 #pragma unroll
-    for (int s = 0; s < STEPS; ++s) {
-      const size_t col = (size_t)(warp * kw + (chunk * STEPS + s) * 32) / 8 + t;
-      dst[s][0] = __ldcs(w4 + (size_t)(b * 16 + g) * kv + col);
-      dst[s][1] = __ldcs(w4 + (size_t)(b * 16 + g + 8) * kv + col);
+      for (int s = 0; s < STEPS; ++s) {
+        const size_t col = (size_t)(warp * kw + (chunk * STEPS + s) * 32) / 8 + t;
+        dst[s][0] = __ldcs(w4 + lo + col);
+        dst[s][1] = __ldcs(w4 + hi + col);
+      }
+    } else {
+#pragma unroll
+      for (int s = 0; s < STEPS; ++s) {
+        const size_t col = (size_t)(warp * kw + (chunk * STEPS + s) * 32) / 8 + t;
+        dst[s][0] = __ldcs(w4 + (size_t)(b * 16 + g) * kv + col);
+        dst[s][1] = __ldcs(w4 + (size_t)(b * 16 + g + 8) * kv + col);
+      }
     }
   };
   auto load_x = [&](uint4 (&dst)[STEPS], int chunk) {
@@ -229,7 +311,10 @@ __global__ void __launch_bounds__(THREADS, SE_MIN_CTAS) linear_kernel(const Para
 #pragma unroll
       for (int i = 0; i < 4; ++i) mine[i] = c[i], c[i] = 0.f;
       __syncthreads();
-      finish_block(p, red, scale, blk);
+      if constexpr (ROPE)
+        finish_rope(p, r, red, scale, blk);
+      else
+        finish_block(p, red, scale, blk);
       __syncthreads();
     }
 #pragma unroll
@@ -256,8 +341,8 @@ int sm_count(int dev) {
   return n;
 }
 
-template <bool STAGED>
-int launch(const Params& p, void* stream) {
+template <bool STAGED, bool ROPE>
+int launch(const Params& p, const Rope& r, void* stream) {
   // The dynamic shared memory the kernel was last allowed, a device each: the attribute
   // belongs to the device current at the call.
   static size_t allowed[MAX_DEVICES] = {};
@@ -265,7 +350,7 @@ int launch(const Params& p, void* stream) {
   const bool cached = dev >= 0 && dev < MAX_DEVICES;
   const size_t smem = (RED_FLOATS + NORM_FLOATS) * sizeof(float) + (STAGED ? (size_t)p.M * (p.K / 8 + 1) * 16 : 0);
   if (!cached || smem > allowed[dev]) {
-    const cudaError_t e = cudaFuncSetAttribute(linear_kernel<STAGED>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    const cudaError_t e = cudaFuncSetAttribute(linear_kernel<STAGED, ROPE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                (int)smem);
     if (e != cudaSuccess) return (int)e;
     if (cached) allowed[dev] = smem;
@@ -281,7 +366,7 @@ int launch(const Params& p, void* stream) {
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = p.pdl ? 1 : 0;
-  return (int)cudaLaunchKernelEx(&cfg, linear_kernel<STAGED>, p);
+  return (int)cudaLaunchKernelEx(&cfg, linear_kernel<STAGED, ROPE>, p, r);
 }
 
 }  // namespace
@@ -294,7 +379,25 @@ extern "C" int se_linear(const void* x, const void* w, const void* residual, voi
   if (M < 1 || M > MAX_ROWS) return -2;
   const Params p = {(const __nv_bfloat16*)x, (const __nv_bfloat16*)w, (const __nv_bfloat16*)residual,
                     (__nv_bfloat16*)y, M, N, K, eps, norm, gated, pdl};
-  return staged ? launch<true>(p, stream) : launch<false>(p, stream);
+  const Rope r = {};
+  return staged ? launch<true, false>(p, r, stream) : launch<false, false>(p, r, stream);
+}
+
+// qkv with the rope epilogue (`Rope`): y receives q rotated [M, hq * 128]; k and v
+// go to the caches. -> as se_linear, or -3 (N is not (hq + 2 hkv) * 128, or page_size < 1).
+extern "C" int se_linear_rope(const void* x, const void* w, void* y, int M, int N, int K, float eps, int norm,
+                              int staged, int pdl, const void* cos, const void* sin, long long cs_stride,
+                              void* k_cache, void* v_cache, long long k_page, long long k_tok, long long v_page,
+                              long long v_tok, int page_size, const void* slots, int hq, int hkv, void* stream) {
+  if (N <= 0 || N % 16 != 0 || K <= 0 || K % K_MULTIPLE != 0) return -1;
+  if (M < 1 || M > MAX_ROWS) return -2;
+  if (hq < 1 || hkv < 1 || N != (hq + 2 * hkv) * ROPE_D || page_size < 1) return -3;
+  const Params p = {(const __nv_bfloat16*)x, (const __nv_bfloat16*)w, nullptr, (__nv_bfloat16*)y, M, N, K, eps,
+                    norm, 0, pdl};
+  const Rope r = {(const __nv_bfloat16*)cos, (const __nv_bfloat16*)sin, (__nv_bfloat16*)k_cache,
+                  (__nv_bfloat16*)v_cache, (const long long*)slots, cs_stride, k_page, k_tok, v_page, v_tok,
+                  page_size, hq, hkv};
+  return staged ? launch<true, true>(p, r, stream) : launch<false, true>(p, r, stream);
 }
 
 // K must be a multiple of this: the wrapper checks it against the build it loaded.

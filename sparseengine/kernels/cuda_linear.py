@@ -208,13 +208,8 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() and t.data_ptr() % 16 == 0 else t.contiguous()
 
 
-def cuda_linear(x: torch.Tensor, weight: torch.Tensor, *, rms_eps: float | None = None,
-                residual: torch.Tensor | None = None, gated: bool = False, pdl: bool | None = None,
-                staged: bool | None = None) -> torch.Tensor:
-    """`x [..., K]` bf16 (1-8 rows), `weight [N, K]` bf16 contiguous -> `[..., N]` bf16 on
-    the current stream (gated: `[..., N / 2]`). `pdl`: a programmatic dependent launch
-    (default `PDL`); `staged`: x copied into shared memory (default: when each CTA takes at
-    least `STAGE_BLOCKS` blocks and it fits)."""
+def check_launch_args(x: torch.Tensor, weight, rms_eps) -> int:
+    """x's rows for a launch on `weight [N, K]`, after the checks every launch shares."""
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ValueError(f"weight must be a [N, K] tensor, got {getattr(weight, 'shape', type(weight).__name__)}")
     n, k = weight.shape
@@ -229,17 +224,15 @@ def cuda_linear(x: torch.Tensor, weight: torch.Tensor, *, rms_eps: float | None 
         raise ValueError(f"cuda_linear needs N a multiple of {N_MULTIPLE} and K of {k_multiple()}, got N={n}, K={k}")
     if rms_eps is not None and not (isinstance(rms_eps, (int, float)) and rms_eps >= 0):
         raise ValueError(f"rms_eps must be a number >= 0 or None, got {rms_eps!r}")
-    out_n = n // 2 if gated else n
-    if gated and residual is not None:
-        raise ValueError("gated takes no residual (the MLP adds it after down)")
-    if residual is not None and (tuple(residual.shape) != (*x.shape[:-1], n) or residual.dtype != x.dtype):
-        raise ValueError(f"residual must be {(*x.shape[:-1], n)} in {x.dtype}, got {tuple(residual.shape)} "
-                         f"{residual.dtype}")
+    return rows
+
+
+def launch_plan(x: torch.Tensor, weight: torch.Tensor, rows: int, staged: bool | None) -> tuple:
+    """(library, staged, x as an aligned `[rows, K]`) for a launch: x staged in shared memory
+    by default where each CTA takes at least `STAGE_BLOCKS` blocks and it fits."""
+    n, k = weight.shape
     if not weight.is_contiguous() or weight.data_ptr() % 16:
         raise ValueError("weight must be contiguous and 16-byte aligned")
-    tensors = (x, weight) if residual is None else (x, weight, residual)
-    if any(t.device != x.device for t in tensors):
-        raise ValueError(f"x, weight and residual must share a device, got {[str(t.device) for t in tensors]}")
     reason = unavailable(x.device)
     if reason is not None:
         raise RuntimeError(f"cuda_linear cannot run: {reason}")
@@ -254,18 +247,46 @@ def cuda_linear(x: torch.Tensor, weight: torch.Tensor, *, rms_eps: float | None 
             staged, smem = False, so.se_linear_smem(rows, k, 0)
         if smem > limit:
             raise ValueError(f"cuda_linear needs {smem} bytes of shared memory, the device allows {limit}")
-    lead = x.shape[:-1]
-    x2 = _aligned(x.reshape(rows, k))
+    return so, staged, _aligned(x.reshape(rows, k))
+
+
+def on_device(x: torch.Tensor, launch, what: str) -> None:
+    """`launch()` (the library's, -> its error code) with x's device current: the library
+    launches on, and sizes for, the current device. Raises on an error code, naming `what`."""
+    if x.device.index is None or x.device.index == torch.cuda.current_device():
+        err = launch()
+    else:
+        with torch.cuda.device(x.device):
+            err = launch()
+    if err:
+        raise RuntimeError(f"cuda_linear's launch failed: error {err} ({what})")
+
+
+def cuda_linear(x: torch.Tensor, weight: torch.Tensor, *, rms_eps: float | None = None,
+                residual: torch.Tensor | None = None, gated: bool = False, pdl: bool | None = None,
+                staged: bool | None = None) -> torch.Tensor:
+    """`x [..., K]` bf16 (1-8 rows), `weight [N, K]` bf16 contiguous -> `[..., N]` bf16 on
+    the current stream (gated: `[..., N / 2]`). `pdl`: a programmatic dependent launch
+    (default `PDL`); `staged`: x copied into shared memory (default: when each CTA takes at
+    least `STAGE_BLOCKS` blocks and it fits)."""
+    rows = check_launch_args(x, weight, rms_eps)
+    n, k = weight.shape
+    out_n = n // 2 if gated else n
+    if gated and residual is not None:
+        raise ValueError("gated takes no residual (the MLP adds it after down)")
+    if residual is not None and (tuple(residual.shape) != (*x.shape[:-1], n) or residual.dtype != x.dtype):
+        raise ValueError(f"residual must be {(*x.shape[:-1], n)} in {x.dtype}, got {tuple(residual.shape)} "
+                         f"{residual.dtype}")
+    if not weight.is_contiguous() or weight.data_ptr() % 16:
+        raise ValueError("weight must be contiguous and 16-byte aligned")
+    tensors = (x, weight) if residual is None else (x, weight, residual)
+    if any(t.device != x.device for t in tensors):
+        raise ValueError(f"x, weight and residual must share a device, got {[str(t.device) for t in tensors]}")
+    so, staged, x2 = launch_plan(x, weight, rows, staged)
     r2 = None if residual is None else _aligned(residual.reshape(rows, n))
     y = _common.empty((rows, out_n), x.dtype, x.device)
     args = (x2.data_ptr(), weight.data_ptr(), 0 if r2 is None else r2.data_ptr(), y.data_ptr(), rows, n, k,
             float(rms_eps or 0.0), int(rms_eps is not None), int(gated), int(staged), int(PDL if pdl is None else pdl),
             torch.cuda.current_stream(x.device).cuda_stream)
-    if x.device.index is None or x.device.index == torch.cuda.current_device():
-        err = so.se_linear(*args)
-    else:  # the library launches on (and sizes for) the current device: make it x's
-        with torch.cuda.device(x.device):
-            err = so.se_linear(*args)
-    if err:
-        raise RuntimeError(f"cuda_linear's launch failed: error {err} (M={rows}, N={n}, K={k}, staged={staged})")
-    return y.reshape(*lead, out_n)
+    on_device(x, lambda: so.se_linear(*args), f"M={rows}, N={n}, K={k}, staged={staged}")
+    return y.reshape(*x.shape[:-1], out_n)

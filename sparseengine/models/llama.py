@@ -32,6 +32,9 @@ class SelfAttention(nn.Module):
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """`norm`, `residual`: folded into the projections (`Linear`)."""
         t = x.shape[0]
+        if not self.qk_norm and self.attn.takes_projection(x, self.qkv_proj):  # rotary and KV write in qkv's epilogue
+            return self.o_proj(self.attn.project_and_attend(x, self.qkv_proj, norm, cos, sin).reshape(
+                t, self.hq * self.d), residual=residual)
         q, k, v = self.qkv_proj(x, norm).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         q, k, v = q.view(t, self.hq, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
         if self.qk_norm:
