@@ -29,7 +29,8 @@ def _args(device="cpu", rows=6, hq=4, hkv=2, k=2048, pages=12, page_size=16, gen
     k_cache = buf[:, :, : hkv * D].unflatten(-1, (hkv, D))
     v_cache = torch.zeros(pages, page_size, hkv, D, dtype=BF16)
     slots = torch.randperm(pages * page_size, generator=gen)[:rows].long()
-    slots[rows // 2] = -1  # a padding row: written nowhere
+    if rows > 1:
+        slots[rows // 2] = -1  # a padding row: written nowhere
     t = dict(x=x, weight=w, cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots)
     t = {n: v.to(device) for n, v in t.items()}
     return dict(t, rms_eps=1e-5, num_heads=hq, num_kv_heads=hkv)
