@@ -250,16 +250,13 @@ def launch_plan(x: torch.Tensor, weight: torch.Tensor, rows: int, staged: bool |
     return so, staged, _aligned(x.reshape(rows, k))
 
 
-def on_device(x: torch.Tensor, launch, what: str) -> None:
-    """`launch()` (the library's, -> its error code) with x's device current: the library
-    launches on, and sizes for, the current device. Raises on an error code, naming `what`."""
+def on_device(x: torch.Tensor, launch, *args) -> int:
+    """`launch(*args)` (a library entry point, -> its error code) with x's device current:
+    the library launches on, and sizes for, the current device."""
     if x.device.index is None or x.device.index == torch.cuda.current_device():
-        err = launch()
-    else:
-        with torch.cuda.device(x.device):
-            err = launch()
-    if err:
-        raise RuntimeError(f"cuda_linear's launch failed: error {err} ({what})")
+        return launch(*args)
+    with torch.cuda.device(x.device):
+        return launch(*args)
 
 
 def cuda_linear(x: torch.Tensor, weight: torch.Tensor, *, rms_eps: float | None = None,
@@ -277,16 +274,15 @@ def cuda_linear(x: torch.Tensor, weight: torch.Tensor, *, rms_eps: float | None 
     if residual is not None and (tuple(residual.shape) != (*x.shape[:-1], n) or residual.dtype != x.dtype):
         raise ValueError(f"residual must be {(*x.shape[:-1], n)} in {x.dtype}, got {tuple(residual.shape)} "
                          f"{residual.dtype}")
-    if not weight.is_contiguous() or weight.data_ptr() % 16:
-        raise ValueError("weight must be contiguous and 16-byte aligned")
     tensors = (x, weight) if residual is None else (x, weight, residual)
     if any(t.device != x.device for t in tensors):
         raise ValueError(f"x, weight and residual must share a device, got {[str(t.device) for t in tensors]}")
     so, staged, x2 = launch_plan(x, weight, rows, staged)
     r2 = None if residual is None else _aligned(residual.reshape(rows, n))
     y = _common.empty((rows, out_n), x.dtype, x.device)
-    args = (x2.data_ptr(), weight.data_ptr(), 0 if r2 is None else r2.data_ptr(), y.data_ptr(), rows, n, k,
-            float(rms_eps or 0.0), int(rms_eps is not None), int(gated), int(staged), int(PDL if pdl is None else pdl),
-            torch.cuda.current_stream(x.device).cuda_stream)
-    on_device(x, lambda: so.se_linear(*args), f"M={rows}, N={n}, K={k}, staged={staged}")
+    err = on_device(x, so.se_linear, x2.data_ptr(), weight.data_ptr(), 0 if r2 is None else r2.data_ptr(),
+                    y.data_ptr(), rows, n, k, float(rms_eps or 0.0), int(rms_eps is not None), int(gated), int(staged),
+                    int(PDL if pdl is None else pdl), torch.cuda.current_stream(x.device).cuda_stream)
+    if err:
+        raise RuntimeError(f"cuda_linear's launch failed: error {err} (M={rows}, N={n}, K={k}, staged={staged})")
     return y.reshape(*x.shape[:-1], out_n)

@@ -74,10 +74,12 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, rms_eps: float | None, co
     n, k = weight.shape
     slots = slot_mapping.contiguous()
     q = _common.empty((rows, num_heads, d), x.dtype, x.device)
-    args = (x2.data_ptr(), weight.data_ptr(), q.data_ptr(), rows, n, k, float(rms_eps or 0.0),
-            int(rms_eps is not None), int(staged), int(cuda_linear.PDL if pdl is None else pdl),
-            cos.data_ptr(), sin.data_ptr(), cos.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-            k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), k_cache.shape[1],
-            slots.data_ptr(), num_heads, num_kv_heads, torch.cuda.current_stream(x.device).cuda_stream)
-    cuda_linear.on_device(x, lambda: so.se_linear_rope(*args), f"qkv rope, M={rows}, N={n}, K={k}")
+    err = cuda_linear.on_device(
+        x, so.se_linear_rope, x2.data_ptr(), weight.data_ptr(), q.data_ptr(), rows, n, k, float(rms_eps or 0.0),
+        int(rms_eps is not None), int(staged), int(cuda_linear.PDL if pdl is None else pdl), cos.data_ptr(),
+        sin.data_ptr(), cos.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), k_cache.shape[1], slots.data_ptr(), num_heads, num_kv_heads,
+        torch.cuda.current_stream(x.device).cuda_stream)
+    if err:
+        raise RuntimeError(f"cuda_linear_rope's launch failed: error {err} (M={rows}, N={n}, K={k}, staged={staged})")
     return q

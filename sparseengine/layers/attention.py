@@ -33,12 +33,10 @@ class Attention(nn.Module):
         """Whether `project_and_attend` runs here: the qkv kernel with the rotary and KV write
         in its epilogue takes x and the layer (`cuda_linear_rope.takes`), and the provider
         writes the standard paged cache (a Triton-kernel provider)."""
-        if not cuda_linear_rope.ENGINE:  # first: eager steps are host-bound
+        if proj.bias is not None or not cuda_linear_rope.takes(x, proj.weight, self.head_dim):  # off: returns first
             return False
         ctx = get_step_context()
-        return (proj.bias is None and ctx.provider.triton_kernels
-                and ctx.views[self.layer_id].slot_mapping.dtype == torch.int64
-                and cuda_linear_rope.takes(x, proj.weight, self.head_dim))
+        return ctx.provider.triton_kernels and ctx.views[self.layer_id].slot_mapping.dtype == torch.int64
 
     def project_and_attend(self, x: torch.Tensor, proj: nn.Linear, norm: nn.Module | None, cos: torch.Tensor,
                            sin: torch.Tensor) -> torch.Tensor:
