@@ -100,6 +100,18 @@ def build_command(nvcc: str, out: str, build: tuple[int, int, int]) -> list[str]
             f"-DSE_STEPS={steps}", f"-DSE_MIN_CTAS={min_ctas}", "-o", out, str(SOURCE)]
 
 
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
+# The library's entry points as ctypes calls them (restype, argtypes), in the order of their
+# `extern "C"` declarations in SOURCE (a CPU test holds the two together).
+SIGNATURES = {
+    "se_linear": (_I, [_P] * 4 + [_I] * 3 + [_F] + [_I] * 4 + [_P]),
+    "se_linear_rope": (_I, [_P] * 3 + [_I] * 3 + [_F] + [_I] * 3 + [_P] * 2 + [_L] + [_P] * 2 + [_L] * 4
+                       + [_I, _P, _I, _I, _P]),
+    "se_linear_k_multiple": (_I, []),
+    "se_linear_smem": (_L, [_I] * 3),
+}
+
+
 @functools.lru_cache(maxsize=None)
 def _library(build: tuple[int, int, int]) -> ctypes.CDLL:
     nvcc = _nvcc()
@@ -118,12 +130,8 @@ def _library(build: tuple[int, int, int]) -> ctypes.CDLL:
             raise RuntimeError(f"cuda_linear: nvcc failed ({' '.join(cmd)}):\n{done.stderr[-3000:]}")
         os.replace(tmp, lib)  # atomic: a process building beside this one finds a whole file
     so = ctypes.CDLL(str(lib))
-    so.se_linear.restype = ctypes.c_int
-    so.se_linear.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int] * 3 + [ctypes.c_float] + [ctypes.c_int] * 4
-                             + [ctypes.c_void_p])
-    so.se_linear_smem.restype = ctypes.c_longlong
-    so.se_linear_smem.argtypes = [ctypes.c_int] * 3
-    so.se_linear_k_multiple.restype = ctypes.c_int
+    for name, (restype, argtypes) in SIGNATURES.items():
+        getattr(so, name).restype, getattr(so, name).argtypes = restype, argtypes
     if so.se_linear_k_multiple() != build[0] * 32 * build[1]:
         raise RuntimeError(f"cuda_linear's library at {lib} takes K in multiples of {so.se_linear_k_multiple()}, "
                            f"its build {build} in {build[0] * 32 * build[1]}")
