@@ -55,6 +55,9 @@ constexpr int RED_FLOATS = WARPS * 32 * 4;  // the warps' partial sums
 constexpr int NORM_FLOATS = MAX_ROWS + WARPS * MAX_ROWS;  // each row's 1 / rms, each warp's sums of squares
 
 constexpr int ROPE_D = 128;  // the rope epilogue's head dim (rotate-half pairs j and j + 64)
+// The ROPE kernel's shared memory past x: the rows' slots, then their cos and sin rows
+// ([2][MAX_ROWS][ROPE_D] bf16), staged once a launch so no block's epilogue waits on a load.
+constexpr int ROPE_BYTES = MAX_ROWS * 8 + 2 * MAX_ROWS * ROPE_D * 2;
 
 struct Params {
   const __nv_bfloat16* x;         // [M, K]
@@ -179,23 +182,24 @@ __device__ __forceinline__ void pair_sums(const float* red, const float* scale, 
 }
 
 // ROPE: block `blk`'s 8 features x M rows, each thread one feature f and row m: tile rows f
-// and f + 8, rounded to bf16 as the model's qkv output is. A q or k block's pair (dims j and
+// and f + 8, rounded to bf16 as the model's qkv output is (`slots`, `cs`: the launch's
+// staged copies of p.slots and the cos, sin rows). A q or k block's pair (dims j and
 // j + 64 of its head) is rotated as fused_ops.rotary_kv_write rounds it (each product, then
 // the sum); a v block's rows are two consecutive dims 8 apart. q goes to y, k and v to the
 // token's cache row.
 __device__ __forceinline__ void finish_rope(const Params& a, const Rope& p, const float* red, const float* scale,
-                                            int blk) {
+                                            const long long* slots, const __nv_bfloat16* cs, int blk) {
   if (threadIdx.x >= 64) return;
   const int f = threadIdx.x >> 3, m = threadIdx.x & 7;
   if (m >= a.M) return;
   float lo, hi;
   pair_sums(red, scale, a.norm, f, m, lo, hi);
   const int qk_blocks = (p.hq + p.hkv) * (ROPE_D / 16);
-  const long long slot = p.slots[m];
+  const long long slot = slots[m];
   if (blk < qk_blocks) {
     const int head = blk >> 3, j = (blk & 7) * 8 + f;
-    const __nv_bfloat16* cr = p.cos + m * p.cs_stride;
-    const __nv_bfloat16* sr = p.sin + m * p.cs_stride;
+    const __nv_bfloat16* cr = cs + m * ROPE_D;
+    const __nv_bfloat16* sr = cs + (MAX_ROWS + m) * ROPE_D;
     const float c1 = __bfloat162float(cr[j]), c2 = __bfloat162float(cr[j + ROPE_D / 2]);
     const float s1 = __bfloat162float(sr[j]), s2 = __bfloat162float(sr[j + ROPE_D / 2]);
     const float o1 = round_bf16(round_bf16(lo * c1) + round_bf16(-hi * s1));
@@ -293,8 +297,33 @@ __global__ void __launch_bounds__(THREADS, SE_MIN_CTAS) linear_kernel(const Para
   if (blk < blocks) load_w(cur, blk, 0);  // before the wait: the weights are ours
   if (p.pdl) asm volatile("griddepcontrol.wait;" ::: "memory");
   if (!STAGED && blk < blocks) load_x(xc, 0);  // from L2: in flight through the prologue
+  // ROPE: the rows' slots and their cos, sin rows (16 B a load: part, row, cos or sin), the
+  // first THREADS loads in flight through the prologue too
+  long long* rslot = reinterpret_cast<long long*>(xs + (STAGED ? (size_t)M * xrow : 0));
+  uint4* rcs4 = reinterpret_cast<uint4*>(rslot + MAX_ROWS);
+  auto rope_load = [&](int i, int& at) -> uint4 {
+    const int part = i & 15, row = (i >> 4) % M, is_sin = i >= 16 * M;
+    at = ((is_sin ? MAX_ROWS : 0) + row) * (ROPE_D / 8) + part;
+    return __ldg(reinterpret_cast<const uint4*>((is_sin ? r.sin : r.cos) + row * r.cs_stride) + part);
+  };
+  long long slot = 0;
+  uint4 rope_cs = make_uint4(0u, 0u, 0u, 0u);
+  int rope_at = 0;
+  if constexpr (ROPE) {
+    if (threadIdx.x < M) slot = r.slots[threadIdx.x];
+    if (threadIdx.x < 32 * M) rope_cs = rope_load(threadIdx.x, rope_at);
+  }
   prologue<STAGED>(p, x4, xs, wsum, scale);
   if (STAGED && blk < blocks) load_x(xc, 0);
+  if constexpr (ROPE) {  // the loads went out before the prologue; its sync or the first block's orders these stores
+    if (threadIdx.x < M) rslot[threadIdx.x] = slot;
+    if (threadIdx.x < 32 * M) rcs4[rope_at] = rope_cs;
+    for (int i = threadIdx.x + THREADS; i < 32 * M; i += THREADS) {  // builds of under 256 threads
+      int at;
+      const uint4 v = rope_load(i, at);
+      rcs4[at] = v;
+    }
+  }
   float c[4] = {0.f, 0.f, 0.f, 0.f};
   for (int ch = 0; blk < blocks;) {
     int nblk = blk, nch = ch + 1;
@@ -312,7 +341,7 @@ __global__ void __launch_bounds__(THREADS, SE_MIN_CTAS) linear_kernel(const Para
       for (int i = 0; i < 4; ++i) mine[i] = c[i], c[i] = 0.f;
       __syncthreads();
       if constexpr (ROPE)
-        finish_rope(p, r, red, scale, blk);
+        finish_rope(p, r, red, scale, rslot, reinterpret_cast<const __nv_bfloat16*>(rcs4), blk);
       else
         finish_block(p, red, scale, blk);
       __syncthreads();
@@ -348,7 +377,8 @@ int launch(const Params& p, const Rope& r, void* stream) {
   static size_t allowed[MAX_DEVICES] = {};
   const int dev = current_device();
   const bool cached = dev >= 0 && dev < MAX_DEVICES;
-  const size_t smem = (RED_FLOATS + NORM_FLOATS) * sizeof(float) + (STAGED ? (size_t)p.M * (p.K / 8 + 1) * 16 : 0);
+  const size_t smem = (RED_FLOATS + NORM_FLOATS) * sizeof(float) + (STAGED ? (size_t)p.M * (p.K / 8 + 1) * 16 : 0)
+                      + (ROPE ? ROPE_BYTES : 0);
   if (!cached || smem > allowed[dev]) {
     const cudaError_t e = cudaFuncSetAttribute(linear_kernel<STAGED, ROPE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                (int)smem);
@@ -404,6 +434,7 @@ extern "C" int se_linear_rope(const void* x, const void* w, void* y, int M, int 
 extern "C" int se_linear_k_multiple() { return K_MULTIPLE; }
 
 // The shared memory a launch needs (bytes): the wrapper checks it against the device's.
-extern "C" long long se_linear_smem(int M, int K, int staged) {
-  return (long long)(RED_FLOATS + NORM_FLOATS) * sizeof(float) + (staged ? (long long)M * (K / 8 + 1) * 16 : 0);
+extern "C" long long se_linear_smem(int M, int K, int staged, int rope) {
+  return (long long)(RED_FLOATS + NORM_FLOATS) * sizeof(float) + (staged ? (long long)M * (K / 8 + 1) * 16 : 0)
+         + (rope ? ROPE_BYTES : 0);
 }

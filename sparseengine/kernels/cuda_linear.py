@@ -108,7 +108,7 @@ SIGNATURES = {
     "se_linear_rope": (_I, [_P] * 3 + [_I] * 3 + [_F] + [_I] * 3 + [_P] * 2 + [_L] + [_P] * 2 + [_L] * 4
                        + [_I, _P, _I, _I, _P]),
     "se_linear_k_multiple": (_I, []),
-    "se_linear_smem": (_L, [_I] * 3),
+    "se_linear_smem": (_L, [_I] * 4),
 }
 
 
@@ -235,9 +235,10 @@ def check_launch_args(x: torch.Tensor, weight, rms_eps) -> int:
     return rows
 
 
-def launch_plan(x: torch.Tensor, weight: torch.Tensor, rows: int, staged: bool | None) -> tuple:
+def launch_plan(x: torch.Tensor, weight: torch.Tensor, rows: int, staged: bool | None, rope: bool = False) -> tuple:
     """(library, staged, x as an aligned `[rows, K]`) for a launch: x staged in shared memory
-    by default where each CTA takes at least `STAGE_BLOCKS` blocks and it fits."""
+    by default where each CTA takes at least `STAGE_BLOCKS` blocks and it fits (`rope`: the
+    ROPE kernel's launch, which stages its cos, sin rows too)."""
     n, k = weight.shape
     if not weight.is_contiguous() or weight.data_ptr() % 16:
         raise ValueError("weight must be contiguous and 16-byte aligned")
@@ -248,11 +249,11 @@ def launch_plan(x: torch.Tensor, weight: torch.Tensor, rows: int, staged: bool |
     if staged is None:
         per_cta = (n // N_MULTIPLE) / torch.cuda.get_device_properties(x.device).multi_processor_count
         staged = per_cta >= STAGE_BLOCKS
-    smem = so.se_linear_smem(rows, k, int(staged))
+    smem = so.se_linear_smem(rows, k, int(staged), int(rope))
     limit = torch.cuda.get_device_properties(x.device).shared_memory_per_block_optin
     if smem > limit:
         if staged:  # x does not fit beside the partial sums: read it from L2
-            staged, smem = False, so.se_linear_smem(rows, k, 0)
+            staged, smem = False, so.se_linear_smem(rows, k, 0, int(rope))
         if smem > limit:
             raise ValueError(f"cuda_linear needs {smem} bytes of shared memory, the device allows {limit}")
     return so, staged, _aligned(x.reshape(rows, k))

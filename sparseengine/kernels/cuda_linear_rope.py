@@ -60,6 +60,9 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, rms_eps: float | None, co
                              f"{tuple(t.shape)} {t.dtype} strides {t.stride()}")
     if cos.stride(0) != sin.stride(0):
         raise ValueError(f"cos and sin must share a row stride, got {cos.stride(0)} and {sin.stride(0)}")
+    if cos.stride(0) % 8 or cos.data_ptr() % 16 or sin.data_ptr() % 16:  # the kernel loads them 16 B at a time
+        raise ValueError(f"cos and sin must start 16-byte aligned with a row stride a multiple of 8, got stride "
+                         f"{cos.stride(0)} at byte offsets {cos.data_ptr() % 16} and {sin.data_ptr() % 16}")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if (c.dim() != 4 or tuple(c.shape[2:]) != (num_kv_heads, d) or c.dtype != x.dtype
                 or c.stride()[2:] != (d, 1) or c.shape != k_cache.shape):
@@ -70,7 +73,7 @@ def qkv_rope(x: torch.Tensor, weight: torch.Tensor, *, rms_eps: float | None, co
     tensors = (x, weight, cos, sin, k_cache, v_cache, slot_mapping)
     if any(t.device != x.device for t in tensors):
         raise ValueError(f"every tensor must be on x's device, got {[str(t.device) for t in tensors]}")
-    so, staged, x2 = cuda_linear.launch_plan(x, weight, rows, staged)
+    so, staged, x2 = cuda_linear.launch_plan(x, weight, rows, staged, rope=True)
     n, k = weight.shape
     slots = slot_mapping.contiguous()
     q = _common.empty((rows, num_heads, d), x.dtype, x.device)

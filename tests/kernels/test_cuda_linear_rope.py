@@ -44,6 +44,11 @@ def test_bad_input():
         R.qkv_rope(**dict(a, cos=a["cos"][:, :64]))
     with pytest.raises(ValueError, match="sin must be .* torch.bfloat16"):
         R.qkv_rope(**dict(a, sin=a["sin"].float()))
+    wide = torch.zeros(6, 260, dtype=BF16)
+    with pytest.raises(ValueError, match="16-byte aligned with a row stride a multiple of 8, got stride 260"):
+        R.qkv_rope(**dict(a, cos=wide[:, :128], sin=wide[:, 130:258]))
+    with pytest.raises(ValueError, match="at byte offsets 0 and 4"):
+        R.qkv_rope(**dict(a, cos=wide[:, :128].contiguous(), sin=torch.zeros(6 * 128 + 2, dtype=BF16)[2:].view(6, 128)))
     with pytest.raises(ValueError, match=r"v_cache must be \[pages, page_size, 2, 128\]"):
         R.qkv_rope(**dict(a, v_cache=a["v_cache"][:, :, :1]))
     with pytest.raises(ValueError, match="slot_mapping must be int64"):
