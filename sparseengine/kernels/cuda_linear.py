@@ -176,9 +176,10 @@ def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
 
 def engine_linears(model, device: torch.device) -> str:
     """Which kernels a decode step's linears run (for the records): cuda_linear for batches of
-    up to 8 where it runs and takes the model's layers, the Triton kernel up to
+    up to 8 where it runs and takes the model's layers (`rope`: qkv with the rotary embedding
+    and the KV write, `cuda_linear_rope`), the Triton kernel up to
     `skinny_linear.ENGINE_MAX_ROWS` rows, cuBLAS above; on a CPU, torch."""
-    from . import skinny_linear
+    from . import cuda_linear_rope, skinny_linear
 
     if device.type != "cuda":
         return "torch"
@@ -186,8 +187,11 @@ def engine_linears(model, device: torch.device) -> str:
     layer = model.layers[0]
     weights = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
     cuda = ENGINE and unavailable(device) is None and all(fits(m.weight, m.bias) for m in weights)
-    parts = ([f"cuda<={MAX_ROWS} rows" + (" pdl" if PDL else "") + (" gated" if layer.mlp.gate_group else "")]
-             if cuda else []) + ([triton] if triton else []) + ["cublas"]
+    attn = layer.self_attn
+    rope = (cuda_linear_rope.ENGINE and attn.d == cuda_linear_rope.HEAD_DIM and not attn.qk_norm
+            and attn.qkv_proj.bias is None)  # qkv's rope epilogue, where the provider writes the paged cache
+    parts = ([f"cuda<={MAX_ROWS} rows" + (" pdl" if PDL else "") + (" gated" if layer.mlp.gate_group else "")
+              + (" rope" if rope else "")] if cuda else []) + ([triton] if triton else []) + ["cublas"]
     return ", ".join(parts)
 
 
