@@ -55,9 +55,9 @@ def step_time(llm, prompts, steps: int, warmup: int = 8, reads: list | None = No
               stats: dict | None = None) -> float:
     """Median seconds per pure-decode step over ``steps`` steps after ``warmup``. ``reads``:
     receives what the method runtime says a step reads per request (`batch_reads`);
-    ``stats``: the steps' mean, 90th percentile and maximum (ms), and the steps over 1.2x
-    the median as (index after warm-up, ms): periodic host work shows there, not in the
-    median."""
+    ``stats``: the steps' mean, 90th percentile and maximum (ms), the steps over 1.2x the
+    median as (index after warm-up, ms) (periodic host work shows there, not in the median)
+    and every step's ms in order (`series_ms`)."""
     from experiments.throughput.decode_window import batch_reads
 
     ends, orig = [], llm.step
@@ -81,7 +81,8 @@ def step_time(llm, prompts, steps: int, warmup: int = 8, reads: list | None = No
     if stats is not None:
         stats.update(mean_ms=1e3 * sum(gaps) / len(gaps), p90_ms=1e3 * gaps[int(0.9 * (len(gaps) - 1))],
                      max_ms=1e3 * gaps[-1],
-                     slow_steps=[(i, round(1e3 * t, 3)) for i, t in enumerate(timed) if t > 1.2 * median])
+                     slow_steps=[(i, round(1e3 * t, 3)) for i, t in enumerate(timed) if t > 1.2 * median],
+                     series_ms=[round(1e3 * t, 3) for t in timed])
     return median
 
 
@@ -208,14 +209,17 @@ def _replay_timing() -> tuple[list, Callable[[], None]]:
 
 def _replay_stats(recs: list, skip: int = 10) -> dict:
     """Medians over the replays after `skip`: device ms of a graph, device idle ms from one
-    graph's end to the next one's start event, host us of the launch call, host ms between launches."""
+    graph's end to the next one's start event, host us of the launch call, host ms between
+    launches; and the first two for every replay in order (`..._series`)."""
     torch.cuda.synchronize()
     recs = recs[skip:]
     med = lambda xs: sorted(xs)[len(xs) // 2] if xs else None  # noqa: E731
     return {"replays": len(recs), "graph_device_ms": med([a.elapsed_time(b) for a, b, _, _ in recs]),
             "device_idle_between_ms": med([p[1].elapsed_time(n[0]) for p, n in zip(recs, recs[1:])]),
             "launch_host_us": med([1e6 * h for _, _, h, _ in recs]),
-            "host_between_launches_ms": med([1e3 * (n[3] - p[3]) for p, n in zip(recs, recs[1:])])}
+            "host_between_launches_ms": med([1e3 * (n[3] - p[3]) for p, n in zip(recs, recs[1:])]),
+            "graph_device_ms_series": [round(a.elapsed_time(b), 3) for a, b, _, _ in recs],
+            "device_idle_between_ms_series": [round(p[1].elapsed_time(n[0]), 3) for p, n in zip(recs, recs[1:])]}
 
 
 def main() -> None:
