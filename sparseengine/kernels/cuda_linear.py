@@ -58,7 +58,9 @@ STAGE_BLOCKS = 8
 # build, 16 / 4 / 1, takes 122-124 registers a thread (ptxas, sm_90a): its 512 threads hold
 # the whole register file, so no other kernel's CTA can run beside it on an SM, and the
 # next kernel's programmatic dependent launch starts only on SMs it has left. 2 CTAs an SM
-# hold a thread to 64 registers (ptxas: 400 bytes of spills at 4 steps, 60-92 at 2).
+# hold a thread to 64 registers (ptxas: 400 bytes of spills at 4 steps, 60-92 at 2), and
+# ran far slower on the H200 (session 45, OmniKV b=6 graph step: 19.09 / 19.10 ms at 4
+# steps, 10.44 / 10.45 at 2, against 8.399 / 8.400; cuda_linear_rope_ab_s45_h200.jsonl).
 BUILD_WARPS = 16
 BUILD_STEPS = 4
 BUILD_MIN_CTAS = 1

@@ -13,7 +13,8 @@ then each rotary product and their sum), so the result is theirs bit for bit;
 `ENGINE` (read at each call) lets the model take it. On the H200 (session 45, b=6 at 128K,
 alternating graph-step profiles, two rounds) it took OmniKV's step from 8.421 / 8.426 ms to
 8.380 / 8.370 and Quest's from 8.184 / 8.194 to 8.130 / 8.130: one launch a layer fewer, the
-kernel 29.0 us a layer where qkv and the rotary took 27.9 + 2.5.
+kernel 29.0-29.2 us a layer where qkv and the rotary took 27.6-27.7 + 2.5
+(results/cuda_linear_rope_ab_s45_h200.jsonl).
 """
 from __future__ import annotations
 
