@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from experiments.throughput import gpu_clocks
+
 PREFILL_MODES = ("real", "synthesized")
 
 
@@ -50,6 +52,7 @@ class WindowResult:
     step_s_median: float | None = None  # of the timed steps, each from one step's end to the next's
     step_s_max: float | None = None
     slow_steps: int | None = None  # timed steps over 1.2x the median: pauses (host, GC), not the device's pace
+    clocks: gpu_clocks.ClockSummary | None = None  # the GPU's clocks and power through the timed steps
 
 
 def batch_reads(llm, batch: int) -> tuple[float, float] | None:
@@ -97,7 +100,9 @@ class _StepClock:
 
 
 def measure(llm, prompts: list[list[int]], output_len: int, warmup_steps: int, timed_steps: int,
-            prefill: str = "real") -> WindowResult:
+            prefill: str = "real", sample_clocks: bool = True) -> WindowResult:
+    """The window (module docstring); ``sample_clocks``: ``nvidia-smi`` samples the GPU's
+    clocks and power beside it (`gpu_clocks`; nothing on a CPU)."""
     from sparseengine import ConfigError, SamplingParams
 
     if prefill not in PREFILL_MODES:
@@ -109,7 +114,8 @@ def measure(llm, prompts: list[list[int]], output_len: int, warmup_steps: int, t
                               "engine does not have; use task.prefill=real")
         kwargs["prefill"] = "synthesized"
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    with _StepClock(llm, len(prompts)) as clock:
+    selector = gpu_clocks.gpu_selector(llm.device) if sample_clocks else None
+    with gpu_clocks.ClockSampler(selector) as clocks, _StepClock(llm, len(prompts)) as clock:
         t_call = time.perf_counter()
         outputs = llm.generate(prompts, params, **kwargs)
         wall = time.perf_counter() - t_call
@@ -145,4 +151,4 @@ def measure(llm, prompts: list[list[int]], output_len: int, warmup_steps: int, t
         kv_tokens_mean=statistics.fmean(kv) if kv else None,
         read_tokens_per_layer=clock.read[0] if clock.read else None,
         metadata_bytes_read=clock.read[1] if clock.read else None, step_s_median=median, step_s_max=steps[-1],
-        slow_steps=sum(t > 1.2 * median for t in steps))
+        slow_steps=sum(t > 1.2 * median for t in steps), clocks=clocks.summary(t0, t1))

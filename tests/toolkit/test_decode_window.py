@@ -26,6 +26,7 @@ def test_a_paused_step_is_one_slow_step(tiny_llama, pause_at) -> None:
         prompts = [[3 + i + j for j in range(20)] for i in range(2)]
         w = decode_window.measure(llm, prompts, output_len=16, warmup_steps=2, timed_steps=8)
     assert w.timed_steps == 8 and w.pure_decode_steps >= 10
+    assert w.clocks is None  # a CPU: nothing to sample, nothing guessed
     assert 0 < w.step_s_median <= w.step_s_max
     assert w.step_s == pytest.approx(w.window_s / 8)
     if pause_at is None:
