@@ -89,12 +89,18 @@ def summarize(samples: list[ClockSample], t0: float, t1: float) -> ClockSummary 
 def gpu_selector(device) -> str | None:
     """``nvidia-smi -i``'s name for a torch CUDA device: its UUID (CUDA_VISIBLE_DEVICES may
     renumber devices; the UUID does not), None for a CPU device."""
+    import os
+
     import torch
 
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+    except (AttributeError, RuntimeError):  # no UUID from this torch: the index, where it is nvidia-smi's too
+        return None if os.environ.get("CUDA_VISIBLE_DEVICES") else str(index)
     return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
 
 
