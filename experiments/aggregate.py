@@ -126,9 +126,10 @@ def throughput_table(df: pd.DataFrame) -> pd.DataFrame:
                 entry = {"lane": name, "sparse_method": method, **common, "batch": b,
                          "max_batch": row.get("decode/max_batch") if prefix == "decode" else b,
                          "first_unfit_batch": row.get("decode/first_unfit_batch") if prefix == "decode" else None}
-                for key in ("output_tok_s", "step_s", "pct_of_limit", "limit_tok_s", "bytes_per_step",
-                            "ttft_s_mean", "tpot_s_mean", "kv_tokens_mean", "preemptions", "cold_output_tok_s",
-                            "prompt_tokens_mean"):
+                for key in ("output_tok_s", "step_s", "step_s_median", "pct_of_limit", "limit_tok_s",
+                            "bytes_per_step", "ttft_s_mean", "tpot_s_mean", "kv_tokens_mean", "preemptions",
+                            "cold_output_tok_s", "prompt_tokens_mean", "gpu_sm_mhz_mean", "gpu_power_w_mean",
+                            "gpu_power_capped_share"):  # gpu_*: the clocks through the window (gpu_clocks)
                     entry[key] = row.get(f"{prefix}/bs{b}/{key}")
                 entry["bandwidth_gbps"] = row.get("roofline/bandwidth_gbps")
                 out.append(entry)

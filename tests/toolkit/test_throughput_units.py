@@ -75,10 +75,14 @@ def test_throughput_table_keeps_the_latest_measurement_and_the_hf_lane() -> None
             "recent_tokens": 4, "prefill_sparse_method": "none", "decode/max_batch": 2}
     rows = [dict(base, sparse_method="vanilla", end_time="1", **{"decode/bs1/output_tok_s": 10.0,
                                                                "hf/bs1/output_tok_s": 1.0}),
-            dict(base, sparse_method="vanilla", end_time="2", **{"decode/bs1/output_tok_s": 12.0}),
+            dict(base, sparse_method="vanilla", end_time="2", **{"decode/bs1/output_tok_s": 12.0,
+                                                               "decode/bs1/gpu_power_capped_share": 0.25,
+                                                               "decode/bs1/gpu_sm_mhz_mean": 1790.0}),
             dict(base, sparse_method="snapkv", end_time="1", **{"decode/bs2/output_tok_s": 30.0})]
-    tp = throughput_table(pd.DataFrame(rows)).set_index(["lane", "batch"])["output_tok_s"]
+    table = throughput_table(pd.DataFrame(rows)).set_index(["lane", "batch"])
+    tp = table["output_tok_s"]
     assert tp[("vanilla", 1)] == 12.0  # the re-run replaced the first measurement
+    assert table.loc[("vanilla", 1), ["gpu_power_capped_share", "gpu_sm_mhz_mean"]].tolist() == [0.25, 1790.0]
     assert tp[("hf_generate", 1)] == 1.0
     assert tp[("snapkv (total 16)", 2)] == 30.0
     assert len(tp) == 3
