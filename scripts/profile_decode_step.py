@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import itertools
 import json
 import os
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from experiments.throughput import gpu_clocks
 from experiments.throughput.length_mix import LengthMix
 from sparseengine import LLM, SamplingParams
 
@@ -52,12 +54,13 @@ def prompts_of(lengths: list[int], salt: int = 7) -> list[list[int]]:
 
 
 def step_time(llm, prompts, steps: int, warmup: int = 8, reads: list | None = None,
-              stats: dict | None = None) -> float:
+              stats: dict | None = None, window: list | None = None) -> float:
     """Median seconds per pure-decode step over ``steps`` steps after ``warmup``. ``reads``:
     receives what the method runtime says a step reads per request (`batch_reads`);
     ``stats``: the steps' mean, 90th percentile and maximum (ms), the steps over 1.2x the
     median as (index after warm-up, ms) (periodic host work shows there, not in the median)
-    and every step's ms in order (`series_ms`)."""
+    and every step's ms in order (`series_ms`); ``window``: receives the perf_counter times
+    at which the timed steps began and ended."""
     from experiments.throughput.decode_window import batch_reads
 
     ends, orig = [], llm.step
@@ -76,6 +79,8 @@ def step_time(llm, prompts, steps: int, warmup: int = 8, reads: list | None = No
     finally:
         del llm.step
     timed = [b - a for a, b in zip(ends[warmup:warmup + steps], ends[warmup + 1:warmup + steps + 1])]
+    if window is not None:
+        window.extend((ends[warmup], ends[warmup + steps]))
     gaps = sorted(timed)
     median = gaps[len(gaps) // 2]
     if stats is not None:
@@ -253,6 +258,8 @@ def main() -> None:
                     help="first run these batches of the same prompts through the engine, each for --before-tokens "
                          "tokens (as the benchmark's lane runs its smaller batches before the largest in one engine)")
     ap.add_argument("--before-tokens", type=int, default=304)
+    ap.add_argument("--clocks", action="store_true",
+                    help="nvidia-smi samples the GPU's clocks and power through the timed window (gpu_clocks)")
     ap.add_argument("--replay-timing", action="store_true",
                     help="events around each graph replay in the window: device time of a graph, device idle between")
     ap.add_argument("--first-seq-id", type=int, default=None,
@@ -317,7 +324,13 @@ def main() -> None:
         reads: list = []
         stats: dict = {}
         recs, restore = _replay_timing() if args.replay_timing else (None, None)
-        out["graph_step_ms"] = 1e3 * step_time(llm, prompts, args.window_steps, reads=reads, stats=stats)
+        window: list = []
+        with gpu_clocks.ClockSampler(gpu_clocks.gpu_selector(llm.device) if args.clocks else None) as clocks:
+            out["graph_step_ms"] = 1e3 * step_time(llm, prompts, args.window_steps, reads=reads, stats=stats,
+                                                   window=window)
+        if args.clocks:
+            summary = clocks.summary(*window)
+            out["gpu_clocks"] = None if summary is None else dataclasses.asdict(summary)
         if recs is not None:
             restore()
             out["replay_timing"] = _replay_stats(recs)
