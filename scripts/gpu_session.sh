@@ -234,7 +234,7 @@ variants)
     for i in "${!variants[@]}"; do
       args=(); for c in ${variants[$i]}; do [ "$c" = default ] || args+=(--kernel-const "$c"); done
       timeout 150 python scripts/profile_decode_step.py --method "${METHOD:-quest}" --batch "${BATCH:-6}" --steps 8 \
-        --commit "$COMMIT" "${args[@]}" "${extra[@]}" ${LAUNCH_SEQ:+--launch-sequence "$LAUNCH_SEQ"} \
+        --clocks --commit "$COMMIT" "${args[@]}" "${extra[@]}" ${LAUNCH_SEQ:+--launch-sequence "$LAUNCH_SEQ"} \
         --out "$OUT/var_${i}_r$round.json" > /tmp/var.log 2>&1 \
         || tail -5 /tmp/var.log
     done
@@ -244,7 +244,9 @@ import glob, json, sys
 for f in sorted(glob.glob(sys.argv[1] + "/var_*.json"), key=lambda f: f.rsplit("_r", 1)[::-1]):
     d = json.load(open(f))
     top = sorted(d["graph_kernel_us_per_step"].items(), key=lambda kv: -kv[1])[:6]
-    print(f"{f.rsplit('/', 1)[-1]:16s} step {d['graph_step_ms']:.3f} ms  {d['kernel_consts']}  "
+    c = d.get("gpu_clocks") or {}
+    clocks = f"sm {c['sm_mhz_min']:.0f}-{c['sm_mhz_mean']:.0f} MHz capped {c['power_capped_share']:.2f}  " if c else ""
+    print(f"{f.rsplit('/', 1)[-1]:16s} step {d['graph_step_ms']:.3f} ms  {clocks}{d['kernel_consts']}  "
           + " ".join(f"{k[:18]}={v:.0f}" for k, v in top))
     seq = d.get("graph_launch_sequence", {}).get("launches")
     if isinstance(seq, list):
