@@ -315,7 +315,7 @@ __global__ void __launch_bounds__(THREADS, SE_MIN_CTAS) linear_kernel(const Para
   }
   prologue<STAGED>(p, x4, xs, wsum, scale);
   if (STAGED && blk < blocks) load_x(xc, 0);
-  if constexpr (ROPE) {  // the loads went out before the prologue; its sync or the first block's orders these stores
+  if constexpr (ROPE) {  // loaded before the prologue; the first block's __syncthreads orders these stores
     if (threadIdx.x < M) rslot[threadIdx.x] = slot;
     if (threadIdx.x < 32 * M) rcs4[rope_at] = rope_cs;
     for (int i = threadIdx.x + THREADS; i < 32 * M; i += THREADS) {  // builds of under 256 threads
