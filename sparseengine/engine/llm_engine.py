@@ -21,6 +21,7 @@ from sparseengine.engine.pool_budget import pool_budget
 from sparseengine.engine.pool_plan import PoolPlan, plan_for
 from sparseengine.engine.scheduler import Scheduler, SchedulerConfig
 from sparseengine.engine.sequence import Sequence, SequenceStatus
+from sparseengine.engine.teacher_forcing import AttentionCapture, Forcing, TeacherForcedOutput, forced_requests
 from sparseengine.kernels import cuda_linear, fused_ops, skinny_linear
 from sparseengine.layers.sampler import Sampler
 from sparseengine.method_registry import get_spec, resolve_prefill_policy
@@ -75,6 +76,7 @@ class LLM:
         self.sampler = Sampler()
         self.async_scheduling = self.device.type == "cuda" if cfg.async_scheduling is None else cfg.async_scheduling
         self._inflight: Inflight | None = None  # the last step's tokens, not yet read
+        self._forcing: Forcing | None = None  # during ``teacher_forced``: the tokens to feed
         self._closed = False
 
     # ---- construction ---------------------------------------------------------------
@@ -221,6 +223,33 @@ class LLM:
             self.step()
         return [torch.cat(s.prompt_logits) for s in seqs]
 
+    def teacher_forced(self, prompts: Seq[str | list[int]], continuations: Seq[str | list[int]],
+                       capture_attention: bool = False) -> list[TeacherForcedOutput]:
+        """Prefill each prompt, then decode through the method's own decode path feeding its
+        continuation's tokens instead of sampled ones; one ``TeacherForcedOutput`` per prompt
+        (``teacher_forcing``): the float32 logits predicting each continuation token and,
+        with ``capture_attention``, every layer's attention output at those positions. The
+        steps that capture run eagerly (never a CUDA graph replay), so their decode takes the
+        eager path of the same kernels. Bad input (unequal lengths, an empty continuation, a
+        token id outside the vocabulary, a request longer than ``max_model_len`` or than the
+        KV pool) raises ConfigError before anything runs."""
+        if self._closed:
+            raise RuntimeError("this LLM has been closed")
+        seqs, conts = forced_requests(self, prompts, continuations)
+        capture = AttentionCapture(self.model) if capture_attention else None
+        self._forcing = forcing = Forcing(seqs, conts, capture)
+        self.runner.capture = capture
+        try:
+            for seq in seqs:
+                self.scheduler.add(seq)
+            while self.scheduler.has_unfinished or self._inflight is not None:
+                self.step()
+        finally:
+            self._forcing, self.runner.capture = None, None
+            if capture is not None:
+                capture.close()
+        return [forcing.output(seq) for seq in seqs]
+
     def step(self) -> int:
         """One engine step; returns how many requests finished in it. With asynchronous
         scheduling (``async_scheduling``, on for CUDA by default) a step launches its
@@ -246,7 +275,9 @@ class LLM:
         self.scheduler.advance(batch)
         self.method.finish_step(batch)
         tokens = None
-        if sample_seqs:
+        if sample_seqs and self._forcing is not None:
+            tokens = self._forcing.tokens(sample_seqs, logits)  # teacher_forced: fed as if sampled
+        elif sample_seqs:
             tokens = self.sampler.sample(logits, [s.sampling_params for s in sample_seqs],
                                          [s.seq_id for s in sample_seqs])
         finished = len(batch.failed) + self._settle()  # the previous step's tokens: the device is past them

@@ -10,6 +10,7 @@ from sparseengine.engine.sequence import Sequence
 from sparseengine.engine.cuda_graphs import DecodeGraphs
 from sparseengine.engine.inflight import Feed
 from sparseengine.engine.step_context import LayerView, StepContext, set_step_context
+from sparseengine.engine.teacher_forcing import AttentionCapture
 
 
 class ModelRunner:
@@ -24,6 +25,8 @@ class ModelRunner:
         self.num_layers = model.config.num_layers
         self.graphs = graphs
         self.graph_steps = 0
+        # while set (``LLM.teacher_forced``): every step runs eagerly and tells it its sampled rows
+        self.capture: AttentionCapture | None = None
 
     def _graph_decode(self, seqs: list[Sequence], ids: list[int], pos: list[int], key=None,
                       feed: Feed | None = None) -> torch.Tensor:
@@ -82,12 +85,13 @@ class ModelRunner:
             for r in feed.rows:
                 ids[r] = 0
         key = None
+        graphs = self.graphs if self.capture is None else None
         capturable = not self.method.wants_forward_hooks(seqs) or self.method.graph_capturable()
-        if not capturable and self.graphs is not None and batch.is_pure_decode:
+        if not capturable and graphs is not None and batch.is_pure_decode:
             key = self.method.graph_key(seqs)  # a graph for these requests' state, or eager
             capturable = key is not None
-        if (self.graphs is not None and batch.is_pure_decode and capturable
-                and self.graphs.bucket(len(seqs)) is not None and self.graphs.fits(seqs)):
+        if (graphs is not None and batch.is_pure_decode and capturable
+                and graphs.bucket(len(seqs)) is not None and graphs.fits(seqs)):
             self.method.begin_step_graph(seqs)
             return seqs, self._graph_decode(seqs, ids, pos, key, feed)
         cu = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32, device=self.device)
@@ -102,6 +106,8 @@ class ModelRunner:
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
         if feed is not None:
             feed.apply(ids_t)
+        if self.capture is not None:
+            self.capture.select(sample_rows, self.device)
         try:
             hidden = self.model(ids_t, positions)
         finally:
