@@ -1,15 +1,39 @@
 """Fidelity against the dense reference (``vanilla``) on the same prompts.
 
+The reference generates a greedy continuation of ``max_tokens`` tokens for each prompt;
+the method is measured against it three ways.
+
+Free running (the method's own decode path, its own tokens):
 - ``fidelity/top1_agreement``: greedy continuations of both engines compared position by
-  position (free running: the decode path of the method is exercised).
+  position.
 - ``fidelity/prefix_match_tokens``: tokens before the first disagreement.
-- ``fidelity/kl_mean`` / ``fidelity/teacher_forced_top1``: KL(reference || method) and
-  argmax agreement of the next-token distributions at the last ``kl_positions`` prompt
-  positions and along the reference continuation, from ``LLM.prompt_logits`` (the prefill
-  path: it sees prefill-side sparsity; decode-side methods need an engine hook for
-  teacher-forced decode logits).
-- Attention-output relative error: not measured yet; the engine exposes no per-layer
-  attention outputs (TODO, needs an engine hook).
+
+Prompt path (``LLM.prompt_logits`` over prompt + reference continuation: the PREFILL path,
+so these see only prefill-side sparsity; a decode-side method such as Quest, OmniKV, H2O
+or StreamingLLM scores near 0 KL here whatever its decode does):
+- ``fidelity/kl_mean`` / ``fidelity/kl_max``: KL(reference || method) of the next-token
+  distributions at the last ``kl_positions`` prompt positions and along the continuation,
+  averaged per sample; the mean and the largest of those sample means.
+- ``fidelity/teacher_forced_top1``: argmax agreement at the same positions.
+
+Decode path (``LLM.teacher_forced`` along the reference's continuation, in both engines:
+each prompt prefilled, then every continuation token fed in turn through the engine's
+real decode path, so the method's selection, eviction and compression all run; rows
+``i = 0 .. max_tokens - 1`` predict continuation token ``i``, row 0 at the prompt's last
+position, the others at decode steps):
+- ``fidelity/decode_kl_mean`` / ``fidelity/decode_kl_max``: KL(reference || method) of
+  the next-token distributions at those rows, averaged per sample; the mean and the
+  largest of those sample means.
+- ``fidelity/decode_teacher_forced_top1``: share of those rows whose argmax agrees.
+- ``fidelity/attention_output_rel_error``: at each of those rows and each layer, the
+  attention output (the attention op's output before the o projection, all heads, float32)
+  gives ``||a_method - a_ref||_2 / ||a_ref||_2``; the mean over rows and layers per sample,
+  then the mean over samples (every sample has the same rows and layers, so this is the
+  mean over samples, rows and layers). Per sample (``samples.jsonl``) also its largest
+  value and its mean per layer.
+- ``fidelity/decode_preemptions``: times a teacher-forced request of either engine was
+  prefilled again because the KV pool ran out (0 normally); the row after each came from
+  a prefill rather than a decode step.
 """
 
 from __future__ import annotations
@@ -25,6 +49,38 @@ from experiments.corpus import token_windows
 from experiments.tasks.base import Task, TaskEnv
 
 
+def kl_rows(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """KL(ref || method) per row of two ``[n, vocab]`` log-probability tensors -> ``[n]``."""
+    return (ref_logp.exp() * (ref_logp - logp)).sum(-1)
+
+
+def attention_rel_error(ref: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
+    """``||got - ref|| / ||ref||`` per (row, layer) of two ``[n, layers, heads * head_dim]``
+    attention outputs -> ``[n, layers]``."""
+    return (got - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(torch.finfo(ref.dtype).tiny)
+
+
+def sample_metrics(ref_tokens: list[int], tokens: list[int], ref_logp: torch.Tensor, logp: torch.Tensor,
+                   ref_forced, forced) -> dict[str, Any]:
+    """One prompt's record: free-running tokens, prompt-path log-probs and teacher-forced
+    outputs (``TeacherForcedOutput``) of the reference and of the method."""
+    n = min(len(ref_tokens), len(tokens))
+    same = [x == y for x, y in zip(ref_tokens[:n], tokens[:n])]
+    decode_kl = kl_rows(torch.log_softmax(ref_forced.logits, -1), torch.log_softmax(forced.logits, -1))
+    err = attention_rel_error(ref_forced.attention, forced.attention)  # [rows, layers]
+    return {"top1_agreement": sum(same) / max(1, n),
+            "prefix_match_tokens": same.index(False) if False in same else n,
+            "kl_mean": float(kl_rows(ref_logp, logp).mean()),
+            "teacher_forced_top1": float((ref_logp.argmax(-1) == logp.argmax(-1)).float().mean()),
+            "decode_kl_mean": float(decode_kl.mean()), "decode_kl_worst_row": float(decode_kl.max()),
+            "decode_teacher_forced_top1": float((ref_forced.logits.argmax(-1) == forced.logits.argmax(-1))
+                                                .float().mean()),
+            "attention_output_rel_error": float(err.mean()),
+            "attention_output_rel_error_max": float(err.max()),
+            "attention_output_rel_error_per_layer": err.mean(0).tolist(),
+            "decode_preemptions": ref_forced.preemptions + forced.preemptions}
+
+
 @dataclass
 class FidelityTask(Task):
     name: str = "fidelity"
@@ -36,6 +92,8 @@ class FidelityTask(Task):
     text_path: str | None = None
 
     def _pass(self, llm, windows: list[list[int]], conts: list[list[int]] | None, desc: str):
+        """Free-running greedy outputs, the continuations to force (the reference's), the
+        prompt-path log-probs and the teacher-forced decode outputs."""
         from sparseengine import SamplingParams
 
         outs = llm.generate(windows, SamplingParams(temperature=0.0, max_tokens=self.max_tokens, ignore_eos=True))
@@ -45,7 +103,8 @@ class FidelityTask(Task):
             logits = llm.prompt_logits([w + c])[0]
             keep = min(len(w) + len(c) - 1, self.kl_positions + len(c))
             logps.append(torch.log_softmax(logits[-keep - 1:-1].float(), dim=-1))  # rows predicting known tokens
-        return [o.token_ids for o in outs], conts, logps
+        forced = llm.teacher_forced(windows, conts, capture_attention=True)
+        return [o.token_ids for o in outs], conts, logps, forced
 
     def run(self, env: TaskEnv) -> dict[str, Any]:
         ref_kwargs = {"sparse_method": self.reference_method, "prefill_sparse_method": "none",
@@ -53,25 +112,26 @@ class FidelityTask(Task):
         with env.engine(**ref_kwargs) as ref:
             windows = token_windows(ref.tokenizer, ref.model_config.vocab_size, self.context_length,
                                     self.num_samples, env.seed, self.text_path)
-            ref_out, conts, ref_logps = self._pass(ref, windows, None, "fidelity reference")
+            ref_out, conts, ref_logps, ref_forced = self._pass(ref, windows, None, "fidelity reference")
         with env.engine() as llm:
-            out, _, logps = self._pass(llm, windows, conts, "fidelity method")
-        agree, prefix, kls, top1 = [], [], [], []
-        for i, (a, b, p, q) in enumerate(zip(ref_out, out, ref_logps, logps)):
-            n = min(len(a), len(b))
-            same = [x == y for x, y in zip(a[:n], b[:n])]
-            agree.append(sum(same) / max(1, n))
-            prefix.append(same.index(False) if False in same else n)
-            kl = (p.exp() * (p - q)).sum(-1)
-            kls.append(float(kl.mean()))
-            top1.append(float((p.argmax(-1) == q.argmax(-1)).float().mean()))
-            env.sample({"index": i, "top1_agreement": agree[-1], "prefix_match_tokens": prefix[-1],
-                        "kl_mean": kls[-1], "teacher_forced_top1": top1[-1]})
-        metrics = {"fidelity/top1_agreement": statistics.fmean(agree),
-                   "fidelity/prefix_match_tokens": statistics.fmean(prefix),
-                   "fidelity/kl_mean": statistics.fmean(kls), "fidelity/kl_max": max(kls),
-                   "fidelity/teacher_forced_top1": statistics.fmean(top1),
-                   "fidelity/attention_output_rel_error": None,  # TODO: needs an engine hook
+            out, _, logps, forced = self._pass(llm, windows, conts, "fidelity method")
+        rows = []
+        for i, outputs in enumerate(zip(ref_out, out, ref_logps, logps, ref_forced, forced)):
+            rows.append({"index": i, **sample_metrics(*outputs)})
+            env.sample(rows[-1])
+
+        def mean(key: str) -> float:
+            return statistics.fmean(r[key] for r in rows)
+
+        metrics = {"fidelity/top1_agreement": mean("top1_agreement"),
+                   "fidelity/prefix_match_tokens": mean("prefix_match_tokens"),
+                   "fidelity/kl_mean": mean("kl_mean"), "fidelity/kl_max": max(r["kl_mean"] for r in rows),
+                   "fidelity/teacher_forced_top1": mean("teacher_forced_top1"),
+                   "fidelity/decode_kl_mean": mean("decode_kl_mean"),
+                   "fidelity/decode_kl_max": max(r["decode_kl_mean"] for r in rows),
+                   "fidelity/decode_teacher_forced_top1": mean("decode_teacher_forced_top1"),
+                   "fidelity/attention_output_rel_error": mean("attention_output_rel_error"),
+                   "fidelity/decode_preemptions": sum(r["decode_preemptions"] for r in rows),
                    "fidelity/num_samples": len(windows), "fidelity/reference_method": self.reference_method}
         env.log(metrics)
         return metrics
