@@ -47,6 +47,11 @@
 #ifndef SE_PREFETCH
 #define SE_PREFETCH 0
 #endif
+// Weight steps a warp loads into registers before that wait: 1 (its first), or 2 (the
+// second too, into the registers the loop loads the next step into).
+#ifndef SE_PRELOAD
+#define SE_PRELOAD 1
+#endif
 
 namespace {
 
@@ -318,6 +323,8 @@ __global__ void __launch_bounds__(THREADS, SE_MIN_CTAS) linear_kernel(const Para
     }
   };
   if (blk < blocks) load_w(cur, blk, 0);  // before the wait: the weights are ours
+  const int blk2 = chunks > 1 ? blk : blk + gridDim.x, ch2 = chunks > 1 ? 1 : 0;  // the second step's
+  if constexpr (SE_PRELOAD == 2) if (blk2 < blocks) load_w(nxt, blk2, ch2);
   if constexpr (SE_PREFETCH > 0) prefetch_weights<ROPE>(p, r, blk, kw);
   if (p.pdl) asm volatile("griddepcontrol.wait;" ::: "memory");
   if (!STAGED && blk < blocks) load_x(xc, 0);  // from L2: in flight through the prologue
@@ -349,10 +356,15 @@ __global__ void __launch_bounds__(THREADS, SE_MIN_CTAS) linear_kernel(const Para
     }
   }
   float c[4] = {0.f, 0.f, 0.f, 0.f};
+  bool first = true;
   for (int ch = 0; blk < blocks;) {
     int nblk = blk, nch = ch + 1;
     if (nch == chunks) nch = 0, nblk += gridDim.x;
-    if (nblk < blocks) load_w(nxt, nblk, nch), load_x(xn, nch);
+    if (nblk < blocks) {
+      if (SE_PRELOAD != 2 || !first) load_w(nxt, nblk, nch);
+      load_x(xn, nch);
+    }
+    first = false;
 #pragma unroll
     for (int s = 0; s < STEPS; ++s) {
       const uint4 xv = xc[s], lo = cur[s][0], hi = cur[s][1];

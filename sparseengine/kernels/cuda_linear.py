@@ -67,6 +67,8 @@ BUILD_MIN_CTAS = 1
 # Bytes of its first weights each CTA asks L2 for (bulk prefetch) before it waits on the
 # kernel before it; 0: none. A multiple of 4096, at most 1 MiB.
 BUILD_PREFETCH = 0
+# Weight steps each warp loads into registers before that wait: 1 or 2.
+BUILD_PRELOAD = 1
 
 
 def k_multiple() -> int:
@@ -75,13 +77,15 @@ def k_multiple() -> int:
     return BUILD_WARPS * 32 * BUILD_STEPS
 
 
-def _build() -> tuple[int, int, int, int]:
-    build = (BUILD_WARPS, BUILD_STEPS, BUILD_MIN_CTAS, BUILD_PREFETCH)
+def _build() -> tuple[int, int, int, int, int]:
+    build = (BUILD_WARPS, BUILD_STEPS, BUILD_MIN_CTAS, BUILD_PREFETCH, BUILD_PRELOAD)
     if BUILD_WARPS not in (4, 8, 16, 32) or BUILD_STEPS not in (1, 2, 4, 8) or BUILD_MIN_CTAS not in (1, 2, 3, 4):
         raise ValueError(f"cuda_linear build (warps, steps, min CTAs) must be in (4, 8, 16, 32) x (1, 2, 4, 8) "
                          f"x (1, 2, 3, 4), got {build[:3]}")
     if not isinstance(BUILD_PREFETCH, int) or not 0 <= BUILD_PREFETCH <= 1 << 20 or BUILD_PREFETCH % 4096:
         raise ValueError(f"cuda_linear BUILD_PREFETCH must be a multiple of 4096 in 0 .. 1 MiB, got {BUILD_PREFETCH!r}")
+    if BUILD_PRELOAD not in (1, 2):
+        raise ValueError(f"cuda_linear BUILD_PRELOAD must be 1 or 2, got {BUILD_PRELOAD!r}")
     return build
 
 
@@ -100,11 +104,11 @@ def library() -> ctypes.CDLL:
     return _library(_build())
 
 
-def build_command(nvcc: str, out: str, build: tuple[int, int, int, int]) -> list[str]:
-    """nvcc's command line for a build (warps, steps, min CTAs, prefetch bytes)."""
-    warps, steps, min_ctas, prefetch = build
+def build_command(nvcc: str, out: str, build: tuple[int, int, int, int, int]) -> list[str]:
+    """nvcc's command line for a build (warps, steps, min CTAs, prefetch bytes, preloaded steps)."""
+    warps, steps, min_ctas, prefetch, preload = build
     return [nvcc, "-O3", f"-arch={ARCH}", "-shared", "-Xcompiler", "-fPIC", f"-DSE_WARPS={warps}",
-            f"-DSE_STEPS={steps}", f"-DSE_MIN_CTAS={min_ctas}", f"-DSE_PREFETCH={prefetch}", "-o", out,
+            f"-DSE_STEPS={steps}", f"-DSE_MIN_CTAS={min_ctas}", f"-DSE_PREFETCH={prefetch}", f"-DSE_PRELOAD={preload}", "-o", out,
             str(SOURCE)]
 
 
@@ -121,7 +125,7 @@ SIGNATURES = {
 
 
 @functools.lru_cache(maxsize=None)
-def _library(build: tuple[int, int, int, int]) -> ctypes.CDLL:
+def _library(build: tuple[int, int, int, int, int]) -> ctypes.CDLL:
     nvcc = _nvcc()
     if nvcc is None:
         raise RuntimeError("cuda_linear needs nvcc: none on PATH, in CUDA_HOME/bin or /usr/local/cuda/bin "
