@@ -176,3 +176,35 @@ def test_decode_graphs_replay_unless_capturing(tiny_llama):
     for e, r in zip(eager, replayed):
         assert e.attention.shape == (4, hf.config.num_hidden_layers, hf.config.hidden_size)
         assert rel_err(r.logits, e.logits) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["vanilla", "quest"])
+def test_on_gpu_with_graphs_and_async_scheduling(tiny_llama, method):
+    """On a GPU (CUDA decode graphs and asynchronous scheduling on by default): forcing the
+    greedy continuation gives generate's tokens as each row's argmax, with the graphs
+    replayed; with a capture every step runs eagerly, and the eager rows agree with the
+    replayed ones; a non-greedy continuation is what gets fed (its rows equal the prefill
+    of prompt + continuation)."""
+    folder, hf = tiny_llama
+    prompts = _prompts(hf.config.vocab_size, [40, 29, 57], seed=6)
+    knobs = dict(quest_page_size=8, sink_tokens=4, budget=16, recent_tokens=8) if method == "quest" else {}
+    with LLM(str(folder), device="cuda", dtype="float32", page_size=8, num_kv_pages=256, max_model_len=96,
+             sparse_method=method, **knobs) as llm:
+        assert llm.async_scheduling and llm.runner.graphs is not None
+        greedy = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8,
+                                                                             ignore_eos=True))]
+        steps = llm.runner.graph_steps
+        replayed = llm.teacher_forced(prompts, greedy)
+        assert llm.runner.graph_steps > steps
+        assert [o.logits.argmax(-1).tolist() for o in replayed] == greedy
+        steps = llm.runner.graph_steps
+        eager = llm.teacher_forced(prompts, greedy, capture_attention=True)
+        assert llm.runner.graph_steps == steps
+        for e, r in zip(eager, replayed):
+            assert e.attention.shape == (8, hf.config.num_hidden_layers, hf.config.hidden_size)
+            assert rel_err(r.logits, e.logits) < 1e-4
+        if method == "vanilla":
+            conts = _prompts(hf.config.vocab_size, [8, 8, 8], seed=7)
+            for prompt, cont, out in zip(prompts, conts, llm.teacher_forced(prompts, conts)):
+                assert rel_err(out.logits, _prefill_rows(llm, prompt, cont)) < 1e-4
