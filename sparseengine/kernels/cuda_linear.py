@@ -65,9 +65,13 @@ BUILD_WARPS = 16
 BUILD_STEPS = 4
 BUILD_MIN_CTAS = 1
 # Bytes of its first weights each CTA asks L2 for (bulk prefetch) before it waits on the
-# kernel before it; 0: none. A multiple of 4096, at most 1 MiB.
+# kernel before it; 0: none. A multiple of 4096, at most 1 MiB. Slower at every size on the
+# H200 (session 46, OmniKV b=6 graph step: 8.444 ms at 64 KiB, 8.454-8.461 at 128 KiB,
+# 8.569-8.575 at 256 KiB, against 8.367-8.370 without).
 BUILD_PREFETCH = 0
-# Weight steps each warp loads into registers before that wait: 1 or 2.
+# Weight steps each warp loads into registers before that wait: 1 or 2. 2 was slower
+# (session 46: OmniKV b=6 8.374 / 8.384 ms against 8.318 / 8.326; Quest 8.100 against 8.052;
+# cuda_linear_prefetch_s46_h200.jsonl holds both A/Bs).
 BUILD_PRELOAD = 1
 
 
