@@ -102,6 +102,39 @@ def accuracy_table(df: pd.DataFrame) -> pd.DataFrame:
     return table.drop_duplicates(keys, keep="last").reset_index(drop=True)  # a rerun cell supersedes
 
 
+FIDELITY_METRICS = ("decode_kl_mean", "decode_kl_max", "decode_teacher_forced_top1", "attention_output_rel_error",
+                    "top1_agreement", "prefix_match_tokens", "kl_mean", "kl_max", "teacher_forced_top1",
+                    "decode_preemptions", "num_samples")
+
+
+def fidelity_table(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per fidelity record: the method, what it held (``total_budget``, and the
+    sweep's ``budget_fraction`` where it held it) and the ``fidelity/`` metrics without
+    their prefix (``experiments/tasks/fidelity.py`` defines them). A cell measured again
+    (same method, model, context, budget, reference and seed) keeps its latest record."""
+    out = []
+    fid = df[df["task"] == "fidelity"] if "task" in df.columns else df.iloc[0:0]
+    if "end_time" in fid.columns:
+        fid = fid.sort_values("end_time", kind="stable")
+    for _, row in fid.iterrows():
+        total, frac = total_budget(row), row.get("budget_fraction")
+        if frac is not None and not pd.isna(frac) and round(float(frac) * row["context_length"]) != total:
+            frac = None  # the method did not hold the sweep's fraction (its budget was unused)
+        entry = {"sparse_method": row["sparse_method"], "prefill_sparse_method": row["prefill_sparse_method"],
+                 "model": row["model"], "context_length": row["context_length"], "budget_fraction": frac,
+                 "total_budget": total, "reference_method": row.get("fidelity/reference_method"),
+                 "seed": row["seed"], "device": row.get("provenance.device"),
+                 "commit": row.get("provenance.git_commit")}
+        entry.update({k: row.get(f"fidelity/{k}") for k in FIDELITY_METRICS})
+        out.append(entry)
+    table = pd.DataFrame(out)
+    if table.empty:
+        return table
+    keys = ["sparse_method", "prefill_sparse_method", "model", "context_length", "total_budget",
+            "reference_method", "seed"]
+    return table.drop_duplicates(keys, keep="last").sort_values(keys[:5]).reset_index(drop=True)
+
+
 def throughput_table(df: pd.DataFrame) -> pd.DataFrame:
     """Long form: one row per (throughput record, measured batch size), plus the Hugging Face
     ``generate`` lane (``hf/bs<B>/``) where a record has one. A lane measured again (a later
@@ -177,11 +210,10 @@ def main(argv: list[str] | None = None) -> None:
     df = load_records(args.records)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    acc, tp = accuracy_table(df), throughput_table(df)
-    if not acc.empty:
-        acc.to_csv(out / "accuracy.csv", index=False)
-    if not tp.empty:
-        tp.to_csv(out / "throughput.csv", index=False)
+    acc, tp, fid = accuracy_table(df), throughput_table(df), fidelity_table(df)
+    for name, table in (("accuracy", acc), ("throughput", tp), ("fidelity", fid)):
+        if not table.empty:
+            table.to_csv(out / f"{name}.csv", index=False)
     for path in render_all(df, out / "figures"):
         print(path)
 

@@ -28,7 +28,7 @@ class SweepSummary(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         from experiments import aggregate
-        from experiments.figures import accuracy_vs_budget, decode_throughput, ttft_vs_context
+        from experiments.figures import accuracy_vs_budget, decode_throughput, fidelity_vs_budget, ttft_vs_context
 
         if not Path(self.records_path).exists():
             print(f"no records at {self.records_path}")
@@ -50,14 +50,14 @@ class SweepSummary(Callback):
             # a sweep into its own records file must not overwrite the experiment's results
             out = Path(self.records_path).parent / "summary"
             print(f"records_path was set on the command line: the summary goes to {out}, not {self.results_dir}")
-        acc, tp = aggregate.accuracy_table(ok), aggregate.throughput_table(ok)
+        acc, tp, fid = aggregate.accuracy_table(ok), aggregate.throughput_table(ok), aggregate.fidelity_table(ok)
         if self.csv_name:
-            table = acc if not acc.empty else tp
+            table = next((t for t in (acc, tp, fid) if not t.empty), acc)
             out.mkdir(parents=True, exist_ok=True)
             table.to_csv(out / self.csv_name, index=False)
             print(f"wrote {out / self.csv_name}")
         renderers = {"accuracy_vs_budget": (accuracy_vs_budget, acc), "decode_throughput": (decode_throughput, tp),
-                     "ttft_vs_context": (ttft_vs_context, tp)}
+                     "ttft_vs_context": (ttft_vs_context, tp), "fidelity_vs_budget": (fidelity_vs_budget, fid)}
         for entry in self.figures:  # "figure" or "figure:file stem"
             name, _, stem = entry.partition(":")
             if name not in renderers:

@@ -36,6 +36,23 @@ def test_chunked_prefill_gives_same_logits(smollm2_folder):
             assert float((a - b).norm() / b.norm()) < 1e-5
 
 
+def test_prompt_logits_of_the_last_positions(tiny):
+    """``last=k`` gives the last k rows of the full logits (k past the prompt: all of them),
+    across prefill chunks; a bad ``last`` raises."""
+    folder, vocab = tiny
+    ids = random_prompts(vocab, [70, 9], seed=11)
+    with LLM(folder, dtype="float32", page_size=8, kv_cache_memory=0.01, prefill_chunk_size=32) as llm:
+        full = llm.prompt_logits(ids)
+        for last in (1, 5, 40, 70, 200):
+            got = llm.prompt_logits(ids, last=last)
+            for f, g in zip(full, got):
+                assert g.shape == (min(last, f.shape[0]), vocab)
+                torch.testing.assert_close(g, f[-g.shape[0]:], rtol=1e-5, atol=1e-5)
+        for bad in (0, -3, 2.5, True):
+            with pytest.raises(ConfigError, match="Invalid last="):
+                llm.prompt_logits(ids, last=bad)
+
+
 def test_alone_equals_inside_batch_of_8(tiny):
     folder, vocab = tiny
     prompts = random_prompts(vocab, [9, 33, 70, 4, 51, 18, 64, 27], seed=5)

@@ -100,9 +100,9 @@ class FidelityTask(Task):
         conts = conts or [o.token_ids for o in outs]
         logps = []
         for w, c in tqdm(list(zip(windows, conts)), desc=desc, leave=False):
-            logits = llm.prompt_logits([w + c])[0]
             keep = min(len(w) + len(c) - 1, self.kl_positions + len(c))
-            logps.append(torch.log_softmax(logits[-keep - 1:-1].float(), dim=-1))  # rows predicting known tokens
+            logits = llm.prompt_logits([w + c], last=keep + 1)[0]  # the LM head on those rows only
+            logps.append(torch.log_softmax(logits[:-1].float(), dim=-1))  # rows predicting known tokens
         forced = llm.teacher_forced(windows, conts, capture_attention=True)
         return [o.token_ids for o in outs], conts, logps, forced
 

@@ -207,13 +207,18 @@ class LLM:
         self.scheduler.running.append(seq)
         self.method.init_synthetic(seq)
 
-    def prompt_logits(self, prompts: Seq[str | list[int]]) -> list[torch.Tensor]:
+    def prompt_logits(self, prompts: Seq[str | list[int]], last: int | None = None) -> list[torch.Tensor]:
         """The float32 logits at every prompt position [n, vocab], computed by the engine's
-        own (chunked, batched) prefill."""
+        own (chunked, batched) prefill; with ``last``, at the last ``min(last, n)`` positions
+        only (the LM head runs on those rows alone: at 2K tokens and a 49K vocabulary, all
+        positions are 400 MB of logits a prompt)."""
+        if last is not None and (not isinstance(last, int) or isinstance(last, bool) or last < 1):
+            raise ConfigError(f"Invalid last={last!r}: a number of positions >= 1, or None for all")
         seqs = []
         for prompt in prompts:
-            seq = Sequence(self._tokenize(prompt, False), SamplingParams(temperature=0, max_tokens=1),
-                           self.model_config.num_layers, prompt_logits=[])
+            ids = self._tokenize(prompt, False)
+            seq = Sequence(ids, SamplingParams(temperature=0, max_tokens=1), self.model_config.num_layers,
+                           prompt_logits=[], prompt_logits_from=0 if last is None else max(0, len(ids) - last))
             error = self.scheduler.validate(seq, self.method.cache_tokens_needed(seq.num_prompt_tokens))
             if error is not None:
                 raise ConfigError(error)

@@ -113,10 +113,12 @@ class ModelRunner:
         finally:
             set_step_context(None)
         offset = 0
-        for seq, n in zip(seqs, q_lens):  # requests that asked for every prompt position's logits
+        for seq, n in zip(seqs, q_lens):  # requests that asked for their prompt positions' logits
             if seq.prompt_logits is not None and seq.num_computed_tokens < seq.num_prompt_tokens:
                 upto = min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
-                seq.prompt_logits.append(self.model.compute_logits(hidden[offset:offset + upto]).cpu())
+                start = min(upto, max(0, seq.prompt_logits_from - seq.num_computed_tokens))
+                if start < upto:
+                    seq.prompt_logits.append(self.model.compute_logits(hidden[offset + start:offset + upto]).cpu())
             offset += n
         if not sample_rows:
             return [], None

@@ -38,6 +38,7 @@ class Sequence:
     finish_time: float | None = None
     prefill_alone: bool = False  # long_bs1full_short_batch: one unchunked pass, nothing beside it
     prompt_logits: list | None = None  # set to [] to collect the logits of every prompt position
+    prompt_logits_from: int = 0  # ... from this one on
     kv_tokens_at_end: float | None = None
 
     def __setattr__(self, name, value) -> None:

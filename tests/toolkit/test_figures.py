@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from experiments import aggregate
-from experiments.figures import accuracy_vs_budget, decode_throughput, ttft_vs_context
+from experiments.figures import accuracy_vs_budget, decode_throughput, fidelity_vs_budget, ttft_vs_context
 
 ENGINE = {"model": "llama-3.1-8b", "prefill_sparse_method": "none", "sink_tokens": 64, "recent_tokens": 512,
           "budget": 1472, "seed": 0}
@@ -73,6 +73,35 @@ def test_accuracy_figure_from_records(tmp_path) -> None:
     assert sorted(titles) == ["ruler", "ruler/cwe", "ruler/vt"]
     labels = fig.axes[0].get_legend_handles_labels()[1]
     assert labels == ["vanilla 2048", "lane_x 2048"]
+
+
+def _fidelity(method, frac, kl, err, top1, end):
+    engine = {"sparse_method": method, "sink_tokens": 16, "recent_tokens": 64, "budget": int(2048 * frac) - 80}
+    metrics = {"fidelity/decode_kl_mean": kl, "fidelity/attention_output_rel_error": err,
+               "fidelity/decode_teacher_forced_top1": top1, "fidelity/reference_method": "vanilla",
+               "fidelity/num_samples": 4}
+    return {**_record("fidelity", engine, {"context_length": 2048}, metrics, frac), "end_time": end}
+
+
+def test_fidelity_table_and_figure_from_records(tmp_path) -> None:
+    """One row per (method, budget) with the metrics unprefixed, a rerun cell keeping its
+    latest record; the figure draws one panel per decode-path measure, a line per method."""
+    recs = [_fidelity("lane_x", 0.125, 0.5, 0.4, 0.7, "t1"), _fidelity("lane_x", 0.25, 0.2, 0.2, 0.8, "t2"),
+            _fidelity("lane_y", 0.25, 0.1, 0.1, 0.9, "t3"), _fidelity("lane_x", 0.125, 0.3, 0.3, 0.75, "t4")]
+    path = tmp_path / "records.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in recs))
+    fid = aggregate.fidelity_table(aggregate.load_records(path))
+    assert list(zip(fid["sparse_method"], fid["total_budget"], fid["decode_kl_mean"])) == [
+        ("lane_x", 256, 0.3), ("lane_x", 512, 0.2), ("lane_y", 512, 0.1)]  # t4 replaced t1
+    assert list(fid["budget_fraction"]) == [0.125, 0.25, 0.25] and set(fid["reference_method"]) == {"vanilla"}
+    fig, files = fidelity_vs_budget.render(fid, tmp_path / "figures")
+    assert all(f.exists() and f.stat().st_size > 0 for f in files)
+    assert [a.get_title() for a in fig.axes] == ["decode KL(ref || method)", "attention output rel. error",
+                                                 "decode top-1 agreement"]
+    kl = fig.axes[0]
+    assert [line.get_label() for line in kl.get_lines()] == ["lane_x 2048", "lane_y 2048"]
+    assert list(kl.get_lines()[0].get_ydata()) == [0.3, 0.2]
+    assert aggregate.throughput_table(aggregate.load_records(path)).empty
 
 
 def test_sweep_summary_never_overwrites_results_from_a_redirected_sweep(tmp_path) -> None:
