@@ -78,6 +78,15 @@ def lane(row: pd.Series) -> str:
     return name
 
 
+def held_fraction(row, total: int) -> float | None:
+    """The sweep's ``budget_fraction`` where the method held it (``total`` tokens of the
+    context), else None (its budget was unused)."""
+    frac = row.get("budget_fraction")
+    if frac is None or pd.isna(frac) or round(float(frac) * row["context_length"]) != total:
+        return None
+    return float(frac)
+
+
 def accuracy_table(df: pd.DataFrame) -> pd.DataFrame:
     """Long form: one row per (record, scored task), ``score`` in percent."""
     out = []
@@ -86,9 +95,8 @@ def accuracy_table(df: pd.DataFrame) -> pd.DataFrame:
             m = re.fullmatch(r"(passkey|ruler|longbench)(?:/(.+))?/score", col)
             if m is None or pd.isna(row[col]):
                 continue
-            total, frac = total_budget(row), row.get("budget_fraction")
-            if frac is not None and not pd.isna(frac) and round(float(frac) * row["context_length"]) != total:
-                frac = None  # the method did not hold the sweep's fraction (its budget was unused)
+            total = total_budget(row)
+            frac = held_fraction(row, total)
             out.append({"task": m.group(1) + (f"/{m.group(2)}" if m.group(2) else ""),
                         "sparse_method": row["sparse_method"], "prefill_sparse_method": row["prefill_sparse_method"],
                         "model": row["model"], "context_length": row["context_length"],
@@ -117,9 +125,8 @@ def fidelity_table(df: pd.DataFrame) -> pd.DataFrame:
     if "end_time" in fid.columns:
         fid = fid.sort_values("end_time", kind="stable")
     for _, row in fid.iterrows():
-        total, frac = total_budget(row), row.get("budget_fraction")
-        if frac is not None and not pd.isna(frac) and round(float(frac) * row["context_length"]) != total:
-            frac = None  # the method did not hold the sweep's fraction (its budget was unused)
+        total = total_budget(row)
+        frac = held_fraction(row, total)
         entry = {"sparse_method": row["sparse_method"], "prefill_sparse_method": row["prefill_sparse_method"],
                  "model": row["model"], "context_length": row["context_length"], "budget_fraction": frac,
                  "total_budget": total, "reference_method": row.get("fidelity/reference_method"),

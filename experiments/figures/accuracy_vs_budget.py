@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from experiments.figures.style import REFERENCE, plt, require_rows, save
+from experiments.figures.style import REFERENCE, budget_axis, plt, require_rows, save, shared_legend
 
 MARKERS = "osD^v<>p"
 
@@ -37,23 +37,10 @@ def render(acc: pd.DataFrame, out_dir: str | Path, name: str = "accuracy_vs_budg
                     ax.plot(pts.index, pts.values, marker=MARKERS[ci % len(MARKERS)], color=cmap(mi % 10),
                             label=f"{method} {int(ctx)}")
         ax.set_title(task, fontsize=9)
-        ax.set_xscale("log", base=2)
-        lo = min(0.1, 0.8 * acc["fraction"].min())  # a method holding less than 1/8 stays in view
-        ticks = [f for f in (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2) if f >= lo]
-        ax.set_xticks(ticks, [f"1/{round(1 / f)}" for f in ticks])
-        ax.set_xlim(lo, 0.6)
+        budget_axis(ax, acc["fraction"].min())
         ax.set_ylim(-5, 105)
-        ax.set_xlabel("total budget / context")
     for ax in axes.flat[len(tasks):]:
         ax.axis("off")
     axes[0][0].set_ylabel("score (%)")
-    legend: dict[str, object] = {}
-    for ax in axes.flat:  # every lane once, whichever panel has it
-        for handle, label in zip(*ax.get_legend_handles_labels()):
-            legend.setdefault(label, handle)
-    handles, labels = list(legend.values()), list(legend)
-    fig.tight_layout()
-    if handles:  # below the panels, after tight_layout so it never covers an axis label
-        fig.legend(handles, labels, loc="upper center", ncol=min(6, len(labels)), fontsize=8,
-                   bbox_to_anchor=(0.5, 0.0))
+    shared_legend(fig, axes.flat)
     return fig, save(fig, out_dir, name)

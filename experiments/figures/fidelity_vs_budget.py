@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from experiments.figures.style import REFERENCE, plt, require_rows, save
+from experiments.figures.style import REFERENCE, budget_axis, plt, require_rows, save, shared_legend
 
 MARKERS = "osD^v<>p"
 # (column, axis label, log scale): lower is closer to the reference, except top-1
@@ -33,23 +33,11 @@ def render(fid: pd.DataFrame, out_dir: str | Path, name: str = "fidelity_vs_budg
                 if len(pts):
                     ax.plot(pts.index, pts.values, marker=MARKERS[ci % len(MARKERS)], color=cmap(mi % 10),
                             label=f"{method} {int(ctx)}")
-        ax.set_xscale("log", base=2)
-        lo = min(0.1, 0.8 * fid["fraction"].min())
-        ticks = [f for f in (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2) if f >= lo]
-        ax.set_xticks(ticks, [f"1/{round(1 / f)}" for f in ticks])
-        ax.set_xlim(lo, 0.6)
+        budget_axis(ax, fid["fraction"].min())
         if log:
             ax.set_yscale("log")
         else:
             ax.set_ylim(-0.05, 1.05)
         ax.set_title(label, fontsize=9)
-        ax.set_xlabel("total budget / context")
-    legend: dict[str, object] = {}
-    for ax in axes.flat:
-        for handle, lab in zip(*ax.get_legend_handles_labels()):
-            legend.setdefault(lab, handle)
-    fig.tight_layout()
-    if legend:
-        fig.legend(list(legend.values()), list(legend), loc="upper center", ncol=min(6, len(legend)), fontsize=8,
-                   bbox_to_anchor=(0.5, 0.0))
+    shared_legend(fig, axes.flat)
     return fig, save(fig, out_dir, name)

@@ -32,3 +32,27 @@ def save(fig, out_dir: str | Path, name: str) -> list[Path]:
 def require_rows(table, what: str) -> None:
     if table.empty:
         raise ValueError(f"no {what} records to draw: the records hold no ok job of that task")
+
+
+def budget_axis(ax, smallest: float) -> None:
+    """An x axis of total budget / context on a log2 scale, ticks 1/64 .. 1/2; one below
+    1/8 shows where a method held less (`smallest`: the least fraction drawn)."""
+    ax.set_xscale("log", base=2)
+    lo = min(0.1, 0.8 * smallest)
+    ticks = [f for f in (1 / 64, 1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2) if f >= lo]
+    ax.set_xticks(ticks, [f"1/{round(1 / f)}" for f in ticks])
+    ax.set_xlim(lo, 0.6)
+    ax.set_xlabel("total budget / context")
+
+
+def shared_legend(fig, axes) -> None:
+    """Every labelled line once, whichever panel has it, below the panels (after
+    tight_layout, so it never covers an axis label)."""
+    legend: dict[str, object] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(label, handle)
+    fig.tight_layout()
+    if legend:
+        fig.legend(list(legend.values()), list(legend), loc="upper center", ncol=min(6, len(legend)), fontsize=8,
+                   bbox_to_anchor=(0.5, 0.0))

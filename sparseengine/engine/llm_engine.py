@@ -164,13 +164,18 @@ class LLM:
         if use_tqdm:
             from tqdm.auto import tqdm
             progress = tqdm(total=len(seqs), desc="generate")
+        self._run_until_done(progress)
+        return [self._output(seq, prompt) for seq, prompt in zip(seqs, prompts)]
+
+    def _run_until_done(self, progress=None) -> None:
+        """Step until every request has finished and the last tokens are read (``progress``:
+        a tqdm bar counting finished requests, closed at the end)."""
         while self.scheduler.has_unfinished or self._inflight is not None:
             done = self.step()
             if progress is not None:
                 progress.update(done)
         if progress is not None:
             progress.close()
-        return [self._output(seq, prompt) for seq, prompt in zip(seqs, prompts)]
 
     def kv_tokens_needed(self, prompt_tokens: int, output_tokens: int) -> int:
         """Cache slots one request needs at most (method-aware): its pages in the pool."""
@@ -210,8 +215,7 @@ class LLM:
     def prompt_logits(self, prompts: Seq[str | list[int]], last: int | None = None) -> list[torch.Tensor]:
         """The float32 logits at every prompt position [n, vocab], computed by the engine's
         own (chunked, batched) prefill; with ``last``, at the last ``min(last, n)`` positions
-        only (the LM head runs on those rows alone: at 2K tokens and a 49K vocabulary, all
-        positions are 400 MB of logits a prompt)."""
+        only (the LM head runs on those rows alone)."""
         if last is not None and (not isinstance(last, int) or isinstance(last, bool) or last < 1):
             raise ConfigError(f"Invalid last={last!r}: a number of positions >= 1, or None for all")
         seqs = []
@@ -224,20 +228,16 @@ class LLM:
                 raise ConfigError(error)
             self.scheduler.add(seq)
             seqs.append(seq)
-        while self.scheduler.has_unfinished or self._inflight is not None:
-            self.step()
+        self._run_until_done()
         return [torch.cat(s.prompt_logits) for s in seqs]
 
     def teacher_forced(self, prompts: Seq[str | list[int]], continuations: Seq[str | list[int]],
                        capture_attention: bool = False) -> list[TeacherForcedOutput]:
         """Prefill each prompt, then decode through the method's own decode path feeding its
-        continuation's tokens instead of sampled ones; one ``TeacherForcedOutput`` per prompt
-        (``teacher_forcing``): the float32 logits predicting each continuation token and,
-        with ``capture_attention``, every layer's attention output at those positions. The
-        steps that capture run eagerly (never a CUDA graph replay), so their decode takes the
-        eager path of the same kernels. Bad input (unequal lengths, an empty continuation, a
-        token id outside the vocabulary, a request longer than ``max_model_len`` or than the
-        KV pool) raises ConfigError before anything runs."""
+        continuation's tokens instead of sampled ones: one ``TeacherForcedOutput`` per prompt,
+        the float32 logits predicting each continuation token and, with ``capture_attention``,
+        every layer's attention output there (those steps run eagerly). Bad input raises
+        ConfigError before anything runs (``teacher_forcing.forced_requests``)."""
         if self._closed:
             raise RuntimeError("this LLM has been closed")
         seqs, conts = forced_requests(self, prompts, continuations)
@@ -247,8 +247,7 @@ class LLM:
         try:
             for seq in seqs:
                 self.scheduler.add(seq)
-            while self.scheduler.has_unfinished or self._inflight is not None:
-                self.step()
+            self._run_until_done()
         finally:
             self._forcing, self.runner.capture = None, None
             if capture is not None:

@@ -43,15 +43,6 @@
 #ifndef SE_MIN_CTAS
 #define SE_MIN_CTAS 1
 #endif
-// Bytes of its weights a CTA asks L2 for before it waits on the kernel before it (0: none).
-#ifndef SE_PREFETCH
-#define SE_PREFETCH 0
-#endif
-// Weight steps a warp loads into registers before that wait: 1 (its first), or 2 (the
-// second too, into the registers the loop loads the next step into).
-#ifndef SE_PRELOAD
-#define SE_PRELOAD 1
-#endif
 
 namespace {
 
@@ -98,25 +89,6 @@ __device__ __forceinline__ int block_row(const Rope& p, int b, int r) {
   if (b < (p.hq + p.hkv) * (ROPE_D / 16))
     return (b >> 3) * ROPE_D + (r >= 8 ? ROPE_D / 2 : 0) + (b & 7) * 8 + (r & 7);
   return b * 16 + r;
-}
-
-// SE_PREFETCH: a CTA's first weights, in the order it reads them (block after block, each
-// warp's range of each of the block's 16 rows from its start), asked of L2 with one bulk
-// prefetch a (row, warp) before the wait, so that HBM stays busy while the kernel before
-// this one drains; the loads that follow find them in L2.
-template <bool ROPE>
-__device__ __forceinline__ void prefetch_weights(const Params& p, const Rope& r, int blk, int kw) {
-  const int segs = 16 * WARPS;  // (row, warp) ranges a block
-  int left = SE_PREFETCH;
-  for (int b = blk; b < p.N / 16 && left >= segs * 16; b += gridDim.x) {
-    const int take = min(kw * 2, left / segs) & ~15;  // bytes from each range's start
-    if (threadIdx.x < segs) {
-      const int row = ROPE ? block_row(r, b, threadIdx.x & 15) : b * 16 + (threadIdx.x & 15);
-      const __nv_bfloat16* at = p.w + (size_t)row * p.K + (threadIdx.x >> 4) * kw;
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(at), "r"(take) : "memory");
-    }
-    left -= take * segs;
-  }
 }
 
 __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -323,9 +295,6 @@ __global__ void __launch_bounds__(THREADS, SE_MIN_CTAS) linear_kernel(const Para
     }
   };
   if (blk < blocks) load_w(cur, blk, 0);  // before the wait: the weights are ours
-  const int blk2 = chunks > 1 ? blk : blk + gridDim.x, ch2 = chunks > 1 ? 1 : 0;  // the second step's
-  if constexpr (SE_PRELOAD == 2) if (blk2 < blocks) load_w(nxt, blk2, ch2);
-  if constexpr (SE_PREFETCH > 0) prefetch_weights<ROPE>(p, r, blk, kw);
   if (p.pdl) asm volatile("griddepcontrol.wait;" ::: "memory");
   if (!STAGED && blk < blocks) load_x(xc, 0);  // from L2: in flight through the prologue
   // ROPE: the rows' slots and their cos, sin rows (16 B a load: part, row, cos or sin), the
@@ -356,15 +325,10 @@ __global__ void __launch_bounds__(THREADS, SE_MIN_CTAS) linear_kernel(const Para
     }
   }
   float c[4] = {0.f, 0.f, 0.f, 0.f};
-  bool first = true;
   for (int ch = 0; blk < blocks;) {
     int nblk = blk, nch = ch + 1;
     if (nch == chunks) nch = 0, nblk += gridDim.x;
-    if (nblk < blocks) {
-      if (SE_PRELOAD != 2 || !first) load_w(nxt, nblk, nch);
-      load_x(xn, nch);
-    }
-    first = false;
+    if (nblk < blocks) load_w(nxt, nblk, nch), load_x(xn, nch);
 #pragma unroll
     for (int s = 0; s < STEPS; ++s) {
       const uint4 xv = xc[s], lo = cur[s][0], hi = cur[s][1];

@@ -64,15 +64,11 @@ STAGE_BLOCKS = 8
 BUILD_WARPS = 16
 BUILD_STEPS = 4
 BUILD_MIN_CTAS = 1
-# Bytes of its first weights each CTA asks L2 for (bulk prefetch) before it waits on the
-# kernel before it; 0: none. A multiple of 4096, at most 1 MiB. Slower at every size on the
-# H200 (session 46, OmniKV b=6 graph step: 8.444 ms at 64 KiB, 8.454-8.461 at 128 KiB,
-# 8.569-8.575 at 256 KiB, against 8.367-8.370 without).
-BUILD_PREFETCH = 0
-# Weight steps each warp loads into registers before that wait: 1 or 2. 2 was slower
-# (session 46: OmniKV b=6 8.374 / 8.384 ms against 8.318 / 8.326; Quest 8.100 against 8.052;
-# cuda_linear_prefetch_s46_h200.jsonl holds both A/Bs).
-BUILD_PRELOAD = 1
+# Tried and removed (session 46; results/cuda_linear_prefetch_s46_h200.jsonl, code at f1302f3
+# and f505623): starting a CTA's weight stream earlier, before its griddepcontrol.wait. An
+# L2 bulk prefetch of its first 64-256 KiB: OmniKV b=6 graph step 8.444-8.575 ms against
+# 8.367-8.370; its second weight step loaded into registers too: 8.374 / 8.384 against
+# 8.318 / 8.326 (Quest 8.100 against 8.052).
 
 
 def k_multiple() -> int:
@@ -81,15 +77,11 @@ def k_multiple() -> int:
     return BUILD_WARPS * 32 * BUILD_STEPS
 
 
-def _build() -> tuple[int, int, int, int, int]:
-    build = (BUILD_WARPS, BUILD_STEPS, BUILD_MIN_CTAS, BUILD_PREFETCH, BUILD_PRELOAD)
+def _build() -> tuple[int, int, int]:
+    build = (BUILD_WARPS, BUILD_STEPS, BUILD_MIN_CTAS)
     if BUILD_WARPS not in (4, 8, 16, 32) or BUILD_STEPS not in (1, 2, 4, 8) or BUILD_MIN_CTAS not in (1, 2, 3, 4):
         raise ValueError(f"cuda_linear build (warps, steps, min CTAs) must be in (4, 8, 16, 32) x (1, 2, 4, 8) "
-                         f"x (1, 2, 3, 4), got {build[:3]}")
-    if not isinstance(BUILD_PREFETCH, int) or not 0 <= BUILD_PREFETCH <= 1 << 20 or BUILD_PREFETCH % 4096:
-        raise ValueError(f"cuda_linear BUILD_PREFETCH must be a multiple of 4096 in 0 .. 1 MiB, got {BUILD_PREFETCH!r}")
-    if BUILD_PRELOAD not in (1, 2):
-        raise ValueError(f"cuda_linear BUILD_PRELOAD must be 1 or 2, got {BUILD_PRELOAD!r}")
+                         f"x (1, 2, 3, 4), got {build}")
     return build
 
 
@@ -108,12 +100,11 @@ def library() -> ctypes.CDLL:
     return _library(_build())
 
 
-def build_command(nvcc: str, out: str, build: tuple[int, int, int, int, int]) -> list[str]:
-    """nvcc's command line for a build (warps, steps, min CTAs, prefetch bytes, preloaded steps)."""
-    warps, steps, min_ctas, prefetch, preload = build
+def build_command(nvcc: str, out: str, build: tuple[int, int, int]) -> list[str]:
+    """nvcc's command line for a build (warps, steps, min CTAs)."""
+    warps, steps, min_ctas = build
     return [nvcc, "-O3", f"-arch={ARCH}", "-shared", "-Xcompiler", "-fPIC", f"-DSE_WARPS={warps}",
-            f"-DSE_STEPS={steps}", f"-DSE_MIN_CTAS={min_ctas}", f"-DSE_PREFETCH={prefetch}", f"-DSE_PRELOAD={preload}", "-o", out,
-            str(SOURCE)]
+            f"-DSE_STEPS={steps}", f"-DSE_MIN_CTAS={min_ctas}", "-o", out, str(SOURCE)]
 
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
@@ -129,7 +120,7 @@ SIGNATURES = {
 
 
 @functools.lru_cache(maxsize=None)
-def _library(build: tuple[int, int, int, int, int]) -> ctypes.CDLL:
+def _library(build: tuple[int, int, int]) -> ctypes.CDLL:
     nvcc = _nvcc()
     if nvcc is None:
         raise RuntimeError("cuda_linear needs nvcc: none on PATH, in CUDA_HOME/bin or /usr/local/cuda/bin "
