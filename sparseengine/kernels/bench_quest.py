@@ -293,3 +293,38 @@ def bench_quest_select_warps(out_path, B=6, P=8320, n=131072):
             emit(out_path, {"kind": "quest_select_warps", "batch": B, "hkv": HKV, "pages": P, "kv_len": n,
                             "block_p": block_p, "num_warps": warps, "us_per_launch": per_launch_us(fn),
                             "equals_default": same})
+
+
+def bench_quest_select_cuda(out_path, B=6, P=8320, n=131072):
+    """Quest's page choice in CUDA (`quest_select_cuda`) beside the Triton launch the engine
+    made before it (group maxima from the page scores), per launch in a CUDA graph of 30, on
+    the page scores of random bounds and queries at the 128K shape, on random scores, and on
+    scores rounded to 1 decimal (ties): each checked against the Triton kernel's choice; the
+    CUDA launch also as a programmatic dependent launch, and its candidate count per row."""
+    from sparseengine.kernels import quest as quest_kernels
+    from sparseengine.kernels import quest_select, quest_select_cuda
+
+    q, kmax, kmin, table, kv_lens = _score_inputs(B, P, n)
+    sink, recent, budget = 64, 512, 1472
+    group = quest_select.maxima_group(P, PS, budget, quest_kernels.SCORE_BLOCK_P)
+    real, maxima = quest_kernels.quest_page_scores_and_maxima_triton(
+        q, kmax, kmin, table, kv_lens, PS, group=group, sink_pages=sink // PS, recent_tokens=recent)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    noise = torch.randn(B, HKV, P, generator=gen, device="cuda")
+    for name, scores in (("page_scores", real), ("randn", noise), ("randn_1dp", noise.round(decimals=1))):
+        args = (scores, kv_lens, PS, sink, recent, budget)
+        want = quest_select.quest_select_pages_triton(*args)
+        m = budget // PS
+        top = scores[..., sink // PS:(n - recent) // PS].float()
+        kth = top.topk(m, dim=-1).values[..., -1:]
+        launches = {"triton": lambda: quest_select.quest_select_pages_triton(*args),  # noqa: E731
+                    "cuda": lambda: quest_select_cuda.quest_select_pages_cuda(*args, pdl=False),  # noqa: E731
+                    "cuda_pdl": lambda: quest_select_cuda.quest_select_pages_cuda(*args, pdl=True)}  # noqa: E731
+        if name == "page_scores":
+            launches["triton_given_maxima"] = lambda: quest_select.quest_select_pages_triton(  # noqa: E731
+                *args, group_maxima=maxima)
+        for impl, fn in launches.items():
+            same = all(torch.equal(g, w) for g, w in zip(fn(), want))
+            emit(out_path, {"kind": "quest_select_cuda", "scores": name, "impl": impl, "batch": B, "hkv": HKV,
+                            "pages": P, "kv_len": n, "us_per_launch": per_launch_us(fn), "equals_triton": same,
+                            "ties_at_threshold_max": int((top == kth).sum(-1).max())})

@@ -25,15 +25,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import torch
 
 from . import _common
+from .nvcc_build import find_nvcc, load_library
+from .nvcc_build import unavailable as nvcc_unavailable
+from .nvcc_build import build_command as nvcc_command
 from .fused_ops import gate_up_blocks, silu_mul_ref
 from .skinny_linear import skinny_linear_ref
 
@@ -41,7 +40,6 @@ SOURCE = Path(__file__).with_name("cuda_linear.cu")
 MAX_ROWS = 8  # the MMA's n
 N_MULTIPLE = 16  # a block of weight rows
 GATE_GROUP = 8  # gate rows then up rows, this many each, a block (the kernel's gated epilogue)
-ARCH = "sm_90a"
 
 # The model's switches (profile_decode_step.py --kernel-const sets them for A/Bs):
 ENGINE = True  # its linears run this kernel where `takes` says it can (read at each call)
@@ -86,12 +84,7 @@ def _build() -> tuple[int, int, int]:
 
 
 def _nvcc() -> str | None:
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    for cand in (os.environ.get("SPARSEENGINE_NVCC"), shutil.which("nvcc"),
-                 home and os.path.join(home, "bin", "nvcc"), "/usr/local/cuda/bin/nvcc"):
-        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
-            return cand
-    return None
+    return find_nvcc()
 
 
 def library() -> ctypes.CDLL:
@@ -102,9 +95,12 @@ def library() -> ctypes.CDLL:
 
 def build_command(nvcc: str, out: str, build: tuple[int, int, int]) -> list[str]:
     """nvcc's command line for a build (warps, steps, min CTAs)."""
+    return nvcc_command(nvcc, out, SOURCE, _flags(build))
+
+
+def _flags(build: tuple[int, int, int]) -> list[str]:
     warps, steps, min_ctas = build
-    return [nvcc, "-O3", f"-arch={ARCH}", "-shared", "-Xcompiler", "-fPIC", f"-DSE_WARPS={warps}",
-            f"-DSE_STEPS={steps}", f"-DSE_MIN_CTAS={min_ctas}", "-o", out, str(SOURCE)]
+    return [f"-DSE_WARPS={warps}", f"-DSE_STEPS={steps}", f"-DSE_MIN_CTAS={min_ctas}"]
 
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
@@ -121,48 +117,16 @@ SIGNATURES = {
 
 @functools.lru_cache(maxsize=None)
 def _library(build: tuple[int, int, int]) -> ctypes.CDLL:
-    nvcc = _nvcc()
-    if nvcc is None:
-        raise RuntimeError("cuda_linear needs nvcc: none on PATH, in CUDA_HOME/bin or /usr/local/cuda/bin "
-                           "(or set SPARSEENGINE_NVCC)")
-    key = hashlib.sha256(SOURCE.read_bytes() + nvcc.encode() + ARCH.encode() + repr(build).encode()).hexdigest()[:16]
-    root = Path(os.environ.get("SPARSEENGINE_CACHE", Path.home() / ".cache" / "sparseengine"))
-    lib = root / "cuda" / key / "libse_linear.so"
-    if not lib.exists():
-        lib.parent.mkdir(parents=True, exist_ok=True)
-        tmp = lib.with_name(f"{lib.name}.{os.getpid()}.tmp")
-        cmd = build_command(nvcc, str(tmp), build)
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"cuda_linear: nvcc failed ({' '.join(cmd)}):\n{done.stderr[-3000:]}")
-        os.replace(tmp, lib)  # atomic: a process building beside this one finds a whole file
-    so = ctypes.CDLL(str(lib))
-    for name, (restype, argtypes) in SIGNATURES.items():
-        getattr(so, name).restype, getattr(so, name).argtypes = restype, argtypes
+    so = load_library(SOURCE, _flags(build), "libse_linear.so", SIGNATURES, "cuda_linear")
     if so.se_linear_k_multiple() != build[0] * 32 * build[1]:
-        raise RuntimeError(f"cuda_linear's library at {lib} takes K in multiples of {so.se_linear_k_multiple()}, "
-                           f"its build {build} in {build[0] * 32 * build[1]}")
+        raise RuntimeError(f"cuda_linear's library for {build} takes K in multiples of {so.se_linear_k_multiple()}, "
+                           f"its build in {build[0] * 32 * build[1]}")
     return so
-
-
-@functools.lru_cache(maxsize=None)
-def _device_reason(device: torch.device) -> str | None:
-    if device.type != "cuda":
-        return f"needs a CUDA device, got {device}"
-    cap = torch.cuda.get_device_capability(device)
-    if cap != (9, 0):
-        return f"built for {ARCH}: needs compute capability 9.0, got {cap[0]}.{cap[1]}"
-    if _nvcc() is None:
-        return "no nvcc to build it (PATH, CUDA_HOME/bin, /usr/local/cuda/bin or SPARSEENGINE_NVCC)"
-    return None
 
 
 def unavailable(device: torch.device | str) -> str | None:
     """Why the kernel cannot run on `device` (None: it can; the first launch builds it)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return _device_reason(device)
+    return nvcc_unavailable(device)
 
 
 def fits(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:

@@ -162,6 +162,11 @@ class SparseMethodRuntime:
         """Tokens held per layer and KV head (mean over layers)."""
         return sum(seq.layer_lens) / max(1, len(seq.layer_lens))
 
+    def kernels(self, device: torch.device) -> dict[str, str]:
+        """Which implementation runs each of the method's own ops on `device` where the
+        engine does not choose it through the provider (for the records): {op: implementation}."""
+        return {}
+
 
 class MethodStack(SparseMethodRuntime):
     """A prefill-side runtime and a decode runtime behind one interface. The prefill-side
@@ -257,6 +262,9 @@ class MethodStack(SparseMethodRuntime):
 
     def metadata_bytes_read(self, seq, kv_bytes_per_token_layer):
         return self.parts[1].metadata_bytes_read(seq, kv_bytes_per_token_layer)
+
+    def kernels(self, device):
+        return {**self.parts[0].kernels(device), **self.parts[1].kernels(device)}
 
     def max_cache_tokens(self, prompt_tokens, output_tokens):
         return min(p.max_cache_tokens(prompt_tokens, output_tokens) for p in self.parts)

@@ -12,7 +12,8 @@ dtype, indexed by physical page and refreshed after every K write (a page's offs
 resets it, so a freed page needs no cleanup). Every step is batched, with no per-request
 Python and no host sync on the decode path: one scoring call over every request's page
 table, one page choice (:func:`select_pages_batched`, or its Triton twin
-``kernels.quest_select_pages_triton`` on a Triton provider), a page-mode ``Selection`` of fixed width.
+``kernels.quest_select_pages_triton`` on a Triton provider, or its CUDA twin
+``kernels.quest_select_cuda`` where that runs), a page-mode ``Selection`` of fixed width.
 The CUDA decode graph captures it.
 """
 
@@ -24,7 +25,7 @@ from sparseengine import kernels
 from sparseengine.config import ConfigError
 from sparseengine.engine.step_context import Selection
 from sparseengine.kernels import quest as quest_kernels
-from sparseengine.kernels import quest_select
+from sparseengine.kernels import quest_select, quest_select_cuda
 from sparseengine.kernels.quest import quest_page_scores_torch, update_page_minmax_torch
 from sparseengine.method_registry import MethodSpec
 from sparseengine.methods.base import SparseMethodRuntime
@@ -117,6 +118,9 @@ class Quest(SparseMethodRuntime):
         if not triton:
             return Selection(*select_pages_batched(quest_page_scores_torch(*args), *choice), dense,
                              page_size=self.page)
+        if quest_select_cuda.takes(q.device, view.page_table.shape[1]):  # the CUDA choice needs no group maxima
+            scores = kernels.quest_page_scores_triton(*args, **new_keys)
+            return Selection(*quest_select_cuda.quest_select_pages_cuda(scores, *choice), dense, page_size=self.page)
         group = quest_select.maxima_group(view.page_table.shape[1], self.page, cfg.budget, quest_kernels.SCORE_BLOCK_P)
         if group is None:
             scores, maxima = kernels.quest_page_scores_triton(*args, **new_keys), None
@@ -126,6 +130,11 @@ class Quest(SparseMethodRuntime):
                 **new_keys)
         pages, counts = kernels.quest_select_pages_triton(scores, *choice, group_maxima=maxima)
         return Selection(pages, counts, dense, page_size=self.page)
+
+    def kernels(self, device) -> dict[str, str]:
+        cuda = quest_select_cuda.takes(device, 1)
+        return {"quest_select": f"cuda (rows of up to {quest_select_cuda.max_pages()} pages)" if cuda
+                else "provider's (triton or torch)"}
 
     def _prefill_rows(self, ctx) -> tuple[bool, ...]:
         """Which rows of the step are prefill rows (read densely): once per step, not per

@@ -4,14 +4,12 @@ of an interleaved gate_up); x from L2 or staged in shared memory; launched as a
 programmatic dependent launch or not, alone and chained in a CUDA graph; the Llama-3.1-8B
 layer shapes. On the CPU: the gate_up interleave's layout and the errors for bad input
 (checked before the device is). The model with it: tests/test_decode_linears.py."""
-import ctypes
-import re
-
 import pytest
 import torch
 
 from sparseengine.kernels import cuda_linear as C
 from sparseengine.kernels.fused_ops import silu_mul_triton
+from sparseengine.kernels.nvcc_build import declared_signatures
 
 BF16 = torch.bfloat16
 
@@ -70,12 +68,7 @@ def test_ctypes_signatures_match_the_source():
     """Every `extern "C"` entry point of the CUDA source has a ctypes signature, and it
     matches the declaration parameter by parameter (a float passed without one fails at
     the call; a pointer passed as an int is truncated)."""
-    ctype = {"int": ctypes.c_int, "long long": ctypes.c_longlong, "float": ctypes.c_float}
-    src = C.SOURCE.read_text()
-    declared = {}
-    for ret, name, params in re.findall(r'extern "C" (long long|int) (\w+)\(([^)]*)\)', src):
-        args = [" ".join(p.split()[:-1]) for p in params.split(",") if p.strip()]
-        declared[name] = (ctype[ret], [ctypes.c_void_p if a.endswith("*") else ctype[a] for a in args])
+    declared = declared_signatures(C.SOURCE)
     assert set(declared) == set(C.SIGNATURES) and "se_linear_rope" in declared
     for name, (ret, args) in declared.items():
         assert C.SIGNATURES[name] == (ret, args), name

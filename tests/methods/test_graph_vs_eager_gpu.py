@@ -94,3 +94,21 @@ def test_h2o_scores_summed_in_the_graph_equal_eager(tiny_llama):
     assert out[False][0] == out[True][0]
     torch.testing.assert_close(out[False][1][0], out[True][1][0], rtol=1e-6, atol=1e-7)
     assert torch.equal(out[False][1][1], out[True][1][1])
+
+
+@pytest.mark.gpu
+def test_quest_cuda_choice_gives_the_triton_choices_tokens(tiny_llama, tiny_method_knobs, monkeypatch):
+    """Quest's decode step selects with the CUDA kernel where it runs (`quest_select_cuda`):
+    eager and replayed tokens equal those of the Triton selection's run."""
+    from sparseengine import SamplingParams
+    from sparseengine.kernels import quest_select_cuda
+
+    assert quest_select_cuda.takes("cuda", 64)  # the H200 runs it: its absence there is a failure
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (160, 75, 131, 98)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    cuda = eager_and_graph(tiny_llama[0], "quest", tiny_method_knobs, prompts, params)
+    monkeypatch.setattr(quest_select_cuda, "ENGINE", False)
+    triton = eager_and_graph(tiny_llama[0], "quest", tiny_method_knobs, prompts, params)
+    assert cuda[False][1] >= 30 and triton[False][1] >= 30
+    assert cuda[True][0] == triton[True][0] and cuda[False][0] == triton[False][0]

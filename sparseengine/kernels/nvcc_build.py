@@ -1,0 +1,94 @@
+"""Building and loading the CUDA C kernels (`cuda_linear.cu`, `quest_select.cu`) with nvcc.
+
+`unavailable(device)` says why such a kernel cannot run there (None when it can: an sm_90
+GPU and nvcc). `find_nvcc()` finds nvcc (`SPARSEENGINE_NVCC`, PATH, `CUDA_HOME`/`CUDA_PATH`, /usr/local/cuda).
+`load_library(source, flags, name, signatures)` builds `source` once per (source text, nvcc,
+flags) into `~/.cache/sparseengine/cuda/<hash>/<name>` (`SPARSEENGINE_CACHE`) and loads it
+with ctypes, each entry point typed from `signatures` ({name: (restype, argtypes)}, in the
+order of the source's `extern "C"` declarations: a CPU test holds each table to its source).
+A build that fails raises with nvcc's message. No GPU is needed to build or load a library.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+ARCH = "sm_90a"
+
+
+def find_nvcc() -> str | None:
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    for cand in (os.environ.get("SPARSEENGINE_NVCC"), shutil.which("nvcc"),
+                 home and os.path.join(home, "bin", "nvcc"), "/usr/local/cuda/bin/nvcc"):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _device_reason(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return f"needs a CUDA device, got {device}"
+    cap = torch.cuda.get_device_capability(device)
+    if cap != (9, 0):
+        return f"built for {ARCH}: needs compute capability 9.0, got {cap[0]}.{cap[1]}"
+    if find_nvcc() is None:
+        return "no nvcc to build it (PATH, CUDA_HOME/bin, /usr/local/cuda/bin or SPARSEENGINE_NVCC)"
+    return None
+
+
+def unavailable(device: torch.device | str) -> str | None:
+    """Why a kernel built here cannot run on `device` (None: it can; its first launch builds it)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _device_reason(device)
+
+
+def build_command(nvcc: str, out: str, source: Path, flags: list[str]) -> list[str]:
+    """nvcc's command line: a shared library for `ARCH` with the build's `-D` flags."""
+    return [nvcc, "-O3", f"-arch={ARCH}", "-shared", "-Xcompiler", "-fPIC", *flags, "-o", out, str(source)]
+
+
+def load_library(source: Path, flags: list[str], name: str, signatures: dict, what: str) -> ctypes.CDLL:
+    """The built library (`what` names the kernel in errors); the caller caches it."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise RuntimeError(f"{what} needs nvcc: none on PATH, in CUDA_HOME/bin or /usr/local/cuda/bin "
+                           "(or set SPARSEENGINE_NVCC)")
+    key = hashlib.sha256(source.read_bytes() + nvcc.encode() + ARCH.encode() + repr(flags).encode()).hexdigest()[:16]
+    root = Path(os.environ.get("SPARSEENGINE_CACHE", Path.home() / ".cache" / "sparseengine"))
+    lib = root / "cuda" / key / name
+    if not lib.exists():
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        tmp = lib.with_name(f"{lib.name}.{os.getpid()}.tmp")
+        cmd = build_command(nvcc, str(tmp), source, flags)
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{what}: nvcc failed ({' '.join(cmd)}):\n{done.stderr[-3000:]}")
+        os.replace(tmp, lib)  # atomic: a process building beside this one finds a whole file
+    so = ctypes.CDLL(str(lib))
+    for entry, (restype, argtypes) in signatures.items():
+        getattr(so, entry).restype, getattr(so, entry).argtypes = restype, argtypes
+    return so
+
+
+def declared_signatures(source: Path) -> dict:
+    """The source's `extern "C"` entry points as ctypes signatures (for the tests that hold a
+    wrapper's table to its source: a float passed without one fails at the call, a pointer
+    passed as an int is truncated)."""
+    import re
+
+    ctype = {"int": ctypes.c_int, "long long": ctypes.c_longlong, "float": ctypes.c_float}
+    declared = {}
+    for ret, entry, params in re.findall(r'extern "C" (long long|int) (\w+)\(([^)]*)\)', source.read_text()):
+        args = [" ".join(p.split()[:-1]) for p in params.split(",") if p.strip()]
+        declared[entry] = (ctype[ret], [ctypes.c_void_p if a.endswith("*") else ctype[a] for a in args])
+    return declared

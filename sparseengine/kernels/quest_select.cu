@@ -1,0 +1,295 @@
+// Quest's page selection in CUDA: one CTA of 256 threads a (request, KV head) row
+// (quest_select_cuda.py builds it with nvcc, launches it and holds its contract, which is
+// quest_select.py's: the same pages in the same slots, ties to the earlier page).
+//
+// Why CUDA: the Triton kernel's searches are chains of block-wide reductions, a barrier
+// each (~14 us a launch at the 128K benchmark's shape, 30 launches a step). Here the
+// searches that decide the choice run in one warp with `__reduce_add_sync`, no barrier.
+//
+// A row: thread t holds the keys of pages [t * KPT, t * KPT + KPT) in registers (0 where a
+// page is not a middle page: a key of a real score is never 0 but for one NaN pattern).
+// A score's key is an unsigned int in the float's order (-0.0 as +0.0).
+// 1. L, a lower bound of the m-th largest of the threads' maxima (its top 16 bits, by warp
+//    0): at least m middle keys are >= L, so every key the choice takes is >= L.
+// 2. The candidates (keys >= L), in page order, into shared memory (one block scan).
+// 3. With at most WARP_CAP of them, warp 0 finds the m-th largest key t among them (16
+//    passes of 2 bits), then takes the keys > t and the earliest keys == t until m are
+//    taken, each at its rank (a warp scan): ascending pages, no sort. With more (many
+//    equal scores), the whole block runs the same search over the registers.
+// Sink and recent slots are written by arithmetic, as in the Triton kernel.
+// `pdl`: launched as a programmatic dependent launch, the CTA waits (griddepcontrol.wait)
+// for the kernel before it (the page scores) before it reads anything.
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int THREADS = 256;
+constexpr int WARPS = THREADS / 32;
+constexpr int WARP_CAP = 512;             // candidates warp 0 searches (16 a lane)
+constexpr int PER_LANE = WARP_CAP / 32;
+constexpr int GROUPS_PER_LANE = THREADS / 32;  // the threads' maxima warp 0 holds a lane
+constexpr unsigned FULL = 0xffffffffu;
+
+struct Args {
+  const float* scores;  // row (b, h) at b * sb + h * sh, its P pages contiguous
+  long long sb, sh;
+  const void* kv_lens;  // [B] int32 or int64 (lens64)
+  long long* pages;     // [B, H, K]
+  int* counts;          // [B, H]
+  int lens64, H, P, K, page_size, sink_pages, recent, total, top, pdl;
+};
+
+struct Shared {
+  alignas(16) int red[2][WARPS][4];  // a block search's counts, a buffer a pass parity
+  int2 scan[2][WARPS];    // the block scans' warp totals (two scans in a row)
+  unsigned maxima[THREADS];
+  unsigned bound;
+  unsigned cand_key[WARP_CAP];
+  int cand_page[WARP_CAP];
+};
+
+// The float's order as an unsigned int: negative floats flipped whole, others with the
+// sign bit set; -0.0 counts as +0.0.
+__device__ __forceinline__ unsigned key_of(float s) {
+  const unsigned bits = __float_as_uint(s == 0.0f ? 0.0f : s);
+  return (bits >> 31) ? ~bits : bits | 0x80000000u;
+}
+
+// 2 key bits a pass: the counts of keys >= lo + d * step for d = 1, 2, 3 (keys 0 never
+// count: every candidate is >= 1).
+template <int N>
+__device__ __forceinline__ void count3(const unsigned (&k)[N], unsigned lo, unsigned step, int& n1, int& n2,
+                                       int& n3) {
+  const unsigned c1 = lo + step, c2 = c1 + step, c3 = c2 + step;
+  n1 = n2 = n3 = 0;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    n1 += k[j] >= c1;
+    n2 += k[j] >= c2;
+    n3 += k[j] >= c3;
+  }
+}
+
+__device__ __forceinline__ unsigned digit(int t1, int t2, int t3, int m) {
+  return t3 >= m ? 3u : t2 >= m ? 2u : t1 >= m ? 1u : 0u;
+}
+
+// In one warp: the m-th largest of the lanes' keys, its top 2 * PASSES bits (the rest 0: a
+// lower bound with at least m keys >= it); 0 when fewer than m keys are >= 1.
+template <int N, int PASSES>
+__device__ unsigned warp_kth(const unsigned (&k)[N], int m) {
+  unsigned lo = 0, step = 1u << 30;
+#pragma unroll 1
+  for (int pass = 0; pass < PASSES; ++pass) {
+    int n1, n2, n3;
+    count3(k, lo, step, n1, n2, n3);
+    lo += digit(__reduce_add_sync(FULL, n1), __reduce_add_sync(FULL, n2), __reduce_add_sync(FULL, n3), m) * step;
+    step >>= 2;
+  }
+  return lo;
+}
+
+// The same over the whole block (all 32 bits): one barrier a pass.
+template <int N>
+__device__ unsigned block_kth(const unsigned (&k)[N], int m, Shared& s) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  unsigned lo = 0, step = 1u << 30;
+#pragma unroll 1
+  for (int pass = 0; pass < 16; ++pass) {
+    int n1, n2, n3;
+    count3(k, lo, step, n1, n2, n3);
+    n1 = __reduce_add_sync(FULL, n1);
+    n2 = __reduce_add_sync(FULL, n2);
+    n3 = __reduce_add_sync(FULL, n3);
+    int* buf = s.red[pass & 1][warp];
+    if (lane == 0) *reinterpret_cast<int4*>(buf) = make_int4(n1, n2, n3, 0);
+    __syncthreads();  // this pass's counts in; the other buffer's readers of the last pass are past it
+    int t1 = 0, t2 = 0, t3 = 0;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      const int4 v = *reinterpret_cast<const int4*>(s.red[pass & 1][w]);
+      t1 += v.x, t2 += v.y, t3 += v.z;
+    }
+    lo += digit(t1, t2, t3, m) * step;
+    step >>= 2;
+  }
+  return lo;
+}
+
+// Exclusive prefix sums of (a, b) over the warp's lanes; the warp's totals in `total`.
+__device__ __forceinline__ int2 warp_scan2(int a, int b, int2& total) {
+  const int lane = threadIdx.x & 31;
+  int ia = a, ib = b;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int x = __shfl_up_sync(FULL, ia, o), y = __shfl_up_sync(FULL, ib, o);
+    if (lane >= o) ia += x, ib += y;
+  }
+  total = make_int2(__shfl_sync(FULL, ia, 31), __shfl_sync(FULL, ib, 31));
+  return make_int2(ia - a, ib - b);
+}
+
+// The same over the block's threads, in thread order (`buf`: this scan's warp totals).
+__device__ int2 block_scan2(int a, int b, int2 (&buf)[WARPS], int2& total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int2 wt;
+  const int2 in = warp_scan2(a, b, wt);
+  if (lane == 0) buf[warp] = wt;
+  __syncthreads();
+  int2 pre = make_int2(0, 0);
+  total = make_int2(0, 0);
+#pragma unroll
+  for (int w = 0; w < WARPS; ++w) {
+    const int2 v = buf[w];
+    if (w < warp) pre.x += v.x, pre.y += v.y;
+    total.x += v.x, total.y += v.y;
+  }
+  return make_int2(pre.x + in.x, pre.y + in.y);
+}
+
+// Writes the m chosen pages at slots out[0..m) ascending, from keys k (0: none) on pages
+// page_of(j), given t, the m-th largest key: every key > t, then the earliest keys == t
+// until m are taken. `pre`/`total`: this holder's exclusive prefix (and the totals) of its
+// (> t, == t) counts in page order.
+template <int N, typename PageOf>
+__device__ __forceinline__ void write_chosen(const unsigned (&k)[N], PageOf page_of, unsigned t, int m, int2 pre,
+                                             int2 total, long long* out) {
+  const int ties = m - total.x;
+  int slot = pre.x + min(pre.y, ties), eq = pre.y;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const bool take = k[j] > t || (k[j] == t && k[j] != 0u && eq++ < ties);
+    if (take) out[slot++] = page_of(j);
+  }
+}
+
+template <int N>
+__device__ __forceinline__ int2 gt_eq(const unsigned (&k)[N], unsigned t) {
+  int gt = 0, eq = 0;
+#pragma unroll
+  for (int j = 0; j < N; ++j) gt += k[j] > t, eq += k[j] == t && k[j] != 0u;
+  return make_int2(gt, eq);
+}
+
+template <int KPT>
+__global__ void __launch_bounds__(THREADS) select_kernel(const Args a) {
+  if (a.pdl) asm volatile("griddepcontrol.wait;" ::: "memory");
+  __shared__ Shared s;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, row = blockIdx.x;
+  const int b = row / a.H, h = row % a.H;
+  const long long n = a.lens64 ? static_cast<const long long*>(a.kv_lens)[b] : static_cast<const int*>(a.kv_lens)[b];
+  const int ps = a.page_size, sink = a.sink_pages;
+  const int n_pages = (int)((n + ps - 1) / ps);
+  const int recent_first = a.recent > 0 ? (int)((n > a.recent ? n - a.recent : 0) / ps) : n_pages;
+  const bool everything = n <= a.total || recent_first <= sink;
+  const int m = min(recent_first - sink, a.top);  // middle pages to take (when not everything)
+  const int count = everything ? n_pages : sink + m + n_pages - recent_first;
+  long long* out = a.pages + (long long)row * a.K;
+  if (tid == 0) a.counts[row] = count;
+  // Slots [0, sink) and [sink + m, count) hold consecutive pages; -1 after.
+  for (int j = tid; j < a.K; j += THREADS) {
+    const bool head = everything || j < sink;
+    if (head || j >= sink + m) out[j] = j < count ? (head ? j : recent_first + (j - sink - m)) : -1;
+  }
+  if (everything) return;
+  const int mid_end = min(recent_first, a.P);  // == recent_first for a valid kv_len
+  if (recent_first - sink <= a.top) {  // every middle page is taken
+    for (int p = sink + tid; p < mid_end; p += THREADS) out[p] = p;
+    return;
+  }
+  const float* scores = a.scores + b * a.sb + h * a.sh;
+  const int page0 = tid * KPT;
+  unsigned k[KPT], mx = 0;
+#pragma unroll
+  for (int j = 0; j < KPT; ++j) {
+    const int p = page0 + j;
+    k[j] = p >= sink && p < mid_end ? key_of(scores[p]) : 0u;
+    mx = max(mx, k[j]);
+  }
+  s.maxima[tid] = mx;
+  __syncthreads();
+  if (warp == 0) {  // 1. L from the threads' maxima (a lane holds GROUPS_PER_LANE)
+    unsigned g[GROUPS_PER_LANE];
+#pragma unroll
+    for (int i = 0; i < GROUPS_PER_LANE; ++i) g[i] = s.maxima[lane * GROUPS_PER_LANE + i];
+    const unsigned bound = warp_kth<GROUPS_PER_LANE, 8>(g, m);
+    if (lane == 0) s.bound = bound;
+  }
+  __syncthreads();
+  const unsigned bound = s.bound;
+  int mine = 0;  // 2. the candidates
+#pragma unroll
+  for (int j = 0; j < KPT; ++j) mine += k[j] != 0u && k[j] >= bound;
+  int2 total;
+  int slot = block_scan2(mine, 0, s.scan[0], total).x;
+  const int n_cand = total.x;
+  if (n_cand <= WARP_CAP) {
+#pragma unroll
+    for (int j = 0; j < KPT; ++j) {
+      if (k[j] != 0u && k[j] >= bound) s.cand_key[slot] = k[j], s.cand_page[slot++] = page0 + j;
+    }
+    __syncthreads();
+    if (warp != 0) return;
+    unsigned c[PER_LANE];  // 3. in warp 0: lane l holds candidates [l * PER_LANE, (l + 1) * PER_LANE)
+    int cp[PER_LANE];
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) {
+      const int idx = lane * PER_LANE + i;
+      c[i] = idx < n_cand ? s.cand_key[idx] : 0u;
+      cp[i] = idx < n_cand ? s.cand_page[idx] : 0;
+    }
+    const unsigned t = warp_kth<PER_LANE, 16>(c, m);
+    const int2 ge = gt_eq(c, t);
+    int2 tot;
+    const int2 pre = warp_scan2(ge.x, ge.y, tot);
+    write_chosen(c, [&](int j) { return cp[j]; }, t, m, pre, tot, out + sink);
+    return;
+  }
+  const unsigned t = block_kth(k, m, s);  // more candidates than warp 0 holds: the block over every key
+  const int2 ge = gt_eq(k, t);
+  const int2 pre = block_scan2(ge.x, ge.y, s.scan[1], total);
+  write_chosen(k, [&](int j) { return page0 + j; }, t, m, pre, total, out + sink);
+}
+
+template <int KPT>
+int launch(const Args& a, int rows, void* stream) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(rows);
+  cfg.blockDim = dim3(THREADS);
+  cfg.stream = (cudaStream_t)stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = a.pdl ? 1 : 0;
+  return (int)cudaLaunchKernelEx(&cfg, select_kernel<KPT>, a);
+}
+
+constexpr int KPTS[] = {4, 8, 16, 24, 36, 48, 64};  // keys a thread, the smallest that covers P
+
+}  // namespace
+
+// -> 0 when launched, a cudaError_t, -1 (P outside 1..se_quest_select_max_pages(), or
+// another argument out of range). scores fp32, row (b, h) at b * sb + h * sh elements, its
+// pages contiguous; pages [B, H, K] int64 and counts [B, H] int32 contiguous.
+extern "C" int se_quest_select(const void* scores, long long sb, long long sh, const void* kv_lens, int lens64,
+                               void* pages, void* counts, int B, int H, int P, int K, int page_size, int sink_pages,
+                               int recent, int total, int top, int pdl, void* stream) {
+  if (B < 0 || H < 1 || P < 1 || K < 1 || page_size < 1 || sink_pages < 0 || recent < 0 || top < 1) return -1;
+  if (B == 0) return 0;
+  const Args a = {(const float*)scores, sb, sh, kv_lens, (long long*)pages, (int*)counts, lens64, H, P, K,
+                  page_size, sink_pages, recent, total, top, pdl};
+  const int rows = B * H;
+  if (P <= THREADS * 4) return launch<4>(a, rows, stream);
+  if (P <= THREADS * 8) return launch<8>(a, rows, stream);
+  if (P <= THREADS * 16) return launch<16>(a, rows, stream);
+  if (P <= THREADS * 24) return launch<24>(a, rows, stream);
+  if (P <= THREADS * 36) return launch<36>(a, rows, stream);
+  if (P <= THREADS * 48) return launch<48>(a, rows, stream);
+  if (P <= THREADS * 64) return launch<64>(a, rows, stream);
+  return -1;
+}
+
+// The most pages a row may have (the widest build's THREADS x KPT).
+extern "C" int se_quest_select_max_pages() { return THREADS * KPTS[sizeof(KPTS) / sizeof(KPTS[0]) - 1]; }

@@ -1,0 +1,155 @@
+"""`quest_select_pages_cuda` (Quest's page choice in CUDA) against the torch path
+(`select_pages_batched`) on distinct scores and against the per-request definition
+(`quest_select_pages`, ties to the earlier page) on scores full of ties; through its warp
+path (at most 512 candidates) and its block path (more: many equal scores); equal to the
+Triton kernel at the 128K benchmark's shape, in a CUDA graph and as a programmatic
+dependent launch. On the CPU: the errors for bad input, the ctypes table against the
+source, and the build (where nvcc is). The engine with it: tests/methods/test_graph_vs_eager_gpu.py."""
+import pytest
+import torch
+
+from sparseengine.kernels import quest_select_cuda as QC
+from sparseengine.kernels import quest_select_pages_triton
+from sparseengine.kernels.nvcc_build import declared_signatures, find_nvcc
+from sparseengine.methods.quest import select_pages_batched
+from sparseengine.methods.selection import quest_select_pages
+
+from .test_quest_select import CASES, _case_id, _poison_torch_empty, _scores  # noqa: F401 (the fixture)
+
+
+def test_ctypes_signatures_match_the_source():
+    declared = declared_signatures(QC.SOURCE)
+    assert set(declared) == set(QC.SIGNATURES)
+    for name, (ret, args) in declared.items():
+        assert QC.SIGNATURES[name] == (ret, args), name
+
+
+@pytest.mark.skipif(find_nvcc() is None, reason="needs nvcc (no GPU needed: the library loads without one)")
+def test_builds_and_reports_its_widest_row(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPARSEENGINE_CACHE", str(tmp_path))
+    QC.library.cache_clear()
+    try:
+        assert QC.library().se_quest_select_max_pages() == QC.max_pages()
+    finally:
+        QC.library.cache_clear()
+    assert list(tmp_path.glob("cuda/*/libse_quest_select.so"))
+
+
+def test_bad_input():
+    lens = torch.tensor([40], dtype=torch.int32)
+    scores = torch.zeros(1, 2, 10)
+    with pytest.raises(ValueError, match=r"scores must be a floating \[B, Hkv, P\] tensor, got \(2, 10\)"):
+        QC.quest_select_pages_cuda(scores[0], lens, 4, 4, 4, 8)
+    with pytest.raises(ValueError, match="takes float32 scores, got torch.bfloat16"):
+        QC.quest_select_pages_cuda(scores.bfloat16(), lens, 4, 4, 4, 8)
+    with pytest.raises(ValueError, match=r"kv_lens must be an integer \[B=1\] tensor"):
+        QC.quest_select_pages_cuda(scores, torch.tensor([40, 3]), 4, 4, 4, 8)
+    with pytest.raises(ValueError, match="kv_lens must be int32 or int64, got torch.int16"):
+        QC.quest_select_pages_cuda(scores, lens.short(), 4, 4, 4, 8)
+    with pytest.raises(ValueError, match="page_size must be an integer >= 1, got 0"):
+        QC.quest_select_pages_cuda(scores, lens, 0, 4, 4, 8)
+    with pytest.raises(ValueError, match=f"takes 1 to {QC.max_pages()} pages a row, got P={QC.max_pages() + 1}"):
+        QC.quest_select_pages_cuda(torch.zeros(1, 1, QC.max_pages() + 1), lens, 4, 4, 4, 8)
+    with pytest.raises(RuntimeError, match="cannot run: needs a CUDA device, got cpu"):
+        QC.quest_select_pages_cuda(scores, lens, 4, 4, 4, 8)
+    assert not QC.takes("cpu", 10)
+
+
+# ---------------------------------------------------------------------------- on the GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_equals_torch_path_on_distinct_scores(case, gen):
+    lens, hkv, P, ps, sink, budget, recent, _ = case
+    scores = _scores(torch.randn(len(lens), hkv, P, generator=gen), lens, ps).cuda()
+    for dtype in (torch.int32, torch.int64):
+        args = (scores, torch.tensor(lens, dtype=dtype, device="cuda"), ps, sink, recent, budget)
+        pages, counts = QC.quest_select_pages_cuda(*args)
+        want_pages, want_counts = select_pages_batched(*args)
+        assert pages.dtype == torch.int64 and counts.dtype == torch.int32
+        assert torch.equal(counts, want_counts) and torch.equal(pages, want_pages), dtype
+
+
+def _check_definition(pages, counts, scores, lens, ps, sink, recent, budget, where=""):
+    for b, n in enumerate(lens):
+        want = quest_select_pages(scores[b, :, : -(-n // ps)].cpu(), n, ps, sink, recent, budget)
+        for h in range(scores.shape[1]):
+            count = int(counts[b, h])
+            assert count == want.shape[1], (where, b, h)
+            assert pages[b, h, :count].tolist() == want[h].tolist(), (where, b, h)
+            assert (pages[b, h, count:] == -1).all(), (where, b, h)
+
+
+@pytest.mark.gpu
+def test_ties_go_to_the_earlier_page(gen):
+    """Scores from a handful of values (with -inf, +inf and both zeros): each row is the
+    definition's choice. Few distinct values put hundreds of pages at the threshold, so
+    both the warp path and the block path run."""
+    lens, hkv, P, ps, sink, budget, recent = [16 * 90 + 3, 300, 1000, 40, 0], 3, 95, 16, 20, 160, 30
+    palette = torch.tensor([-1.5, -0.0, 0.0, 0.25, 0.25, 2.0, float("-inf"), float("inf")])
+    values = palette[torch.randint(0, 6, (len(lens), hkv, P), generator=gen)]
+    values[0, 0, 30:40] = float("-inf")
+    values[0, 1, 5:8] = float("inf")
+    values[1, 2] = 0.5
+    scores = _scores(values, lens, ps).cuda()
+    kv_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    _check_definition(*QC.quest_select_pages_cuda(scores, kv_lens, ps, sink, recent, budget), scores, lens, ps, sink,
+                      recent, budget)
+    # 128K rows: 8150 middle pages from 3 values (thousands of candidates: the block path), and from 2000
+    lens, P = [131072, 120000, 50000], 8320
+    for values in (3, 2000):
+        scores = _scores(torch.randint(0, values, (len(lens), 4, P), generator=gen).float(), lens, ps).cuda()
+        args = (scores, torch.tensor(lens, dtype=torch.int32, device="cuda"), ps, 64, 512, 1472)
+        _check_definition(*QC.quest_select_pages_cuda(*args), scores, lens, ps, 64, 512, 1472, where=values)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("P", [1, 17, 1024, 1025, 4096 + 7, 9216, 12288, 16384])
+def test_every_build_width(P, gen):
+    """Each build (keys a thread) at its widest and just past the one below: rows as long as
+    the table and shorter ones, against the torch path."""
+    ps, sink, budget, recent = 16, 32, 256, 64
+    lens = [P * ps, max(1, P * ps - 100), (P * ps) // 3 + 1, 5]
+    scores = _scores(torch.randn(len(lens), 2, P, generator=gen), lens, ps).cuda()
+    args = (scores, torch.tensor(lens, dtype=torch.int32, device="cuda"), ps, sink, recent, budget)
+    for g, w in zip(QC.quest_select_pages_cuda(*args), select_pages_batched(*args)):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.gpu
+def test_strided_scores(gen):
+    """Scores as a slice of a wider table (row strides that are not P)."""
+    lens, ps = [16 * 200, 16 * 150 + 3], 16
+    wide = _scores(torch.randn(2, 3, 260, generator=gen), lens, ps).cuda()
+    scores = wide[..., :210]
+    args = (scores, torch.tensor(lens, device="cuda"), ps, 16, 48, 320)
+    for g, w in zip(QC.quest_select_pages_cuda(*args), select_pages_batched(*args)):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [False, True])
+def test_128k_batch6_equals_triton_in_a_cuda_graph(pdl, gen):
+    """The benchmark's shape (B=6, Hkv=8, an 8320-page table, total 2048): captured after the
+    page scores' stand-in (a copy) and replayed on fresh scores, plain and as a programmatic
+    dependent launch: the Triton kernel's pages and counts, and the torch path's."""
+    lens, hkv, P, ps, sink, budget, recent = [131072, 131000, 70000, 4097, 2100, 0], 8, 8320, 16, 64, 1472, 512
+    kv_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    source = torch.empty(len(lens), hkv, P, device="cuda")
+    scores = torch.empty_like(source)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        scores.copy_(source)
+        pages, counts = QC.quest_select_pages_cuda(scores, kv_lens, ps, sink, recent, budget, pdl=pdl)
+    for fresh in (torch.randn(len(lens), hkv, P, generator=gen),
+                  torch.randn(len(lens), hkv, P, generator=gen).round(decimals=1)):  # many ties
+        source.copy_(_scores(fresh, lens, ps))
+        pages.fill_(-7)
+        graph.replay()
+        torch.cuda.synchronize()
+        args = (scores, kv_lens, ps, sink, recent, budget)
+        want_pages, want_counts = quest_select_pages_triton(*args)
+        assert torch.equal(counts, want_counts) and torch.equal(pages, want_pages)
+    _check_definition(pages, counts, scores, lens, ps, sink, recent, budget)
