@@ -202,7 +202,7 @@ __device__ __forceinline__ void warp_choose(const Shared& s, int n_cand, int m, 
   write_chosen(c, [&](int j) { return cp[j]; }, t, m, pre, tot, out);
 }
 
-// VEC: the row is read as float4 into shared memory (dynamic, P rounded up to 4 floats) and
+// VEC: the row (P a multiple of 4) is read as float4 into shared memory at once and
 // each thread takes its KPT keys from there (16-byte reads, no bank conflict for KPT % 4 == 0);
 // otherwise each thread loads its KPT scores itself.
 template <int KPT, bool VEC>
@@ -212,6 +212,11 @@ __global__ void __launch_bounds__(THREADS) select_kernel(const Args a) {
   extern __shared__ float4 staged[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, row = blockIdx.x;
   const int b = row / a.H, h = row % a.H;
+  const float* scores = a.scores + b * a.sb + h * a.sh;
+  if (VEC) {  // the whole row, its loads in flight while kv_len is read (pages past the request's are masked below)
+    const float4* src = reinterpret_cast<const float4*>(scores);
+    for (int i = tid; i < a.P / 4; i += THREADS) staged[i] = src[i];
+  }
   const long long n = a.lens64 ? static_cast<const long long*>(a.kv_lens)[b] : static_cast<const int*>(a.kv_lens)[b];
   const int ps = a.page_size, sink = a.sink_pages;
   const int n_pages = (int)((n + ps - 1) / ps);
@@ -232,16 +237,13 @@ __global__ void __launch_bounds__(THREADS) select_kernel(const Args a) {
     for (int p = sink + tid; p < mid_end; p += THREADS) out[p] = p;
     return;
   }
-  const float* scores = a.scores + b * a.sb + h * a.sh;
   const int page0 = tid * KPT;
   unsigned k[KPT], mx = 0;
   if (VEC) {
-    const float4* src = reinterpret_cast<const float4*>(scores);
-    for (int i = tid; i < (mid_end + 3) / 4; i += THREADS) staged[i] = src[i];
-    __syncthreads();
+    __syncthreads();  // the row staged
 #pragma unroll
     for (int j = 0; j < KPT; j += 4) {
-      const float4 v = staged[page0 / 4 + j / 4];  // past the staged row only where no key is taken
+      const float4 v = staged[page0 / 4 + j / 4];  // past the row only where no key is taken
       const float f[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
       for (int i = 0; i < 4; ++i) {

@@ -4,7 +4,7 @@ earlier page), with the searches that decide the choice in one warp instead of c
 block-wide reductions.
 
 `quest_select_pages_cuda(scores, kv_lens, page_size, sink_tokens, recent_tokens, budget)`:
-`scores [B, Hkv, P]` float32 (pages contiguous; entries past a request's pages never read),
+`scores [B, Hkv, P]` float32 (pages contiguous; entries past a request's pages never used),
 `kv_lens [B]` int32 or int64 -> `(pages [B, Hkv, K]` int64, `counts [B, Hkv]` int32`)`.
 `takes(device, pages)` says whether Quest's decode step runs it (`ENGINE`, an sm_90 GPU with
 nvcc, at most `max_pages()` pages a row); otherwise the step runs the Triton kernel.
