@@ -22,6 +22,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "launch_pdl.cuh"
+
 // A probe's build (-DSE_QS_STOP=k) stops after stage k and writes junk: 1 the load, 2 the
 // bound L, 3 the candidates, 4 the search (timing only; 0, the default, is the kernel).
 #ifndef SE_QS_STOP
@@ -316,17 +318,7 @@ int launch(const Args& a, int rows, void* stream) {
                                                (int)smem);
     if (e != cudaSuccess) return (int)e;
   }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(rows);
-  cfg.blockDim = dim3(THREADS);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = (cudaStream_t)stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = a.pdl ? 1 : 0;
-  return (int)cudaLaunchKernelEx(&cfg, select_kernel<KPT, VEC>, a);
+  return launch_maybe_pdl(select_kernel<KPT, VEC>, dim3(rows), dim3(THREADS), smem, stream, a.pdl, a);
 }
 
 template <int KPT>

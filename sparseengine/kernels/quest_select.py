@@ -126,6 +126,16 @@ def shortlist_room(top: int) -> int:
     return min(4096, max(16, next_pow2(4 * top)))
 
 
+def choice_args(scores, kv_lens, page_size, sink_tokens, recent_tokens, budget) -> tuple[int, ...]:
+    """`(B, Hkv, P, page_size, sink, recent, budget)` of a page choice's arguments, checked
+    (every implementation's: this kernel, `quest_select_cuda`)."""
+    check_scores(scores, (3,), "[B, Hkv, P]")
+    B, H, P = scores.shape
+    check_lens(kv_lens, B)
+    return (B, H, P, int_arg("page_size", page_size, 1), int_arg("sink_tokens", sink_tokens, 0),
+            int_arg("recent_tokens", recent_tokens, 0), int_arg("budget", budget, 0))
+
+
 def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_tokens, budget, *,
                               block_p: int | None = None, num_warps: int | None = None, radix_bits: int | None = None,
                               shortlist: bool = True, shortlist_cap: int | None = None,
@@ -146,13 +156,7 @@ def quest_select_pages_triton(scores, kv_lens, page_size, sink_tokens, recent_to
     # methods.quest imports this package: read its width rule at call time
     from sparseengine.methods.quest import selection_width
 
-    check_scores(scores, (3,), "[B, Hkv, P]")
-    B, H, P = scores.shape
-    check_lens(kv_lens, B)
-    ps = int_arg("page_size", page_size, 1)
-    sink = int_arg("sink_tokens", sink_tokens, 0)
-    recent = int_arg("recent_tokens", recent_tokens, 0)
-    budget = int_arg("budget", budget, 0)
+    B, H, P, ps, sink, recent, budget = choice_args(scores, kv_lens, page_size, sink_tokens, recent_tokens, budget)
     block_p = int_arg("block_p", BLOCK_P if block_p is None else block_p, 16)
     num_warps = num_warps or NUM_WARPS
     if block_p & (block_p - 1):

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-from ._common import check_lens, check_scores, int_arg
 from .nvcc_build import load_library, unavailable
 
 SOURCE = Path(__file__).with_name("quest_select.cu")
@@ -66,15 +65,9 @@ def quest_select_pages_cuda(scores, kv_lens, page_size, sink_tokens, recent_toke
     """Quest's choice per (request, KV head) (the module's docstring); `pdl`: a programmatic
     dependent launch (default `PDL`)."""
     from sparseengine.methods.quest import selection_width  # methods.quest imports this package
-    from .quest_select import top_pages
+    from .quest_select import choice_args, top_pages
 
-    check_scores(scores, (3,), "[B, Hkv, P]")
-    B, H, P = scores.shape
-    check_lens(kv_lens, B)
-    ps = int_arg("page_size", page_size, 1)
-    sink = int_arg("sink_tokens", sink_tokens, 0)
-    recent = int_arg("recent_tokens", recent_tokens, 0)
-    budget = int_arg("budget", budget, 0)
+    B, H, P, ps, sink, recent, budget = choice_args(scores, kv_lens, page_size, sink_tokens, recent_tokens, budget)
     if scores.dtype != torch.float32:
         raise ValueError(f"quest_select_pages_cuda takes float32 scores, got {scores.dtype}")
     if not 1 <= P <= max_pages():
