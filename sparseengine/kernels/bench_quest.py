@@ -328,18 +328,3 @@ def bench_quest_select_cuda(out_path, B=6, P=8320, n=131072):
             emit(out_path, {"kind": "quest_select_cuda", "scores": name, "impl": impl, "batch": B, "hkv": HKV,
                             "pages": P, "kv_len": n, "us_per_launch": per_launch_us(fn), "equals_triton": same,
                             "ties_at_threshold_max": int((top == kth).sum(-1).max())})
-        # the CUDA launch read score by score, and its builds that stop after each stage (timing only)
-        fn = launches["cuda"]
-        for const, values in (("VEC", (False,)), ("BUILD_STOP", (1, 2, 3, 4))):
-            for value in values:
-                before = getattr(quest_select_cuda, const)
-                setattr(quest_select_cuda, const, value)
-                try:
-                    us = per_launch_us(fn)
-                    cand = fn()[0][..., 0].float() if (const, value) == ("BUILD_STOP", 3) else None  # its n_cand a row
-                finally:
-                    setattr(quest_select_cuda, const, before)
-                emit(out_path, {"kind": "quest_select_cuda", "scores": name, "impl": f"cuda {const}={value}",
-                                "batch": B, "hkv": HKV, "pages": P, "kv_len": n, "us_per_launch": us,
-                                **({} if cand is None else {"candidates_median": float(cand.median()),
-                                                            "candidates_max": float(cand.max())})})

@@ -31,8 +31,6 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include "launch_pdl.cuh"
-
 // The build's variant (cuda_linear.py passes them as -D flags; these defaults are the engine's):
 // warps a CTA, 32-channel steps a warp's loads cover at a time, and the CTAs an SM the
 // registers must leave room for (__launch_bounds__'s minimum: 2 holds a thread to 64).
@@ -388,8 +386,17 @@ int launch(const Params& p, const Rope& r, void* stream) {
     if (cached) allowed[dev] = smem;
   }
   const int blocks = p.N / 16, sms = sm_count(dev);
-  return launch_maybe_pdl(linear_kernel<STAGED, ROPE>, dim3(blocks < sms ? blocks : sms), dim3(THREADS), smem, stream,
-                          p.pdl, p, r);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(blocks < sms ? blocks : sms);
+  cfg.blockDim = dim3(THREADS);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = (cudaStream_t)stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = p.pdl ? 1 : 0;
+  return (int)cudaLaunchKernelEx(&cfg, linear_kernel<STAGED, ROPE>, p, r);
 }
 
 }  // namespace

@@ -2,8 +2,8 @@
 
 `unavailable(device)` says why such a kernel cannot run there (None when it can: an sm_90
 GPU and nvcc). `find_nvcc()` finds nvcc (`SPARSEENGINE_NVCC`, PATH, `CUDA_HOME`/`CUDA_PATH`, /usr/local/cuda).
-`load_library(source, flags, name, signatures)` builds `source` once per (source text, the
-headers beside it, nvcc, flags) into `~/.cache/sparseengine/cuda/<hash>/<name>` (`SPARSEENGINE_CACHE`) and loads it
+`load_library(source, flags, name, signatures)` builds `source` once per (source text, nvcc,
+flags) into `~/.cache/sparseengine/cuda/<hash>/<name>` (`SPARSEENGINE_CACHE`) and loads it
 with ctypes, each entry point typed from `signatures` ({name: (restype, argtypes)}, in the
 order of the source's `extern "C"` declarations: a CPU test holds each table to its source).
 A build that fails raises with nvcc's message. No GPU is needed to build or load a library.
@@ -63,9 +63,7 @@ def load_library(source: Path, flags: list[str], name: str, signatures: dict, wh
     if nvcc is None:
         raise RuntimeError(f"{what} needs nvcc: none on PATH, in CUDA_HOME/bin or /usr/local/cuda/bin "
                            "(or set SPARSEENGINE_NVCC)")
-    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.cuh")))  # what the sources include
-    key = hashlib.sha256(source.read_bytes() + headers + nvcc.encode() + ARCH.encode()
-                         + repr(flags).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source.read_bytes() + nvcc.encode() + ARCH.encode() + repr(flags).encode()).hexdigest()[:16]
     root = Path(os.environ.get("SPARSEENGINE_CACHE", Path.home() / ".cache" / "sparseengine"))
     lib = root / "cuda" / key / name
     if not lib.exists():

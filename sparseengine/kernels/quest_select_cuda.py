@@ -4,7 +4,7 @@ earlier page), with the searches that decide the choice in one warp instead of c
 block-wide reductions.
 
 `quest_select_pages_cuda(scores, kv_lens, page_size, sink_tokens, recent_tokens, budget)`:
-`scores [B, Hkv, P]` float32 (pages contiguous; entries past a request's pages never used),
+`scores [B, Hkv, P]` float32 (pages contiguous; entries past a request's pages never read),
 `kv_lens [B]` int32 or int64 -> `(pages [B, Hkv, K]` int64, `counts [B, Hkv]` int32`)`.
 `takes(device, pages)` says whether Quest's decode step runs it (`ENGINE`, an sm_90 GPU with
 nvcc, at most `max_pages()` pages a row); otherwise the step runs the Triton kernel.
@@ -25,29 +25,17 @@ from .nvcc_build import load_library, unavailable
 SOURCE = Path(__file__).with_name("quest_select.cu")
 ENGINE = True  # Quest's decode step selects with this kernel where `takes` says it can (read at each call)
 PDL = False  # launched as a programmatic dependent launch of the page scores (read at each call)
-VEC = True  # rows of a multiple of 4 pages (16-byte aligned) read as float4 through shared memory (read at each call)
-# A probe's build (read at each call; bench_quest_select_cuda times each): the kernel stops after
-# stage k (1 the load, 2 the bound, 3 the candidates, 4 the search) and writes junk. 0: the kernel.
-BUILD_STOP = 0
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
 SIGNATURES = {  # in the order of the source's `extern "C"` declarations (a CPU test holds them together)
-    "se_quest_select": (_I, [_P, _L, _L, _P, _I, _P, _P] + [_I] * 11 + [_P]),
+    "se_quest_select": (_I, [_P, _L, _L, _P, _I, _P, _P] + [_I] * 10 + [_P]),
     "se_quest_select_max_pages": (_I, []),
 }
 
 
-def library() -> ctypes.CDLL:
-    """The built library of the build `BUILD_STOP` names."""
-    return _library(int(BUILD_STOP))
-
-
 @functools.lru_cache(maxsize=None)
-def _library(stop: int) -> ctypes.CDLL:
-    if stop not in (0, 1, 2, 3, 4):
-        raise ValueError(f"quest_select_cuda.BUILD_STOP must be 0 to 4, got {stop!r}")
-    return load_library(SOURCE, [f"-DSE_QS_STOP={stop}"] if stop else [], "libse_quest_select.so", SIGNATURES,
-                        "quest_select_cuda")
+def library() -> ctypes.CDLL:
+    return load_library(SOURCE, [], "libse_quest_select.so", SIGNATURES, "quest_select_cuda")
 
 
 def max_pages() -> int:
@@ -91,8 +79,7 @@ def quest_select_pages_cuda(scores, kv_lens, page_size, sink_tokens, recent_toke
         err = library().se_quest_select(
             scores.data_ptr(), scores.stride(0), scores.stride(1), kv_lens.data_ptr(), int(kv_lens.dtype == torch.int64),
             pages.data_ptr(), counts.data_ptr(), B, H, P, K, ps, -(-sink // ps), recent, sink + budget + recent,
-            top_pages(budget, ps), int(PDL if pdl is None else pdl), int(VEC and P % 4 == 0),
-            torch.cuda.current_stream(scores.device).cuda_stream)
+            top_pages(budget, ps), int(PDL if pdl is None else pdl), torch.cuda.current_stream(scores.device).cuda_stream)
     if err:
         raise RuntimeError(f"quest_select_pages_cuda's launch failed: error {err} (B={B}, Hkv={H}, P={P}, K={K})")
     return pages, counts
