@@ -322,3 +322,17 @@ def test_triton_selection_takes_the_same_pages_with_maxima_from_the_scores(monke
         picks[on] = [sel.token_indices[b, h, : int(n[b, h])].tolist() for b in range(len(lens)) for h in range(hkv)]
     assert picks[True] == picks[False]
     assert max(len(p) for p in picks[True]) < -(-lens[3] // ps)  # a real choice among middle pages
+
+
+def test_the_record_names_the_choice_kernel(tiny_llama):
+    """`kernels(device)` names what chooses Quest's pages (the records' `engine/method_kernels`):
+    on a CPU the provider's kernel, also under a prefill method (a MethodStack); a method with
+    no own op names none."""
+    want = {"quest_select": "provider's (triton or torch)"}
+    with LLM(str(tiny_llama[0]), device="cpu", sparse_method="quest", num_kv_pages=64) as llm:
+        assert llm.method.kernels(llm.device) == want
+    with LLM(str(tiny_llama[0]), device="cpu", sparse_method="quest", prefill_sparse_method="flashprefill_v2",
+             flashprefill_threshold=0.002, num_kv_pages=64) as llm:
+        assert isinstance(llm.method, MethodStack) and llm.method.kernels(llm.device) == want
+    with LLM(str(tiny_llama[0]), device="cpu", sparse_method="vanilla", num_kv_pages=64) as llm:
+        assert llm.method.kernels(llm.device) == {}
