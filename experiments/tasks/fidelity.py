@@ -31,6 +31,9 @@ position, the others at decode steps):
   then the mean over samples (every sample has the same rows and layers, so this is the
   mean over samples, rows and layers). Per sample (``samples.jsonl``) also its largest
   value and its mean per layer.
+- ``fidelity/reference_cached``: whether the reference's outputs came from
+  ``reference_cache_dir`` (``reference_cache.py``: the same reference engine, task, prompts
+  and engine source computed them in an earlier job) instead of a reference pass.
 - ``fidelity/decode_preemptions``: times a teacher-forced request of either engine was
   prefilled again because the KV pool ran out (0 normally); the row after each came from
   a prefill rather than a decode step.
@@ -47,6 +50,7 @@ from tqdm.auto import tqdm
 
 from experiments.corpus import token_windows
 from experiments.tasks.base import Task, TaskEnv
+from experiments.tasks.reference_cache import ReferenceCache, reference_key
 
 
 def kl_rows(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
@@ -90,6 +94,7 @@ class FidelityTask(Task):
     kl_positions: int = 64
     reference_method: str = "vanilla"
     text_path: str | None = None
+    reference_cache_dir: str | None = None  # the reference pass kept here for the next job (None: not kept)
 
     def _pass(self, llm, windows: list[list[int]], conts: list[list[int]] | None, desc: str):
         """Free-running greedy outputs, the continuations to force (the reference's), the
@@ -106,13 +111,31 @@ class FidelityTask(Task):
         forced = llm.teacher_forced(windows, conts, capture_attention=True)
         return [o.token_ids for o in outs], conts, logps, forced
 
+    def _reference(self, ref, windows: list[list[int]]) -> tuple[tuple, bool]:
+        """The reference pass's outputs, from the cache where it holds them; whether it did."""
+        from sparseengine.engine.teacher_forcing import TeacherForcedOutput
+
+        cache = ReferenceCache(self.reference_cache_dir)
+        params = {k: v for k, v in self.params().items() if k != "reference_cache_dir"}
+        key = reference_key(ref.config.to_dict(), params, windows, str(ref.device))
+        entry = cache.load(key)
+        if entry is None:
+            out, conts, logps, forced = self._pass(ref, windows, None, "fidelity reference")
+            cache.save(key, {"out": out, "conts": conts, "logps": logps,
+                             "forced": [{"logits": f.logits, "attention": f.attention, "preemptions": f.preemptions}
+                                        for f in forced]})
+            return (out, conts, logps, forced), False
+        forced = [TeacherForcedOutput(i, w, c, f["logits"], f["attention"], f["preemptions"])
+                  for i, (w, c, f) in enumerate(zip(windows, entry["conts"], entry["forced"]))]
+        return (entry["out"], entry["conts"], entry["logps"], forced), True
+
     def run(self, env: TaskEnv) -> dict[str, Any]:
         ref_kwargs = {"sparse_method": self.reference_method, "prefill_sparse_method": "none",
                       "prefill_policy": "auto"}
         with env.engine(**ref_kwargs) as ref:
             windows = token_windows(ref.tokenizer, ref.model_config.vocab_size, self.context_length,
                                     self.num_samples, env.seed, self.text_path)
-            ref_out, conts, ref_logps, ref_forced = self._pass(ref, windows, None, "fidelity reference")
+            (ref_out, conts, ref_logps, ref_forced), cached = self._reference(ref, windows)
         with env.engine() as llm:
             out, _, logps, forced = self._pass(llm, windows, conts, "fidelity method")
         rows = []
@@ -132,6 +155,7 @@ class FidelityTask(Task):
                    "fidelity/decode_teacher_forced_top1": mean("decode_teacher_forced_top1"),
                    "fidelity/attention_output_rel_error": mean("attention_output_rel_error"),
                    "fidelity/decode_preemptions": sum(r["decode_preemptions"] for r in rows),
-                   "fidelity/num_samples": len(windows), "fidelity/reference_method": self.reference_method}
+                   "fidelity/num_samples": len(windows), "fidelity/reference_method": self.reference_method,
+                   "fidelity/reference_cached": cached}
         env.log(metrics)
         return metrics

@@ -21,7 +21,7 @@ DECODE_METRICS = ["fidelity/decode_kl_mean", "fidelity/decode_kl_max", "fidelity
 def test_decode_side_method_is_measured_on_the_decode_path(tmp_path) -> None:
     cfg = compose(["debug=tiny", "task=fidelity", "task.max_tokens=8", "task.kl_positions=16",
                    "sparse_method=streamingllm", "engine.sink_tokens=4", "engine.recent_tokens=28",
-                   f"records_path={tmp_path / 'r.jsonl'}"])
+                   f"task.reference_cache_dir={tmp_path / 'cache'}", f"records_path={tmp_path / 'r.jsonl'}"])
     run_job(cfg)
     (rec,) = read_records(tmp_path / "r.jsonl")
     m = rec["metrics"]
@@ -31,6 +31,7 @@ def test_decode_side_method_is_measured_on_the_decode_path(tmp_path) -> None:
     assert m["fidelity/decode_kl_max"] >= m["fidelity/decode_kl_mean"]
     assert 0 <= m["fidelity/decode_teacher_forced_top1"] <= 1
     assert m["fidelity/kl_mean"] < 1e-4  # the prompt path: a dense prefill, blind to StreamingLLM
+    assert m["fidelity/reference_cached"] is False and len(list((tmp_path / "cache").glob("*.pt"))) == 1
 
 
 def test_vanilla_against_itself_is_exact(tmp_path) -> None:
@@ -47,3 +48,56 @@ def test_vanilla_against_itself_is_exact(tmp_path) -> None:
     layers = json.loads((SHAPES_DIR / "tiny-llama.json").read_text())["num_hidden_layers"]
     assert all(len(r["attention_output_rel_error_per_layer"]) == layers for r in rows)
     assert all(r["attention_output_rel_error_max"] < 1e-6 and r["decode_kl_worst_row"] < 1e-6 for r in rows)
+
+
+def _run(tmp_path, engine_overrides: list[str], cache, name: str) -> dict:
+    cfg = compose(["debug=tiny", *engine_overrides])
+    env = TaskEnv(engine_kwargs=dict(cfg.engine), seed=0, job_dir=tmp_path / name, log=lambda m: None)
+    return FidelityTask(context_length=64, num_samples=2, max_tokens=5, kl_positions=8,
+                        reference_cache_dir=cache).run(env)
+
+
+def test_reference_cache_is_shared_across_budgets_and_equals_a_fresh_pass(tmp_path) -> None:
+    """A sweep's second job (another budget, another method) takes the reference from the cache,
+    and its metrics equal those of a job that computed the reference itself; a reference engine
+    that differs (its dtype) misses."""
+    cache = tmp_path / "cache"
+    quest = ["sparse_method=quest", "engine.sink_tokens=4", "engine.recent_tokens=16"]
+    first = _run(tmp_path, [*quest, "engine.budget=16"], cache, "a")
+    assert first["fidelity/reference_cached"] is False
+    stream = _run(tmp_path, ["sparse_method=streamingllm", "engine.sink_tokens=4", "engine.recent_tokens=24"], cache,
+                "b")
+    again = _run(tmp_path, [*quest, "engine.budget=16"], cache, "c")
+    fresh = _run(tmp_path, [*quest, "engine.budget=16"], None, "d")
+    assert stream["fidelity/reference_cached"] is True and again["fidelity/reference_cached"] is True
+    assert fresh["fidelity/reference_cached"] is False
+    assert {k: v for k, v in again.items() if k != "fidelity/reference_cached"} == {
+        k: v for k, v in fresh.items() if k != "fidelity/reference_cached"}
+    assert len(list(cache.glob("*.pt"))) == 1
+    other = _run(tmp_path, [*quest, "engine.budget=16", "engine.dtype=bfloat16"], cache, "e")
+    assert other["fidelity/reference_cached"] is False and len(list(cache.glob("*.pt"))) == 2
+
+
+def test_reference_key_ignores_method_fields_only(tmp_path) -> None:
+    """The key leaves out what only a sparse method reads and keeps everything else, the
+    prompts and the engine's source (an edit to a file under a hashed root changes it)."""
+    from experiments.tasks import reference_cache as rc
+    from sparseengine import Config
+
+    base = Config.from_kwargs(model="tiny-llama").to_dict()
+    task = {"context_length": 64}
+    key = rc.reference_key(base, task, [[1, 2, 3]], "cpu")
+    for same in ({"budget": 7}, {"sink_tokens": 1}, {"recent_tokens": 9}, {"method_knobs": {"quest_page_size": 8}}):
+        assert rc.reference_key({**base, **same}, task, [[1, 2, 3]], "cpu") == key, same
+    for other in ({"dtype": "bfloat16"}, {"prefill_chunk_size": 64}, {"seed": 1}):
+        assert rc.reference_key({**base, **other}, task, [[1, 2, 3]], "cpu") != key, other
+    assert rc.reference_key(base, {"context_length": 65}, [[1, 2, 3]], "cpu") != key
+    assert rc.reference_key(base, task, [[1, 2, 4]], "cpu") != key
+    root = tmp_path / "src"
+    root.mkdir()
+    (root / "a.py").write_text("x = 1\n")
+    before = rc.source_digest((root,))
+    rc._digest.cache_clear()
+    (root / "a.py").write_text("x = 2\n")
+    assert rc.source_digest((root,)) != before
+    rc._digest.cache_clear()
