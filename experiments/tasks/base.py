@@ -32,7 +32,7 @@ class TaskEnv:
                   **{f"attention/ops/{op}": impl for op, impl in llm.provider.ops().items()},
                   "engine/async_scheduling": llm.async_scheduling,
                   "engine/decode_linears": cuda_linear.engine_linears(llm.model, llm.device),
-                  **{f"engine/method_kernels/{op}": impl for op, impl in llm.method.kernels(llm.device).items()}})
+                  **{f"engine/method_kernels/{op}": impl for op, impl in llm.method.kernels(llm.device, llm.provider).items()}})
         return llm
 
     def sample(self, row: dict[str, Any]) -> None:

@@ -162,9 +162,9 @@ class SparseMethodRuntime:
         """Tokens held per layer and KV head (mean over layers)."""
         return sum(seq.layer_lens) / max(1, len(seq.layer_lens))
 
-    def kernels(self, device: torch.device) -> dict[str, str]:
-        """Which implementation runs each of the method's own ops on `device` where the
-        engine does not choose it through the provider (for the records): {op: implementation}."""
+    def kernels(self, device: torch.device, provider: "AttentionProvider") -> dict[str, str]:
+        """Which implementation runs each of the method's own ops (not the provider's attention)
+        on `device` beside `provider` (for the records): {op: implementation}."""
         return {}
 
 
@@ -263,8 +263,8 @@ class MethodStack(SparseMethodRuntime):
     def metadata_bytes_read(self, seq, kv_bytes_per_token_layer):
         return self.parts[1].metadata_bytes_read(seq, kv_bytes_per_token_layer)
 
-    def kernels(self, device):
-        return {**self.parts[0].kernels(device), **self.parts[1].kernels(device)}
+    def kernels(self, device, provider):
+        return {**self.parts[0].kernels(device, provider), **self.parts[1].kernels(device, provider)}
 
     def max_cache_tokens(self, prompt_tokens, output_tokens):
         return min(p.max_cache_tokens(prompt_tokens, output_tokens) for p in self.parts)

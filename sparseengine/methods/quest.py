@@ -131,10 +131,12 @@ class Quest(SparseMethodRuntime):
         pages, counts = kernels.quest_select_pages_triton(scores, *choice, group_maxima=maxima)
         return Selection(pages, counts, dense, page_size=self.page)
 
-    def kernels(self, device) -> dict[str, str]:
-        cuda = quest_select_cuda.takes(device, 1)
-        return {"quest_select": f"cuda (rows of up to {quest_select_cuda.max_pages()} pages)" if cuda
-                else "provider's (triton or torch)"}
+    def kernels(self, device, provider) -> dict[str, str]:
+        if not provider.triton_kernels:
+            return {"quest_select": "torch"}
+        if quest_select_cuda.takes(device, 1):
+            return {"quest_select": f"cuda (rows of up to {quest_select_cuda.max_pages()} pages, triton past them)"}
+        return {"quest_select": "triton"}
 
     def _prefill_rows(self, ctx) -> tuple[bool, ...]:
         """Which rows of the step are prefill rows (read densely): once per step, not per

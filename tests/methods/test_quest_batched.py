@@ -325,14 +325,16 @@ def test_triton_selection_takes_the_same_pages_with_maxima_from_the_scores(monke
 
 
 def test_the_record_names_the_choice_kernel(tiny_llama):
-    """`kernels(device)` names what chooses Quest's pages (the records' `engine/method_kernels`):
-    on a CPU the provider's kernel, also under a prefill method (a MethodStack); a method with
-    no own op names none."""
-    want = {"quest_select": "provider's (triton or torch)"}
+    """`kernels(device, provider)` names what chooses Quest's pages (the records'
+    `engine/method_kernels`): on a CPU the provider's kernel (torch; the interpreted Triton
+    provider's Triton kernel), also under a prefill method (a MethodStack); a method with no
+    op of its own names none."""
     with LLM(str(tiny_llama[0]), device="cpu", sparse_method="quest", num_kv_pages=64) as llm:
-        assert llm.method.kernels(llm.device) == want
+        assert llm.method.kernels(llm.device, llm.provider) == {"quest_select": "torch"}
+        assert llm.method.kernels(llm.device, make_provider("triton", torch.device("cpu"))) == {"quest_select": "triton"}
     with LLM(str(tiny_llama[0]), device="cpu", sparse_method="quest", prefill_sparse_method="flashprefill_v2",
              flashprefill_threshold=0.002, num_kv_pages=64) as llm:
-        assert isinstance(llm.method, MethodStack) and llm.method.kernels(llm.device) == want
+        assert isinstance(llm.method, MethodStack)
+        assert llm.method.kernels(llm.device, llm.provider) == {"quest_select": "torch"}
     with LLM(str(tiny_llama[0]), device="cpu", sparse_method="vanilla", num_kv_pages=64) as llm:
-        assert llm.method.kernels(llm.device) == {}
+        assert llm.method.kernels(llm.device, llm.provider) == {}
