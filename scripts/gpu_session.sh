@@ -9,6 +9,7 @@
 #   bash scripts/gpu_session.sh cuda_linear  # the CUDA linears: build, GPU tests, bench_gpu --cuda-linear
 #   bash scripts/gpu_session.sh ab           # GPU tests, then each decode-step switch (AB_CONSTS) on/off in alternating profiles
 #   VARIANTS='default;M.NAME=V ...' [BENCH='--flag'] bash scripts/gpu_session.sh variants  # kernel-const A/B profiles
+#   COMMIT=<sha> DIRTY=0 bash scripts/gpu_session.sh quest_select  # Quest's CUDA page choice: tests, bench, A/B, lanes
 #   bash scripts/gpu_session.sh quest_scores # Quest's score tests, its scoring launches swept, the fastest A/B in b6 profiles
 #   bash scripts/gpu_session.sh pick         # GPU tests (kernels, methods), OmniKV's pick side by side, OmniKV b6 profile
 #   bash scripts/gpu_session.sh balanced     # split-K decode tests (all, compiled), the balanced plan beside the per-row one
@@ -29,7 +30,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 WANDB_MODE=offline
 # The device copy's .git can name an older commit: pass COMMIT=<sha> DIRTY=0|1 so records carry provenance.
 COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export SPARSEENGINE_GIT_COMMIT=$COMMIT SPARSEENGINE_GIT_DIRTY=${DIRTY:-}
-phase=${1:?phase: check, profiles, deltakv, ab, pick, balanced, ragged, throughput or accuracy}; shift
+phase=${1:?phase: check, profiles, deltakv, ab, pick, quest_select, balanced, ragged, throughput or accuracy}; shift
 FI_WHEELS=.whl/flashinfer; [ -d .whl/flashinfer_trim ] && FI_WHEELS=.whl/flashinfer_trim
 export FI_WHEELS
 
@@ -218,6 +219,17 @@ for line in open(sys.argv[1]):
     elif r["kind"] == "cuda_linear_chain":
         print(f"chain {r['variant']:20s} {r['us_per_chain']:9.1f} us  rel {r['rel_err_vs_triton']:.1e}")
 PY
+  ;;
+quest_select)
+  # Quest's page choice in CUDA: its GPU tests (cuda_linear's and the engine's Quest tokens too), the per-launch
+  # bench beside the Triton choice, Quest b=6 with each in alternating profiles, then the vanilla and Quest lanes.
+  install_wheels .whl/hydra
+  timeout 240 python -m pytest -q -m gpu tests/kernels/test_quest_select_cuda.py tests/kernels/test_cuda_linear.py \
+    tests/methods/test_graph_vs_eager_gpu.py -k "cuda or quest" -p no:cacheprovider -rs 2>&1 | tail -8 \
+    | tee "$OUT/gpu_tests.log"
+  timeout 150 python -m sparseengine.kernels.bench_gpu --quest-select-cuda --out "$OUT/bench.jsonl" 2>&1 | tail -3
+  METHOD=quest BATCH=6 ROUNDS=2 VARIANTS='default;quest_select_cuda.ENGINE=False' bash "$0" variants
+  SKIP_TESTS=1 THROUGHPUT_TIMEOUT=${THROUGHPUT_TIMEOUT:-200} bash "$0" throughput sparse_method=vanilla,quest
   ;;
 variants)
   # BENCH (bench_gpu flags, optional) into $OUT/bench.jsonl, then one method's graph step with each of VARIANTS
