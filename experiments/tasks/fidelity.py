@@ -50,7 +50,7 @@ from tqdm.auto import tqdm
 
 from experiments.corpus import token_windows
 from experiments.tasks.base import Task, TaskEnv
-from experiments.tasks.reference_cache import ReferenceCache, reference_key
+from experiments.tasks.reference_cache import ReferenceCache, reference_key, weights_identity
 
 
 def kl_rows(ref_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
@@ -117,7 +117,7 @@ class FidelityTask(Task):
 
         cache = ReferenceCache(self.reference_cache_dir)
         params = {k: v for k, v in self.params().items() if k != "reference_cache_dir"}
-        key = reference_key(ref.config.to_dict(), params, windows, str(ref.device))
+        key = reference_key(ref.config.to_dict(), params, windows, str(ref.device), weights_identity(ref.source.folder))
         entry = cache.load(key)
         if entry is None:
             out, conts, logps, forced = self._pass(ref, windows, None, "fidelity reference")

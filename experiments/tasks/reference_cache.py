@@ -5,7 +5,7 @@ and budget of a sweep, and took about half of each job's time).
 ``ReferenceCache(root)`` (``root`` None: no cache) keys an entry by everything the reference
 depends on (``reference_key``): the reference engine's resolved ``Config`` without the fields
 that only a sparse method reads (``METHOD_FIELDS``: a sweep's budgets and knobs, which the dense
-reference ignores), the task's parameters, the prompts' token ids, the engine's source code
+reference ignores), its model files, the task's parameters, the prompts' token ids, the engine's source code
 (``source_digest``: a hash of the package's files, so an edit, committed or not, is a new key),
 torch's version and the device type. ``load(key)`` gives the stored entry or None; ``save``
 writes it whole (a temporary file renamed), so a job reading beside one writing never sees half
@@ -44,12 +44,24 @@ def _digest(roots: tuple[str, ...]) -> str:
     return h.hexdigest()
 
 
-def reference_key(config: dict[str, Any], task: dict[str, Any], prompts: list[list[int]], device: str) -> str:
+def weights_identity(folder: Path | None) -> list[tuple[str, int, int]]:
+    """The model folder's files as (name, size, mtime in ns); [] for dummy weights (no folder:
+    the config's seed makes them)."""
+    if folder is None:
+        return []
+    return [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(Path(folder).iterdir()) if f.is_file()]
+
+
+def reference_key(config: dict[str, Any], task: dict[str, Any], prompts: list[list[int]], device: str,
+                  weights: list | None = None) -> str:
     """The key of a reference pass: `config` the reference engine's resolved Config
-    (``Config.to_dict()``), `task` its task's parameters, `prompts` the token ids it ran on."""
+    (``Config.to_dict()``), `task` its task's parameters, `prompts` the token ids it ran on,
+    `weights` its model files (``weights_identity``: another file under the same model name,
+    e.g. a new package of the embedded model, is another key)."""
     parts = {"format": FORMAT, "config": {k: v for k, v in config.items() if k not in METHOD_FIELDS},
              "task": task, "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest(),
-             "code": source_digest(), "torch": torch.__version__, "device": torch.device(device).type}
+             "weights": weights or [], "code": source_digest(), "torch": torch.__version__,
+             "device": torch.device(device).type}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 

@@ -80,7 +80,8 @@ def test_reference_cache_is_shared_across_budgets_and_equals_a_fresh_pass(tmp_pa
 
 def test_reference_key_ignores_method_fields_only(tmp_path) -> None:
     """The key leaves out what only a sparse method reads and keeps everything else, the
-    prompts and the engine's source (an edit to a file under a hashed root changes it)."""
+    prompts, the model's files and the engine's source (an edit to a file under a hashed
+    root changes it)."""
     from experiments.tasks import reference_cache as rc
     from sparseengine import Config
 
@@ -93,6 +94,13 @@ def test_reference_key_ignores_method_fields_only(tmp_path) -> None:
         assert rc.reference_key({**base, **other}, task, [[1, 2, 3]], "cpu") != key, other
     assert rc.reference_key(base, {"context_length": 65}, [[1, 2, 3]], "cpu") != key
     assert rc.reference_key(base, task, [[1, 2, 4]], "cpu") != key
+    weights = tmp_path / "model"
+    weights.mkdir()
+    (weights / "model.safetensors").write_bytes(b"1234")
+    with_file = rc.reference_key(base, task, [[1, 2, 3]], "cpu", rc.weights_identity(weights))
+    assert with_file != key and rc.weights_identity(None) == []
+    (weights / "model.safetensors").write_bytes(b"12345")  # another file under the same model name
+    assert rc.reference_key(base, task, [[1, 2, 3]], "cpu", rc.weights_identity(weights)) != with_file
     root = tmp_path / "src"
     root.mkdir()
     (root / "a.py").write_text("x = 1\n")
