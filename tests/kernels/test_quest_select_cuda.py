@@ -153,3 +153,38 @@ def test_128k_batch6_equals_triton_in_a_cuda_graph(pdl, gen):
         want_pages, want_counts = quest_select_pages_triton(*args)
         assert torch.equal(counts, want_counts) and torch.equal(pages, want_pages)
     _check_definition(pages, counts, scores, lens, ps, sink, recent, budget)
+
+
+def _tied_candidates(n_cand: int, P: int = 8320, n: int = 131072, ps: int = 16, sink: int = 64, recent: int = 512,
+                     budget: int = 1472) -> tuple[torch.Tensor, list[int]]:
+    """One row whose middle pages score -1 but `n_cand` of them, spread evenly, which score 1:
+    the m-th largest of the threads' maxima is 1, so exactly those pages are the candidates,
+    and the choice is their earliest m (ties to the earlier page). -> (scores [1, 1, P], the
+    pages chosen)."""
+    first, end = -(-sink // ps), (n - recent) // ps
+    scores = torch.full((1, 1, P), -1.0)
+    ones = torch.linspace(first, end - 1, n_cand).round().long().unique()
+    assert len(ones) == n_cand
+    scores[0, 0, ones] = 1.0
+    return scores, ones[: budget // ps].tolist()
+
+
+def test_tied_candidates_construction():
+    """The rows below: the Triton kernel (the interpreter on a CPU) takes the earliest m ones."""
+    for n_cand in (93, 300):
+        scores, want = _tied_candidates(n_cand)
+        pages, counts = quest_select_pages_triton(scores, torch.tensor([131072]), 16, 64, 512, 1472)
+        assert pages[0, 0, 4:4 + len(want)].tolist() == want
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_cand", [93, 128, 129, 256, 257, 512, 513, 2000])
+def test_candidate_counts_across_the_warp_and_block_paths(n_cand):
+    """Exactly `n_cand` candidates tied at the threshold (the warp's widths and the block path's
+    edge: 128, 256, 512): the earliest m, as the definition and the Triton kernel take them."""
+    scores, want = _tied_candidates(n_cand)
+    args = (scores.cuda(), torch.tensor([131072], dtype=torch.int32, device="cuda"), 16, 64, 512, 1472)
+    pages, counts = QC.quest_select_pages_cuda(*args)
+    assert pages[0, 0, 4:4 + len(want)].tolist() == want
+    for g, w in zip((pages, counts), quest_select_pages_triton(*args)):
+        assert torch.equal(g, w)
