@@ -28,11 +28,12 @@ class TaskEnv:
         from sparseengine.kernels import cuda_linear
 
         llm = LLM(**{**self.engine_kwargs, **overrides})
+        method_kernels = llm.method.kernels(llm.device, llm.provider)
         self.log({"attention/provider": llm.provider.name,
                   **{f"attention/ops/{op}": impl for op, impl in llm.provider.ops().items()},
                   "engine/async_scheduling": llm.async_scheduling,
                   "engine/decode_linears": cuda_linear.engine_linears(llm.model, llm.device),
-                  **{f"engine/method_kernels/{op}": impl for op, impl in llm.method.kernels(llm.device, llm.provider).items()}})
+                  **{f"engine/method_kernels/{op}": impl for op, impl in method_kernels.items()}})
         return llm
 
     def sample(self, row: dict[str, Any]) -> None:

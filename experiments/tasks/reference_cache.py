@@ -5,9 +5,9 @@ and budget of a sweep, and took about half of each job's time).
 ``ReferenceCache(root)`` (``root`` None: no cache) keys an entry by everything the reference
 depends on (``reference_key``): the reference engine's resolved ``Config`` without the fields
 that only a sparse method reads (``METHOD_FIELDS``: a sweep's budgets and knobs, which the dense
-reference ignores), its model files, the task's parameters, the prompts' token ids, the engine's source code
-(``source_digest``: a hash of the package's files, so an edit, committed or not, is a new key),
-torch's version and the device type. ``load(key)`` gives the stored entry or None; ``save``
+reference ignores), its model files, the task's parameters, the prompts' token ids, the
+engine's source code (``source_digest``: a hash of the package's files, so an edit, committed
+or not, is a new key), torch's version and the device type. ``load(key)`` gives the stored entry or None; ``save``
 writes it whole (a temporary file renamed), so a job reading beside one writing never sees half
 an entry. Entries hold tensors, numbers and lists only (``torch.load(weights_only=True)``).
 """

@@ -299,8 +299,8 @@ def bench_quest_select_cuda(out_path, B=6, P=8320, n=131072):
     """Quest's page choice in CUDA (`quest_select_cuda`) beside the Triton launch the engine
     made before it (group maxima from the page scores), per launch in a CUDA graph of 30, on
     the page scores of random bounds and queries at the 128K shape, on random scores, and on
-    scores rounded to 1 decimal (ties): each checked against the Triton kernel's choice; the
-    CUDA launch also as a programmatic dependent launch, and its candidate count per row."""
+    scores rounded to 1 decimal (ties, counted at the threshold): each checked against the
+    Triton kernel's choice; the CUDA launch also as a programmatic dependent launch."""
     from sparseengine.kernels import quest as quest_kernels
     from sparseengine.kernels import quest_select, quest_select_cuda
 

@@ -30,10 +30,9 @@ from pathlib import Path
 import torch
 
 from . import _common
-from .nvcc_build import find_nvcc, load_library
-from .nvcc_build import unavailable as nvcc_unavailable
-from .nvcc_build import build_command as nvcc_command
 from .fused_ops import gate_up_blocks, silu_mul_ref
+from .nvcc_build import build_command as nvcc_command
+from .nvcc_build import load_library, on_device, unavailable
 from .skinny_linear import skinny_linear_ref
 
 SOURCE = Path(__file__).with_name("cuda_linear.cu")
@@ -83,10 +82,6 @@ def _build() -> tuple[int, int, int]:
     return build
 
 
-def _nvcc() -> str | None:
-    return find_nvcc()
-
-
 def library() -> ctypes.CDLL:
     """The built kernel library of the build the constants name (nvcc, once a build; cached
     on disk by the source's, nvcc's and the build's hash)."""
@@ -122,11 +117,6 @@ def _library(build: tuple[int, int, int]) -> ctypes.CDLL:
         raise RuntimeError(f"cuda_linear's library for {build} takes K in multiples of {so.se_linear_k_multiple()}, "
                            f"its build in {build[0] * 32 * build[1]}")
     return so
-
-
-def unavailable(device: torch.device | str) -> str | None:
-    """Why the kernel cannot run on `device` (None: it can; the first launch builds it)."""
-    return nvcc_unavailable(device)
 
 
 def fits(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
@@ -232,15 +222,6 @@ def launch_plan(x: torch.Tensor, weight: torch.Tensor, rows: int, staged: bool |
         if smem > limit:
             raise ValueError(f"cuda_linear needs {smem} bytes of shared memory, the device allows {limit}")
     return so, staged, _aligned(x.reshape(rows, k))
-
-
-def on_device(x: torch.Tensor, launch, *args) -> int:
-    """`launch(*args)` (a library entry point, -> its error code) with x's device current:
-    the library launches on, and sizes for, the current device."""
-    if x.device.index is None or x.device.index == torch.cuda.current_device():
-        return launch(*args)
-    with torch.cuda.device(x.device):
-        return launch(*args)
 
 
 def cuda_linear(x: torch.Tensor, weight: torch.Tensor, *, rms_eps: float | None = None,

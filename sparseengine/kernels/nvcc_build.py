@@ -1,12 +1,14 @@
 """Building and loading the CUDA C kernels (`cuda_linear.cu`, `quest_select.cu`) with nvcc.
 
 `unavailable(device)` says why such a kernel cannot run there (None when it can: an sm_90
-GPU and nvcc). `find_nvcc()` finds nvcc (`SPARSEENGINE_NVCC`, PATH, `CUDA_HOME`/`CUDA_PATH`, /usr/local/cuda).
-`load_library(source, flags, name, signatures)` builds `source` once per (source text, nvcc,
-flags) into `~/.cache/sparseengine/cuda/<hash>/<name>` (`SPARSEENGINE_CACHE`) and loads it
-with ctypes, each entry point typed from `signatures` ({name: (restype, argtypes)}, in the
-order of the source's `extern "C"` declarations: a CPU test holds each table to its source).
-A build that fails raises with nvcc's message. No GPU is needed to build or load a library.
+GPU and nvcc); `on_device(x, launch, *args)` calls a library entry point with x's device
+current. `find_nvcc()` finds nvcc (`SPARSEENGINE_NVCC`, PATH, `CUDA_HOME`/`CUDA_PATH`,
+/usr/local/cuda). `load_library(source, flags, name, signatures)` builds `source` once per
+(source text, nvcc, flags) into `~/.cache/sparseengine/cuda/<hash>/<name>`
+(`SPARSEENGINE_CACHE`) and loads it with ctypes, each entry point typed from `signatures`
+({name: (restype, argtypes)}, in the order of the source's `extern "C"` declarations: a CPU
+test holds each table to its source, `declared_signatures`). A build that fails raises with
+nvcc's message. No GPU is needed to build or load a library.
 """
 from __future__ import annotations
 
@@ -50,6 +52,15 @@ def unavailable(device: torch.device | str) -> str | None:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return _device_reason(device)
+
+
+def on_device(x: torch.Tensor, launch, *args) -> int:
+    """`launch(*args)` (a library entry point, -> its error code) with x's device current:
+    a library launches on, and sizes for, the current device."""
+    if x.device.index is None or x.device.index == torch.cuda.current_device():
+        return launch(*args)
+    with torch.cuda.device(x.device):
+        return launch(*args)
 
 
 def build_command(nvcc: str, out: str, source: Path, flags: list[str]) -> list[str]:

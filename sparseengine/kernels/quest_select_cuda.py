@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .nvcc_build import load_library, unavailable
+from .nvcc_build import load_library, on_device, unavailable
 
 SOURCE = Path(__file__).with_name("quest_select.cu")
 ENGINE = True  # Quest's decode step selects with this kernel where `takes` says it can (read at each call)
@@ -75,12 +75,10 @@ def quest_select_pages_cuda(scores, kv_lens, page_size, sink_tokens, recent_toke
     counts = torch.empty((B, H), dtype=torch.int32, device=scores.device)
     if B * H == 0:
         return pages, counts
-    with torch.cuda.device(scores.device):
-        err = library().se_quest_select(
-            scores.data_ptr(), scores.stride(0), scores.stride(1), kv_lens.data_ptr(),
-            int(kv_lens.dtype == torch.int64), pages.data_ptr(), counts.data_ptr(), B, H, P, K, ps, -(-sink // ps),
-            recent, sink + budget + recent, top_pages(budget, ps), int(PDL if pdl is None else pdl),
-            torch.cuda.current_stream(scores.device).cuda_stream)
+    err = on_device(scores, library().se_quest_select, scores.data_ptr(), scores.stride(0), scores.stride(1),
+                    kv_lens.data_ptr(), int(kv_lens.dtype == torch.int64), pages.data_ptr(), counts.data_ptr(), B, H,
+                    P, K, ps, -(-sink // ps), recent, sink + budget + recent, top_pages(budget, ps),
+                    int(PDL if pdl is None else pdl), torch.cuda.current_stream(scores.device).cuda_stream)
     if err:
         raise RuntimeError(f"quest_select_pages_cuda's launch failed: error {err} (B={B}, Hkv={H}, P={P}, K={K})")
     return pages, counts

@@ -331,7 +331,8 @@ def test_the_record_names_the_choice_kernel(tiny_llama):
     op of its own names none."""
     with LLM(str(tiny_llama[0]), device="cpu", sparse_method="quest", num_kv_pages=64) as llm:
         assert llm.method.kernels(llm.device, llm.provider) == {"quest_select": "torch"}
-        assert llm.method.kernels(llm.device, make_provider("triton", torch.device("cpu"))) == {"quest_select": "triton"}
+        triton = make_provider("triton", torch.device("cpu"))  # interpreted here
+        assert llm.method.kernels(llm.device, triton) == {"quest_select": "triton"}
     with LLM(str(tiny_llama[0]), device="cpu", sparse_method="quest", prefill_sparse_method="flashprefill_v2",
              flashprefill_threshold=0.002, num_kv_pages=64) as llm:
         assert isinstance(llm.method, MethodStack)
