@@ -328,3 +328,35 @@ def bench_quest_select_cuda(out_path, B=6, P=8320, n=131072):
             emit(out_path, {"kind": "quest_select_cuda", "scores": name, "impl": impl, "batch": B, "hkv": HKV,
                             "pages": P, "kv_len": n, "us_per_launch": per_launch_us(fn), "equals_triton": same,
                             "ties_at_threshold_max": int((top == kth).sum(-1).max())})
+
+
+def bench_quest_scores_cuda(out_path, B=6, P=8320, n=131072):
+    """Quest's page scores in CUDA (`quest_scores_cuda`) beside the Triton launch the engine
+    makes, both folding a decode step's keys in (the engine's path), per launch in a CUDA
+    graph of 30 on random bounds at the 128K shape: one or two CTAs an SM, with and without
+    PDL (30 PDL launches in a row let each prefetch its first bounds under the one before:
+    the engine's PDL launch follows the qkv linear instead), each checked against the Triton
+    kernel's scores (within rounding: the sums run in another order)."""
+    from sparseengine.kernels import quest_page_scores_triton, quest_scores_cuda
+    from sparseengine.kernels.testing import rel_err
+
+    q, kmax, kmin, table, kv_lens = _score_inputs(B, P, n)
+    pages = table[torch.arange(B, device="cuda"), (kv_lens.long() - 1) // PS].long()
+    slots = pages * PS + (kv_lens.long() - 1) % PS  # each request's newest token, its last page's offset 15
+    k_cache = torch.zeros(B * P, PS, HKV, D, dtype=BF16, device="cuda")
+    k_cache.view(-1, HKV, D)[slots] = q[:, :HKV].clone()  # keys for the fold (all it reads of the cache)
+    args = (q, kmax, kmin, table, kv_lens, PS)
+    fold = {"k_cache": k_cache, "new_slots": slots}
+    want = quest_page_scores_triton(*args, **fold)[..., : n // PS]
+    nbytes = 2 * B * (n // PS) * HKV * D * 2
+    launches = {"triton": lambda: quest_page_scores_triton(*args, **fold)}  # noqa: E731
+    for ctas in (1, 2):
+        for pdl in (False, True):
+            launches[f"cuda_{ctas}cta{'_pdl' if pdl else ''}"] = (
+                lambda ctas=ctas, pdl=pdl: quest_scores_cuda.quest_page_scores_cuda(*args, **fold, pdl=pdl,
+                                                                                    ctas_per_sm=ctas))
+    for impl, fn in launches.items():
+        err = rel_err(fn()[..., : n // PS].float().cpu(), want.float().cpu())
+        us = per_launch_us(fn)
+        emit(out_path, {"kind": "quest_scores_cuda", "impl": impl, "batch": B, "hkv": HKV, "pages": P, "kv_len": n,
+                        "us_per_launch": us, "GBps": nbytes / us / 1e3, "rel_err_vs_triton": err})

@@ -1,10 +1,11 @@
-"""Building and loading the CUDA C kernels (`cuda_linear.cu`, `quest_select.cu`) with nvcc.
+"""Building and loading the CUDA C kernels (`cuda_linear.cu`, `quest_select.cu`, `quest_scores.cu`)
+with nvcc.
 
 `unavailable(device)` says why such a kernel cannot run there (None when it can: an sm_90
 GPU and nvcc); `on_device(x, launch, *args)` calls a library entry point with x's device
 current. `find_nvcc()` finds nvcc (`SPARSEENGINE_NVCC`, PATH, `CUDA_HOME`/`CUDA_PATH`,
 /usr/local/cuda). `load_library(source, flags, name, signatures)` builds `source` once per
-(source text, nvcc, flags) into `~/.cache/sparseengine/cuda/<hash>/<name>`
+(source text, the headers beside it, nvcc, flags) into `~/.cache/sparseengine/cuda/<hash>/<name>`
 (`SPARSEENGINE_CACHE`) and loads it with ctypes, each entry point typed from `signatures`
 ({name: (restype, argtypes)}, in the order of the source's `extern "C"` declarations: a CPU
 test holds each table to its source, `declared_signatures`). A build that fails raises with
@@ -74,7 +75,9 @@ def load_library(source: Path, flags: list[str], name: str, signatures: dict, wh
     if nvcc is None:
         raise RuntimeError(f"{what} needs nvcc: none on PATH, in CUDA_HOME/bin or /usr/local/cuda/bin "
                            "(or set SPARSEENGINE_NVCC)")
-    key = hashlib.sha256(source.read_bytes() + nvcc.encode() + ARCH.encode() + repr(flags).encode()).hexdigest()[:16]
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.cuh")))  # what a source may include
+    key = hashlib.sha256(source.read_bytes() + headers + nvcc.encode() + ARCH.encode()
+                         + repr(flags).encode()).hexdigest()[:16]
     root = Path(os.environ.get("SPARSEENGINE_CACHE", Path.home() / ".cache" / "sparseengine"))
     lib = root / "cuda" / key / name
     if not lib.exists():

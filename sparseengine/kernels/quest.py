@@ -219,7 +219,7 @@ def _page_scores(q, kmax, kmin, page_table, kv_lens, page_size, k_cache, new_slo
     B, Hq, d = q.shape
     Hkv = kmax.shape[1]
     device = check_launch(q, kmax, kmin, page_table, kv_lens)
-    fold = _new_keys(k_cache, new_slots, kmax, B)
+    fold = check_new_keys(k_cache, new_slots, kmax, B)
     if q.stride(-1) != 1:
         q = q.contiguous()
     if kmax.stride(-1) != 1 or kmin.stride() != kmax.stride():
@@ -244,8 +244,9 @@ def _page_scores(q, kmax, kmin, page_table, kv_lens, page_size, k_cache, new_slo
     return scores, (maxima if group else None)
 
 
-def _new_keys(k_cache, new_slots, kmax, B: int) -> bool:
-    """Whether the scoring folds this step's keys in (both given), after checking them."""
+def check_new_keys(k_cache, new_slots, kmax, B: int) -> bool:
+    """Whether the scoring folds this step's keys in (both given), after checking them (the
+    Triton and CUDA scorings' shared checks)."""
     if (k_cache is None) != (new_slots is None):
         raise ValueError("k_cache and new_slots go together: pass both to fold the step's keys in, or neither")
     if k_cache is None:
@@ -260,7 +261,9 @@ def _new_keys(k_cache, new_slots, kmax, B: int) -> bool:
             or new_slots.dtype == torch.bool):
         raise ValueError(f"new_slots must be an integer [B={B}] tensor (one new token a request), got "
                          f"shape {tuple(new_slots.shape)}, dtype {new_slots.dtype}")
-    check_launch(k_cache, new_slots)
+    if k_cache.device != kmax.device or new_slots.device != kmax.device:
+        raise ValueError(f"k_cache and new_slots must be on kmax's device {kmax.device}, got {k_cache.device} and "
+                         f"{new_slots.device}")
     return True
 
 

@@ -11,9 +11,10 @@ the page bounds live in one pool per layer, ``kmax/kmin [num_pages, Hkv, d]`` in
 dtype, indexed by physical page and refreshed after every K write (a page's offset 0
 resets it, so a freed page needs no cleanup). Every step is batched, with no per-request
 Python and no host sync on the decode path: one scoring call over every request's page
-table, one page choice (:func:`select_pages_batched`, or its Triton twin
-``kernels.quest_select_pages_triton`` on a Triton provider, or its CUDA twin
-``kernels.quest_select_cuda`` where that runs), a page-mode ``Selection`` of fixed width.
+table (Triton, or ``kernels.quest_scores_cuda`` where that runs and is switched on), one page
+choice (:func:`select_pages_batched`, or its Triton twin ``kernels.quest_select_pages_triton``
+on a Triton provider, or its CUDA twin ``kernels.quest_select_cuda`` where that runs), a
+page-mode ``Selection`` of fixed width.
 The CUDA decode graph captures it.
 """
 
@@ -25,7 +26,7 @@ from sparseengine import kernels
 from sparseengine.config import ConfigError
 from sparseengine.engine.step_context import Selection
 from sparseengine.kernels import quest as quest_kernels
-from sparseengine.kernels import quest_select, quest_select_cuda
+from sparseengine.kernels import quest_scores_cuda, quest_select, quest_select_cuda
 from sparseengine.kernels.quest import quest_page_scores_torch, update_page_minmax_torch
 from sparseengine.method_registry import MethodSpec
 from sparseengine.methods.base import SparseMethodRuntime
@@ -119,7 +120,9 @@ class Quest(SparseMethodRuntime):
             return Selection(*select_pages_batched(quest_page_scores_torch(*args), *choice), dense,
                              page_size=self.page)
         if quest_select_cuda.takes(q.device, view.page_table.shape[1]):  # the CUDA choice needs no group maxima
-            scores = kernels.quest_page_scores_triton(*args, **new_keys)
+            cuda = quest_scores_cuda.takes(q_last, kmax)
+            score = quest_scores_cuda.quest_page_scores_cuda if cuda else kernels.quest_page_scores_triton
+            scores = score(*args, **new_keys)
             return Selection(*quest_select_cuda.quest_select_pages_cuda(scores, *choice), dense, page_size=self.page)
         group = quest_select.maxima_group(view.page_table.shape[1], self.page, cfg.budget, quest_kernels.SCORE_BLOCK_P)
         if group is None:
@@ -134,9 +137,13 @@ class Quest(SparseMethodRuntime):
     def kernels(self, device, provider) -> dict[str, str]:
         if not provider.triton_kernels:
             return {"quest_select": "torch"}
-        if quest_select_cuda.takes(device, 1):
-            return {"quest_select": f"cuda (rows of up to {quest_select_cuda.max_pages()} pages, triton past them)"}
-        return {"quest_select": "triton"}
+        if not quest_select_cuda.takes(device, 1):
+            return {"quest_select": "triton"}
+        dtype = next(iter(self._bounds.values()))[0].dtype if self._bounds else None
+        shape = (self.model.num_heads, self.model.num_kv_heads, self.model.head_dim, dtype)
+        scores = quest_scores_cuda.ENGINE and quest_scores_cuda.shape_reason(*shape) is None
+        return {"quest_select": f"cuda (rows of up to {quest_select_cuda.max_pages()} pages, triton past them)",
+                "quest_scores": "cuda" if scores else "triton"}
 
     def _prefill_rows(self, ctx) -> tuple[bool, ...]:
         """Which rows of the step are prefill rows (read densely): once per step, not per

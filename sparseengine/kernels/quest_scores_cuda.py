@@ -1,0 +1,152 @@
+"""Quest's page scores in CUDA (`quest_scores.cu`): the contract of
+`quest.quest_page_scores_triton` (the bound `max over the group's query heads of sum_c
+max(q_c M_c, q_c m_c)` for every page of a request, float32, -inf for the pages past a
+request's in the 16-page tiles it scores, the tiles wholly past them unwritten; given
+`k_cache` and `new_slots`, the decode step's keys folded into their pages' bounds first),
+with each CTA reading whole page rows of the bounds (every KV head) and, in the fold path,
+its first tiles' bounds loaded before it waits for the qkv linear before it
+(`quest_scores.cu`'s header).
+
+`quest_page_scores_cuda(q, kmax, kmin, page_table, kv_lens, page_size, *, k_cache=None,
+new_slots=None)`: `q [B, Hq, 128]` bf16 (rows 16-byte aligned), `kmax, kmin [num_pages,
+Hkv, 128]` bf16 contiguous, `page_table [B, P]` int32, `kv_lens [B]` int32 or int64,
+`new_slots [B]` int32 or int64 -> `scores [B, Hkv, P]` float32. Hkv must divide 8 and
+Hq / Hkv be at most 8. `takes(q, kmax)` says whether Quest's decode step scores with it
+(`ENGINE`, an sm_90 GPU with nvcc, the shapes above); otherwise the step runs the Triton
+kernel. Without a GPU it cannot run: its tests are marked `gpu`, with the torch reference
+(`quest.quest_page_scores_ref`) and the minmax update (`update_page_minmax_ref`) as oracles.
+
+`ENGINE` is off: written in a session without a GPU, it has not run yet
+(`scripts/gpu_session.sh quest_scores_cuda` runs its tests, its bench beside the Triton
+launch, and the engine's Quest b=6 step with it on and off).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from .nvcc_build import load_library, on_device, unavailable
+from .quest import check_new_keys
+
+SOURCE = Path(__file__).with_name("quest_scores.cu")
+ENGINE = False  # Quest's decode step scores with this kernel where `takes` says it can (read at each call)
+PDL = True  # with the fold: launched with PDL, its first bounds loaded before the wait (read at each call)
+CTAS_PER_SM = 2  # the grid: CTAs an SM (at most 2 fit; read at each call)
+HEAD_DIM = 128
+MAX_GROUP = 8
+
+_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+SIGNATURES = {  # in the order of the source's `extern "C"` declarations (a CPU test holds them together)
+    "se_quest_scores": (_I, [_P, _L, _L, _P, _P, _P, _L, _P, _I, _P, _P, _L, _L, _L, _P, _I] + [_I] * 7 + [_P]),
+    "se_quest_scores_head_dim": (_I, []),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def library() -> ctypes.CDLL:
+    return load_library(SOURCE, [], "libse_quest_scores.so", SIGNATURES, "quest_scores_cuda")
+
+
+def shape_reason(hq: int, hkv: int, head_dim: int, dtype: torch.dtype) -> str | None:
+    """Why the kernel does not take these shapes (None: it does)."""
+    if head_dim != HEAD_DIM:
+        return f"takes head_dim {HEAD_DIM}, got {head_dim}"
+    if dtype != torch.bfloat16:
+        return f"takes bf16 bounds and queries, got {dtype}"
+    if hkv < 1 or 8 % hkv or hq % hkv or not 1 <= hq // hkv <= MAX_GROUP:
+        return f"takes Hkv dividing 8 and 1 to {MAX_GROUP} query heads a KV head, got Hq={hq}, Hkv={hkv}"
+    return None
+
+
+def takes(q: torch.Tensor, kmax: torch.Tensor) -> bool:
+    """Whether Quest's decode step scores with this kernel: `ENGINE` on, a GPU it runs on,
+    shapes it takes (`shape_reason`)."""
+    return (ENGINE and q.device.type == "cuda" and q.dtype == kmax.dtype
+            and shape_reason(q.shape[1], kmax.shape[1], q.shape[2], q.dtype) is None
+            and unavailable(q.device) is None)
+
+
+def quest_page_scores_cuda(q, kmax, kmin, page_table, kv_lens, page_size, *, k_cache=None, new_slots=None, pdl=None,
+                           ctas_per_sm=None):
+    """Quest's page scores (the module's docstring). `pdl` (default `PDL`) applies with the
+    fold only: without it the minmax update runs just before and writes the bounds this
+    kernel would load before its wait. `ctas_per_sm` (default `CTAS_PER_SM`): the grid."""
+    if q.dim() != 3 or kmax.dim() != 3:
+        raise ValueError(f"q must be [B, Hq, d] and kmax [num_pages, Hkv, d], got {tuple(q.shape)} and "
+                         f"{tuple(kmax.shape)}")
+    B, hq, d = q.shape
+    num_pages, hkv, _ = kmax.shape
+    reason = shape_reason(hq, hkv, d, q.dtype) or shape_reason(hq, hkv, kmax.shape[2], kmax.dtype)
+    if reason:
+        raise ValueError(f"quest_page_scores_cuda {reason}")
+    if kmin.shape != kmax.shape or kmin.dtype != kmax.dtype or not (kmax.is_contiguous() and kmin.is_contiguous()):
+        raise ValueError(f"kmax and kmin must be contiguous {tuple(kmax.shape)} {kmax.dtype} tensors, got "
+                         f"{tuple(kmin.shape)} {kmin.dtype}")
+    if page_table.dim() != 2 or page_table.shape[0] != B or page_table.dtype != torch.int32:
+        raise ValueError(f"page_table must be an int32 [B={B}, P] tensor, got {tuple(page_table.shape)} "
+                         f"{page_table.dtype}")
+    if kv_lens.shape != (B,) or kv_lens.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"kv_lens must be an int32 or int64 [B={B}] tensor, got {tuple(kv_lens.shape)} "
+                         f"{kv_lens.dtype}")
+    if not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+    fold = check_new_keys(k_cache, new_slots, kmax, B)
+    if fold and new_slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"new_slots must be int32 or int64, got {new_slots.dtype}")
+    if fold and num_pages * page_size >= 2 ** 31:
+        raise ValueError(f"the pool's slots must fit in int32, got {num_pages} pages of {page_size}")
+    if pdl and not fold:
+        raise ValueError("pdl=True needs the fold (k_cache, new_slots): without it the minmax update just before "
+                         "writes the bounds the kernel loads before its wait")
+    launch_pdl = fold and (PDL if pdl is None else pdl)
+    ctas = CTAS_PER_SM if ctas_per_sm is None else ctas_per_sm
+    if not isinstance(ctas, int) or not 1 <= ctas <= 2:
+        raise ValueError(f"ctas_per_sm must be 1 or 2, got {ctas!r}")
+    for t in (kmax, kmin, page_table, kv_lens):
+        if t.device != q.device:
+            raise ValueError(f"every tensor must be on q's device {q.device}, got {t.device}")
+    reason = unavailable(q.device)
+    if reason is not None:
+        raise RuntimeError(f"quest_page_scores_cuda cannot run: {reason}")
+    q = _aligned_rows(q, "q", copy=True)
+    for name, t in (("kmax", kmax), ("kmin", kmin)):
+        _aligned_rows(t, name, copy=False)
+    if page_table.stride(1) != 1:
+        page_table = page_table.contiguous()
+    kv_lens = kv_lens.contiguous()
+    P = page_table.shape[1]
+    scores = torch.empty((B, hkv, P), dtype=torch.float32, device=q.device)
+    if B == 0 or P == 0:
+        return scores
+    if fold:
+        k_cache = _aligned_rows(k_cache, "k_cache", copy=False)  # the fold reads the step's keys in place
+        new_slots = new_slots.contiguous()
+        kp, ko, kh = k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
+    else:
+        kp = ko = kh = 0
+    err = on_device(q, library().se_quest_scores, q.data_ptr(), q.stride(0), q.stride(1), kmax.data_ptr(),
+                    kmin.data_ptr(), page_table.data_ptr(), page_table.stride(0), kv_lens.data_ptr(),
+                    int(kv_lens.dtype == torch.int64), scores.data_ptr(), k_cache.data_ptr() if fold else None, kp,
+                    ko, kh, new_slots.data_ptr() if fold else None, int(fold and new_slots.dtype == torch.int64), B,
+                    hkv, hq // hkv, P, page_size, ctas, int(bool(launch_pdl)),
+                    torch.cuda.current_stream(q.device).cuda_stream)
+    if err:
+        raise RuntimeError(f"quest_page_scores_cuda's launch failed: error {err} (B={B}, Hq={hq}, Hkv={hkv}, P={P})")
+    return scores
+
+
+def _aligned_rows(x: torch.Tensor, name: str, *, copy: bool) -> torch.Tensor:
+    """x, whose head rows the kernel reads as 16-byte vectors: a contiguous last dim, strides
+    in whole 8-element (16-byte) steps, a 16-byte aligned start; else a contiguous copy
+    (`copy`) or an error."""
+    if x.stride(-1) == 1 and not any(s % 8 for s in x.stride()[:-1]) and x.data_ptr() % 16 == 0:
+        return x
+    if copy:
+        x = x.contiguous()
+        if x.data_ptr() % 16 == 0:
+            return x
+    raise ValueError(f"{name} must have a contiguous last dim, 16-byte strides and a 16-byte aligned start, got "
+                     f"strides {tuple(x.stride())} at {x.data_ptr() % 16} bytes past 16")
