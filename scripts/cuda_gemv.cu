@@ -12,6 +12,9 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "launch_pdl.cuh"  // from sparseengine/kernels (probe_cuda_gemv.py passes -I)
+#include "mma_bf16.cuh"
+
 namespace {
 
 constexpr int WARPS = 16;
@@ -109,15 +112,6 @@ __global__ void __launch_bounds__(THREADS, 1)
 // loads its next step's weights and x before it multiplies the current one's.
 constexpr int MMA_STEPS = 4;  // 32-k steps a warp's loads cover at a time (8 loads of 16 B a lane)
 
-__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 template <int M>
 __global__ void __launch_bounds__(THREADS, 1)
     gemv_mma_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
@@ -202,18 +196,8 @@ int launch(Kernel kernel, size_t smem, size_t& allowed, const void* x, const voi
     if (e != cudaSuccess) return (int)e;
     allowed = smem;
   }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(sms);
-  cfg.blockDim = dim3(THREADS);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = (cudaStream_t)stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  return (int)cudaLaunchKernelEx(&cfg, kernel, (const __nv_bfloat16*)x, (const __nv_bfloat16*)w, (__nv_bfloat16*)y,
-                                 N, K, pdl);
+  return launch_maybe_pdl(kernel, dim3(sms), dim3(THREADS), smem, stream, pdl, (const __nv_bfloat16*)x,
+                          (const __nv_bfloat16*)w, (__nv_bfloat16*)y, N, K, pdl);
 }
 
 template <int M>

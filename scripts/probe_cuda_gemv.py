@@ -35,12 +35,14 @@ from sparseengine.kernels.bench_linear import (CHAIN_CONFIGS, SHAPES, _cycling, 
                                                step_chain)
 
 SOURCE = Path(__file__).with_name("cuda_gemv.cu")
+HEADERS = Path(__file__).resolve().parents[1] / "sparseengine" / "kernels"  # launch_pdl.cuh, mma_bf16.cuh
 
 
 def build() -> ctypes.CDLL:
     nvcc = shutil.which("nvcc") or os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
     lib = Path(tempfile.mkdtemp()) / "libse_gemv.so"
-    cmd = [nvcc, "-O3", "-arch=sm_90a", "-shared", "-Xcompiler", "-fPIC", "-Xptxas", "-v", "-o", str(lib), str(SOURCE)]
+    cmd = [nvcc, "-O3", "-arch=sm_90a", "-shared", "-Xcompiler", "-fPIC", "-Xptxas", "-v", f"-I{HEADERS}", "-o", str(lib),
+           str(SOURCE)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"nvcc failed:\n{done.stderr}")

@@ -1,8 +1,9 @@
 // Launching a kernel, as a programmatic dependent launch (PDL) when `pdl` is set: the kernel
 // may then start while the one before it on the stream is still running, so it must execute
-// griddepcontrol.wait before it reads anything that kernel writes. quest_scores.cu launches
-// through it; cuda_linear.cu and quest_select.cu still spell the same lines out (the sources
-// the H200 ran; nvcc_build.py hashes every header here with each source).
+// griddepcontrol.wait before it reads anything that kernel writes. quest_scores.cu and the
+// probe scripts/cuda_gemv.cu launch through it; cuda_linear.cu and quest_select.cu still
+// spell the same lines out (the sources the H200 ran; nvcc_build.py hashes every header here
+// with each source).
 #pragma once
 #include <cuda_runtime.h>
 
