@@ -219,7 +219,7 @@ def _page_scores(q, kmax, kmin, page_table, kv_lens, page_size, k_cache, new_slo
     B, Hq, d = q.shape
     Hkv = kmax.shape[1]
     device = check_launch(q, kmax, kmin, page_table, kv_lens)
-    fold = check_new_keys(k_cache, new_slots, kmax, B)
+    fold = check_new_keys(k_cache, new_slots, kmax, B, page_size)
     if q.stride(-1) != 1:
         q = q.contiguous()
     if kmax.stride(-1) != 1 or kmin.stride() != kmax.stride():
@@ -244,7 +244,7 @@ def _page_scores(q, kmax, kmin, page_table, kv_lens, page_size, k_cache, new_slo
     return scores, (maxima if group else None)
 
 
-def check_new_keys(k_cache, new_slots, kmax, B: int) -> bool:
+def check_new_keys(k_cache, new_slots, kmax, B: int, page_size: int) -> bool:
     """Whether the scoring folds this step's keys in (both given), after checking them (the
     Triton and CUDA scorings' shared checks)."""
     if (k_cache is None) != (new_slots is None):
@@ -252,8 +252,9 @@ def check_new_keys(k_cache, new_slots, kmax, B: int) -> bool:
     if k_cache is None:
         return False
     num_pages, hkv, d = kmax.shape
-    if k_cache.dim() != 4 or (k_cache.shape[0], *k_cache.shape[2:]) != (num_pages, hkv, d):
-        raise ValueError(f"k_cache must be [{num_pages}, page_size, {hkv}, {d}], got {tuple(k_cache.shape)}")
+    if k_cache.dim() != 4 or tuple(k_cache.shape) != (num_pages, page_size, hkv, d):
+        raise ValueError(f"k_cache must be [{num_pages}, page_size={page_size}, {hkv}, {d}], got "
+                         f"{tuple(k_cache.shape)}")
     if k_cache.stride(-1) != 1 or k_cache.dtype != kmax.dtype:
         raise ValueError(f"k_cache must be contiguous in head_dim and of kmax's dtype {kmax.dtype}, got "
                          f"{k_cache.dtype}")

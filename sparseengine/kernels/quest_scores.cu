@@ -19,7 +19,9 @@
 // group's heads.
 // The fold (a decode step's key, the request's newest token at `slots[b]`, in its last
 // page): the lanes holding that page fold the key into the bounds in their registers
-// (offset 0 starts the page afresh), score with them and write them back.
+// (offset 0 starts the page afresh), score with them and write them back. Maxima propagate
+// NaN, as the torch reference's do. q and the key, which the kernel before writes, are read
+// through L2 (ld.global.cg), never a non-coherent path.
 // `pdl`: launched as a programmatic dependent launch, only with the fold: the CTA loads its
 // first tile's page ids and bounds, then waits (griddepcontrol.wait) for the kernel before
 // (the qkv linear, which writes q and the key) before it reads q, the key or writes
@@ -57,6 +59,13 @@ struct Args {
   long long qb, qh, tb, kp, ko, kh;
   int lens64, slots64, hkv, group, P, page_size, items_per_b, items, per_cta, pdl;
 };
+
+// The larger of two floats, NaN if either is (torch's max, which the reference takes).
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
 
 __device__ __forceinline__ long long load_index(const void* p, int is64, int i) {
   return is64 ? static_cast<const long long*>(p)[i] : static_cast<const int*>(p)[i];
@@ -110,7 +119,7 @@ __device__ __forceinline__ void load_query(const Args& a, int b, int h, int g, i
   const uint4* row = reinterpret_cast<const uint4*>(a.q + b * a.qb + (long long)(h * a.group + g) * a.qh) + lane4;
   const int lane = threadIdx.x & 31;
 #pragma unroll
-  for (int s = 0; s < STEPS; ++s) q[s][lane] = g < a.group ? __ldg(row + s * 4) : make_uint4(0u, 0u, 0u, 0u);
+  for (int s = 0; s < STEPS; ++s) q[s][lane] = g < a.group ? __ldcg(row + s * 4) : make_uint4(0u, 0u, 0u, 0u);
 }
 
 // Two bf16 q values as (max(q, 0), min(q, 0)) by their sign bits: a negative half goes to
@@ -120,14 +129,6 @@ __device__ __forceinline__ void split_signs(uint32_t w, uint32_t& pos, uint32_t&
   const uint32_t neg_mask = ((w & 0x80008000u) >> 15) * 0xffffu;
   pos = w & ~neg_mask;
   neg = w & neg_mask;
-}
-
-// One 16-byte load, not hoisted above the ones before it (volatile): the fold keeps one
-// step's key in registers at a time, beside the tile's bounds, rather than spilling.
-__device__ __forceinline__ uint4 load_one(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
 }
 
 // The decode step's key into the lane's page i bounds (when that page is the request's last and
@@ -144,13 +145,13 @@ __device__ __forceinline__ void fold(const Args& a, const Tile& t, int h, int la
     const size_t row = ((size_t)t.id[i] * a.hkv + h) * (D / 8) + lane4;
 #pragma unroll
     for (int s = 0; s < STEPS; ++s) {
-      const uint4 k = load_one(key + s * 4);
+      const uint4 k = __ldcg(key + s * 4);
       if (off != 0) {
         const __nv_bfloat162* kk = reinterpret_cast<const __nv_bfloat162*>(&k);
         __nv_bfloat162* hi = reinterpret_cast<__nv_bfloat162*>(&m.hi[i][s]);
         __nv_bfloat162* lo = reinterpret_cast<__nv_bfloat162*>(&m.lo[i][s]);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) hi[j] = __hmax2(hi[j], kk[j]), lo[j] = __hmin2(lo[j], kk[j]);
+        for (int j = 0; j < 4; ++j) hi[j] = __hmax2_nan(hi[j], kk[j]), lo[j] = __hmin2_nan(lo[j], kk[j]);
       } else {
         m.hi[i][s] = k, m.lo[i][s] = k;
       }
@@ -180,12 +181,12 @@ __device__ __forceinline__ void score(const Args& a, const Tile& t, int h, const
   }
   const float ninf = -__int_as_float(0x7f800000);
   float v[2];
-  v[0] = fmaxf(col < a.group ? c[0] : ninf, col + 1 < a.group ? c[1] : ninf);  // page g, columns col, col + 1
-  v[1] = fmaxf(col < a.group ? c[2] : ninf, col + 1 < a.group ? c[3] : ninf);  // page g + 8
+  v[0] = max_nan(col < a.group ? c[0] : ninf, col + 1 < a.group ? c[1] : ninf);  // page g, columns col, col + 1
+  v[1] = max_nan(col < a.group ? c[2] : ninf, col + 1 < a.group ? c[3] : ninf);  // page g + 8
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    v[i] = fmaxf(v[i], __shfl_xor_sync(FULL, v[i], 1));
-    v[i] = fmaxf(v[i], __shfl_xor_sync(FULL, v[i], 2));
+    v[i] = max_nan(v[i], __shfl_xor_sync(FULL, v[i], 1));
+    v[i] = max_nan(v[i], __shfl_xor_sync(FULL, v[i], 2));
   }
   if ((lane & 3) < 2) {
     const bool second = lane & 1;

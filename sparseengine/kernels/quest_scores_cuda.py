@@ -93,7 +93,7 @@ def quest_page_scores_cuda(q, kmax, kmin, page_table, kv_lens, page_size, *, k_c
                          f"{kv_lens.dtype}")
     if not isinstance(page_size, int) or page_size < 1:
         raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
-    fold = check_new_keys(k_cache, new_slots, kmax, B)
+    fold = check_new_keys(k_cache, new_slots, kmax, B, page_size)
     if fold and new_slots.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"new_slots must be int32 or int64, got {new_slots.dtype}")
     if fold and num_pages * page_size >= 2 ** 31:
@@ -145,7 +145,7 @@ def _aligned_rows(x: torch.Tensor, name: str, *, copy: bool) -> torch.Tensor:
     if x.stride(-1) == 1 and not any(s % 8 for s in x.stride()[:-1]) and x.data_ptr() % 16 == 0:
         return x
     if copy:
-        x = x.contiguous()
+        x = x.clone(memory_format=torch.contiguous_format)  # a fresh allocation: aligned
         if x.data_ptr() % 16 == 0:
             return x
     raise ValueError(f"{name} must have a contiguous last dim, 16-byte strides and a 16-byte aligned start, got "

@@ -62,8 +62,9 @@ def _scored_cache(case, gen, device):
     kv = random_paged_kv(lens, hkv, d, ps, generator=gen, device=device)
     hi, lo = _nan_meta(kv), _nan_meta(kv)
     for b in range(len(lens)):
-        pages = kv.page_table[b, : -(-lens[b] // ps)].long()
-        hi[pages], lo[pages] = _dense_minmax(kv, b)
+        if lens[b]:  # a request of no tokens has no pages
+            pages = kv.page_table[b, : -(-lens[b] // ps)].long()
+            hi[pages], lo[pages] = _dense_minmax(kv, b)
     q = randn(len(lens), hq, d, generator=gen, device=device)
     return kv, (q, hi, lo, kv.page_table, kv.kv_lens, ps)
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from sparseengine.kernels import quest_page_scores_ref, quest_page_scores_triton, update_page_minmax_ref
+from sparseengine.kernels.quest import quest_page_scores_torch
 from sparseengine.kernels import quest_scores_cuda as QS
 from sparseengine.kernels.nvcc_build import declared_signatures, find_nvcc
 from sparseengine.kernels.testing import assert_close, random_paged_kv, randn
@@ -28,6 +29,15 @@ GPU_CASES = [
     (64, 8, 128, 16, [100, 260]),
     (4, 1, 128, 16, [70, 2100]),
     (12, 4, 128, 8, [250, 3, 90]),
+]
+
+
+# the reference alone: the other group sizes (2, 5, 6, 7) and a request of no tokens
+REFERENCE_CASES = GPU_CASES + [
+    (16, 8, 128, 16, [0, 50, 400]),
+    (40, 8, 128, 16, [310, 66]),
+    (12, 2, 128, 8, [90, 0, 1]),
+    (56, 8, 128, 16, [129]),
 ]
 
 
@@ -83,8 +93,10 @@ def test_bad_input():
         call(*args[:5], 0)
     with pytest.raises(ValueError, match="k_cache and new_slots go together"):
         call(*args, k_cache=torch.zeros(10, 4, 2, 128, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match=r"k_cache must be \[10, page_size, 2, 128\]"):
+    with pytest.raises(ValueError, match=r"k_cache must be \[10, page_size=4, 2, 128\], got \(9, 4, 2, 128\)"):
         call(*args, k_cache=torch.zeros(9, 4, 2, 128, dtype=torch.bfloat16), new_slots=lens)
+    with pytest.raises(ValueError, match=r"k_cache must be \[10, page_size=4, 2, 128\], got \(10, 8, 2, 128\)"):
+        call(*args, k_cache=torch.zeros(10, 8, 2, 128, dtype=torch.bfloat16), new_slots=lens)
     with pytest.raises(ValueError, match="pdl=True needs the fold"):
         call(*args, pdl=True)
     with pytest.raises(ValueError, match="ctas_per_sm must be 1 or 2, got 3"):
@@ -105,7 +117,7 @@ def _cuda_cache(case, gen):
 
 @pytest.mark.gpu
 @pytest.mark.usefixtures("_poison_torch_empty")
-@pytest.mark.parametrize("case", GPU_CASES, ids=_id)
+@pytest.mark.parametrize("case", REFERENCE_CASES, ids=_id)
 def test_equals_the_reference(case, gen):
     _, args = _cuda_cache(case, gen)
     ref = quest_page_scores_ref(*args)
@@ -180,6 +192,7 @@ def test_launches_agree_bit_for_bit_and_replay_in_a_graph(gen):
     assert_close(_read(first, lens, ps), _read(triton, lens, ps), 1e-3)
     bounds = (hi.clone(), lo.clone())
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # the clones above, made on the default stream
     with torch.cuda.stream(stream):
         QS.quest_page_scores_cuda(q, *bounds, table, lens, ps, k_cache=k_cache, new_slots=slots)  # warm-up
         graph = torch.cuda.CUDAGraph()
@@ -193,10 +206,39 @@ def test_launches_agree_bit_for_bit_and_replay_in_a_graph(gen):
 
 
 @pytest.mark.gpu
+def test_many_ragged_requests(gen):
+    """40 requests of 1 to 32000 tokens in a 2000-page table (5000 work items, ~19 a CTA):
+    each CTA's loop over items, its query reused across items of one request and reloaded
+    at the next, the tiles past a short request skipped; the step's keys folded at every
+    offset (0 included)."""
+    B, P, hq, hkv, d, ps = 40, 2000, 32, 8, 128, 16
+    cuda_gen = torch.Generator("cuda").manual_seed(int(torch.randint(2 ** 31, (1,), generator=gen)))
+    lens = torch.randint(1, P * ps + 1, (B,), generator=gen)
+    lens[:4] = torch.tensor([1, 16, 17, P * ps])  # one token, a page ending at offset 15, one at offset 0, full
+    pool = B * P
+    table = torch.randperm(pool, generator=gen)[: B * P].view(B, P).int().cuda()
+    lens = lens.int().cuda()
+    last = (lens.long() - 1)
+    slots = table[torch.arange(B, device="cuda"), last // ps].long() * ps + last % ps
+    k_cache = torch.zeros(pool, ps, hkv, d, dtype=torch.bfloat16, device="cuda")
+    k_cache.view(-1, hkv, d)[slots] = torch.randn(B, hkv, d, generator=cuda_gen, device="cuda").bfloat16()
+    hi = torch.randn(pool, hkv, d, generator=cuda_gen, device="cuda").bfloat16()
+    lo = hi - torch.rand(pool, hkv, d, generator=cuda_gen, device="cuda").bfloat16()
+    q = torch.randn(B, hq, d, generator=cuda_gen, device="cuda").bfloat16()
+    want_hi, want_lo = hi.clone(), lo.clone()
+    update_page_minmax_ref(k_cache, slots, want_hi, want_lo)
+    got = QS.quest_page_scores_cuda(q, hi, lo, table, lens, ps, k_cache=k_cache, new_slots=slots)
+    assert torch.equal(hi, want_hi) and torch.equal(lo, want_lo)
+    want = quest_page_scores_torch(q, want_hi, want_lo, table, lens, ps)
+    assert_close(_read(got, lens, ps), want, 1e-3)
+
+
+@pytest.mark.gpu
 def test_in_the_engine(tmp_path, monkeypatch):
     """A model the kernel takes (head dim 128, bf16, 16 query / 8 KV heads; dummy weights):
-    Quest's decode step scores with it when `ENGINE` is on (the records say so), and its
-    decode graphs replay its eager steps token for token."""
+    with `ENGINE` on, Quest's decode step scores with it (each call outside a graph capture
+    checked against the reference on the bounds the update would make: the fold's), the
+    records say so, and its decode graphs replay its eager steps token for token."""
     from sparseengine import LLM, SamplingParams
     from sparseengine.kernels import quest_select_cuda
     from sparseengine.models.loader import SHAPES_DIR
@@ -207,18 +249,35 @@ def test_in_the_engine(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert quest_select_cuda.takes("cuda", 64)  # the scores run in the CUDA choice's branch
     monkeypatch.setattr(QS, "ENGINE", True)
+    real, checked = QS.quest_page_scores_cuda, []
+
+    def checking(q, kmax, kmin, table, lens, ps, **fold):
+        if torch.cuda.is_current_stream_capturing():
+            return real(q, kmax, kmin, table, lens, ps, **fold)
+        hi, lo = kmax.clone(), kmin.clone()
+        if fold.get("k_cache") is not None:
+            update_page_minmax_ref(fold["k_cache"], fold["new_slots"], hi, lo)
+        got = real(q, kmax, kmin, table, lens, ps, **fold)
+        assert torch.equal(kmax, hi) and torch.equal(kmin, lo)
+        assert_close(_read(got, lens, ps), quest_page_scores_ref(q, hi, lo, table, lens, ps), 1e-3)
+        checked.append(bool(fold))
+        return got
+
+    monkeypatch.setattr(QS, "quest_page_scores_cuda", checking)
     gen = torch.Generator().manual_seed(6)
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (700, 260, 513, 390)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     tokens = {}
     for eager in (True, False):
+        checked.clear()
         with LLM(str(tmp_path), load_format="dummy", device="cuda", dtype="bfloat16", sparse_method="quest",
                  sink_tokens=16, budget=64, recent_tokens=32, num_kv_pages=512, enforce_eager=eager) as llm:
-            assert QS.takes(torch.zeros(4, 16, 128, dtype=torch.bfloat16, device="cuda"),
-                            torch.zeros(1, 8, 128, dtype=torch.bfloat16, device="cuda"))
             assert llm.method.kernels(llm.device, llm.provider)["quest_scores"] == "cuda"
             tokens[eager] = [o.token_ids for o in llm.generate(prompts, params)]
             assert (llm.runner.graph_steps > 0) != eager
+        assert any(checked), (eager, checked)  # decode steps scored here, the step's keys folded in
+        if eager:
+            assert len(checked) >= 20, checked  # every eager decode step's sparse layer
     assert tokens[True] == tokens[False]
 
 
