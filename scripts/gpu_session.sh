@@ -11,6 +11,7 @@
 #   VARIANTS='default;M.NAME=V ...' [BENCH='--flag'] bash scripts/gpu_session.sh variants  # kernel-const A/B profiles
 #   COMMIT=<sha> DIRTY=0 bash scripts/gpu_session.sh quest_select  # Quest's CUDA page choice: tests, bench, A/B, lanes
 #   COMMIT=<sha> DIRTY=0 bash scripts/gpu_session.sh quest_scores_cuda  # Quest's CUDA page scores: tests, bench, A/Bs
+#   COMMIT=<sha> DIRTY=0 bash scripts/gpu_session.sh quest_ab  # CUDA page scores and the choice's v2 (.v2/): tests, A/B
 #   bash scripts/gpu_session.sh quest_scores # Quest's score tests, its scoring launches swept, the fastest A/B in b6 profiles
 #   bash scripts/gpu_session.sh pick         # GPU tests (kernels, methods), OmniKV's pick side by side, OmniKV b6 profile
 #   bash scripts/gpu_session.sh balanced     # split-K decode tests (all, compiled), the balanced plan beside the per-row one
@@ -31,7 +32,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 WANDB_MODE=offline
 # The device copy's .git can name an older commit: pass COMMIT=<sha> DIRTY=0|1 so records carry provenance.
 COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export SPARSEENGINE_GIT_COMMIT=$COMMIT SPARSEENGINE_GIT_DIRTY=${DIRTY:-}
-phase=${1:?phase: check, profiles, deltakv, ab, pick, quest_select, quest_scores_cuda, balanced, ragged, throughput or accuracy}; shift
+phase=${1:?phase: check, profiles, deltakv, ab, pick, quest_select, quest_scores_cuda, quest_ab, balanced, ragged, throughput or accuracy}; shift
 FI_WHEELS=.whl/flashinfer; [ -d .whl/flashinfer_trim ] && FI_WHEELS=.whl/flashinfer_trim
 export FI_WHEELS
 
@@ -58,6 +59,17 @@ deltakv_checkpoint() {  # DeltaKV's Down/Up for a dummy-weight shape ($1, defaul
   dk=/tmp/deltakv_${shape}_dummy.safetensors  # for seeded random token ids
   [ -f $dk ] || python -m sparseengine.methods.deltakv_calibrate --model $shape --load-format dummy \
     --random-tokens 8192 --out $dk --device cuda --dtype bfloat16 2>&1 | tail -1
+}
+
+overlay_tree() {  # overlay_tree DIR: a copy of this tree with DIR's files over it (DIR holds paths like the tree's);
+  # prints its path. For A/Bs of code that is not on this commit (a tag's files, carried in DIR).
+  local tree=/tmp/overlay_$(printf '%s' "$1" | tr -c 'a-zA-Z0-9' _)
+  if [ ! -d "$tree" ]; then
+    mkdir -p "$tree"
+    for e in *; do case "$e" in gpu_out|results|notebooks) ;; *) cp -r "$e" "$tree/" ;; esac; done
+    cp -r "$1"/. "$tree/"
+  fi
+  echo "$tree"
 }
 
 case "$phase" in
@@ -243,6 +255,21 @@ quest_scores_cuda)
   METHOD=quest BATCH=6 ROUNDS=2 \
     VARIANTS="default;$on;$on quest_scores_cuda.PDL=False;$on quest_scores_cuda.CTAS_PER_SM=1" bash "$0" variants
   ;;
+quest_ab)
+  # Quest's CUDA page scores (off on this commit) and the CUDA choice's second version (tag
+  # quest-select-cuda-v2-untested; its three files carried in .v2/, made before the call by
+  #   git archive quest-select-cuda-v2-untested -- sparseengine/kernels/quest_select.cu \
+  #     sparseengine/kernels/quest_select_cuda.py tests/kernels/test_quest_select_cuda.py | tar -x -C .snap/.v2):
+  # the GPU tests of both (v2's in its overlay tree), then Quest b=6 with neither, each and both, alternating.
+  install_wheels .whl/hydra
+  timeout 200 python -m pytest -q -m gpu tests/kernels/test_quest_scores_cuda.py -p no:cacheprovider -rs 2>&1 \
+    | tail -6 | tee "$OUT/gpu_tests.log"
+  v2=$(overlay_tree .v2)
+  (cd "$v2" && PYTHONPATH=${PYTHONPATH//$OLDPWD/$v2} timeout 120 python -m pytest -q -m gpu \
+    tests/kernels/test_quest_select_cuda.py -p no:cacheprovider -rs 2>&1 | tail -6) | tee -a "$OUT/gpu_tests.log"
+  on=quest_scores_cuda.ENGINE=True
+  METHOD=quest BATCH=6 ROUNDS=2 VARIANTS="default;$on;overlay=.v2;overlay=.v2 $on" bash "$0" variants
+  ;;
 variants)
   # BENCH (bench_gpu flags, optional) into $OUT/bench.jsonl, then one method's graph step with each of VARIANTS
   # (';'-separated, each 'default' or space-separated MODULE.NAME=VALUE kernel consts) in alternating profiles,
@@ -254,13 +281,18 @@ variants)
   extra=()  # DeltaKV: a checkpoint fitted here
   [ "${METHOD:-quest}" = deltakv ] && { deltakv_checkpoint; extra=(--engine-arg "deltakv_checkpoint_path=$dk"); }
   IFS=';' read -ra variants <<< "${VARIANTS:-default}"
+  for i in "${!variants[@]}"; do echo "var_$i: ${variants[$i]}"; done
   for round in $(seq "${ROUNDS:-2}"); do
     for i in "${!variants[@]}"; do
-      args=(); for c in ${variants[$i]}; do [ "$c" = default ] || args+=(--kernel-const "$c"); done
-      timeout 150 python scripts/profile_decode_step.py --method "${METHOD:-quest}" --batch "${BATCH:-6}" --steps 8 \
-        --clocks --commit "$COMMIT" "${args[@]}" "${extra[@]}" ${LAUNCH_SEQ:+--launch-sequence "$LAUNCH_SEQ"} \
-        --out "$OUT/var_${i}_r$round.json" > /tmp/var.log 2>&1 \
-        || tail -5 /tmp/var.log
+      # a token overlay=DIR runs the profile in overlay_tree DIR (code not on this commit); the rest are kernel consts
+      args=(); tree=$PWD
+      for c in ${variants[$i]}; do
+        case "$c" in default) ;; overlay=*) tree=$(overlay_tree "${c#overlay=}") ;; *) args+=(--kernel-const "$c") ;; esac
+      done
+      (cd "$tree" && PYTHONPATH=${PYTHONPATH//$OLDPWD/$tree} timeout 150 python scripts/profile_decode_step.py \
+        --method "${METHOD:-quest}" --batch "${BATCH:-6}" --steps 8 --clocks --commit "$COMMIT" "${args[@]}" \
+        "${extra[@]}" ${LAUNCH_SEQ:+--launch-sequence "$LAUNCH_SEQ"} --out "$OUT/var_${i}_r$round.json" \
+        > /tmp/var.log 2>&1) || tail -5 /tmp/var.log
     done
   done
   python - "$OUT" <<'PY'
