@@ -72,8 +72,10 @@ def takes(q: torch.Tensor, kmax: torch.Tensor) -> bool:
 def quest_page_scores_cuda(q, kmax, kmin, page_table, kv_lens, page_size, *, k_cache=None, new_slots=None, pdl=None,
                            ctas_per_sm=None):
     """Quest's page scores (the module's docstring). `pdl` (default `PDL`) applies with the
-    fold only: without it the minmax update runs just before and writes the bounds this
-    kernel would load before its wait. `ctas_per_sm` (default `CTAS_PER_SM`): the grid."""
+    fold only: the kernel then loads bounds, page table and lengths before it waits for the
+    kernel just before it on the stream, which must not write them (in a decode step that is
+    the qkv linear; without the fold the minmax update runs just before and writes the
+    bounds). `ctas_per_sm` (default `CTAS_PER_SM`): the grid."""
     if q.dim() != 3 or kmax.dim() != 3:
         raise ValueError(f"q must be [B, Hq, d] and kmax [num_pages, Hkv, d], got {tuple(q.shape)} and "
                          f"{tuple(kmax.shape)}")

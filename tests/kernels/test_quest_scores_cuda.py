@@ -182,6 +182,9 @@ def test_launches_agree_bit_for_bit_and_replay_in_a_graph(gen):
     for pdl in (True, False):
         for ctas in (1, 2):
             bounds = (hi.clone(), lo.clone())
+            # the clones finished first: a PDL launch may load the bounds before the kernel just before it (here the
+            # clone that writes them; in the engine the qkv linear, which does not) has finished
+            torch.cuda.synchronize()
             runs[pdl, ctas] = QS.quest_page_scores_cuda(q, *bounds, table, lens, ps, k_cache=k_cache, new_slots=slots,
                                                         pdl=pdl, ctas_per_sm=ctas)
             assert torch.equal(bounds[0], want_hi) and torch.equal(bounds[1], want_lo), (pdl, ctas)
@@ -192,7 +195,7 @@ def test_launches_agree_bit_for_bit_and_replay_in_a_graph(gen):
     assert_close(_read(first, lens, ps), _read(triton, lens, ps), 1e-3)
     bounds = (hi.clone(), lo.clone())
     stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())  # the clones above, made on the default stream
+    torch.cuda.synchronize()  # the clones above done (made on the default stream) before the PDL launches below
     with torch.cuda.stream(stream):
         QS.quest_page_scores_cuda(q, *bounds, table, lens, ps, k_cache=k_cache, new_slots=slots)  # warm-up
         graph = torch.cuda.CUDAGraph()
