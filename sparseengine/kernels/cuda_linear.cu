@@ -31,6 +31,9 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "launch_pdl.cuh"
+#include "mma_bf16.cuh"
+
 // The build's variant (cuda_linear.py passes them as -D flags; these defaults are the engine's):
 // warps a CTA, 32-channel steps a warp's loads cover at a time, and the CTAs an SM the
 // registers must leave room for (__launch_bounds__'s minimum: 2 holds a thread to 64).
@@ -89,15 +92,6 @@ __device__ __forceinline__ int block_row(const Rope& p, int b, int r) {
   if (b < (p.hq + p.hkv) * (ROPE_D / 16))
     return (b >> 3) * ROPE_D + (r >= 8 ? ROPE_D / 2 : 0) + (b & 7) * 8 + (r & 7);
   return b * 16 + r;
-}
-
-__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 __device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16(v)); }
@@ -352,23 +346,7 @@ __global__ void __launch_bounds__(THREADS, SE_MIN_CTAS) linear_kernel(const Para
   }
 }
 
-constexpr int MAX_DEVICES = 64;  // per-device caches below; a device past them is asked at every launch
-
-int current_device() {
-  int dev = 0;
-  cudaGetDevice(&dev);
-  return dev;
-}
-
-// The SM count of device `dev` (one persistent CTA an SM), asked once a device.
-int sm_count(int dev) {
-  static int sms[MAX_DEVICES] = {};
-  if (dev >= 0 && dev < MAX_DEVICES && sms[dev]) return sms[dev];
-  int n = 0;
-  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-  if (dev >= 0 && dev < MAX_DEVICES) sms[dev] = n;
-  return n;
-}
+constexpr int MAX_DEVICES = 64;  // the per-device cache below; a device past it is asked at every launch
 
 template <bool STAGED, bool ROPE>
 int launch(const Params& p, const Rope& r, void* stream) {
@@ -386,17 +364,8 @@ int launch(const Params& p, const Rope& r, void* stream) {
     if (cached) allowed[dev] = smem;
   }
   const int blocks = p.N / 16, sms = sm_count(dev);
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(blocks < sms ? blocks : sms);
-  cfg.blockDim = dim3(THREADS);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = (cudaStream_t)stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = p.pdl ? 1 : 0;
-  return (int)cudaLaunchKernelEx(&cfg, linear_kernel<STAGED, ROPE>, p, r);
+  return launch_maybe_pdl(linear_kernel<STAGED, ROPE>, dim3(blocks < sms ? blocks : sms), dim3(THREADS), smem, stream,
+                          p.pdl, p, r);
 }
 
 }  // namespace

@@ -1,9 +1,9 @@
 // Launching a kernel, as a programmatic dependent launch (PDL) when `pdl` is set: the kernel
 // may then start while the one before it on the stream is still running, so it must execute
-// griddepcontrol.wait before it reads anything that kernel writes. quest_scores.cu and the
-// probe scripts/cuda_gemv.cu launch through it; cuda_linear.cu and quest_select.cu still
-// spell the same lines out (the sources the H200 ran; nvcc_build.py hashes every header here
-// with each source).
+// griddepcontrol.wait before it reads anything that kernel writes; and the current device's
+// SM count, asked once a device (persistent grids size by it). Shared by cuda_linear.cu,
+// quest_select.cu, quest_scores.cu and the probe scripts/cuda_gemv.cu (nvcc_build.py hashes
+// every header here with each source).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -21,4 +21,21 @@ inline int launch_maybe_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, si
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 1 : 0;
   return (int)cudaLaunchKernelEx(&cfg, kernel, args...);
+}
+
+constexpr int SM_COUNT_DEVICES = 64;  // devices whose SM count is kept; one past them is asked at every call
+
+inline int current_device() {
+  int dev = 0;
+  cudaGetDevice(&dev);
+  return dev;
+}
+
+inline int sm_count(int dev) {
+  static int sms[SM_COUNT_DEVICES] = {};
+  if (dev >= 0 && dev < SM_COUNT_DEVICES && sms[dev]) return sms[dev];
+  int n = 0;
+  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+  if (dev >= 0 && dev < SM_COUNT_DEVICES) sms[dev] = n;
+  return n;
 }

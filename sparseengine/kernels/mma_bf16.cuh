@@ -2,8 +2,8 @@
 // 16 x 16, row-major fragments a0..a3) x B (bf16, 16 x 8, column fragments b0, b1), with
 // PTX's fragment layouts (lane l: g = l / 4, t = l % 4; a0 = A[g][2t, 2t+1], a1 = A[g+8][..],
 // a2 = A[g][2t+8, 2t+9], a3 = A[g+8][..]; b0 = B[2t, 2t+1][g], b1 = B[2t+8, 2t+9][g];
-// c = C[g][2t, 2t+1], C[g+8][2t, 2t+1]). quest_scores.cu and the probe scripts/cuda_gemv.cu
-// use it; cuda_linear.cu still spells it out (the source the H200 ran).
+// c = C[g][2t, 2t+1], C[g+8][2t, 2t+1]). Shared by cuda_linear.cu, quest_scores.cu and the
+// probe scripts/cuda_gemv.cu.
 #pragma once
 #include <stdint.h>
 

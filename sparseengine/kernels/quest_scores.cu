@@ -223,19 +223,6 @@ __global__ void __launch_bounds__(THREADS, 2) scores_kernel(const Args a) {
   }
 }
 
-constexpr int MAX_DEVICES = 64;
-
-int sm_count() {
-  static int sms[MAX_DEVICES] = {};
-  int dev = 0;
-  cudaGetDevice(&dev);
-  if (dev >= 0 && dev < MAX_DEVICES && sms[dev]) return sms[dev];
-  int n = 0;
-  cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-  if (dev >= 0 && dev < MAX_DEVICES) sms[dev] = n;
-  return n;
-}
-
 }  // namespace
 
 // -> 0 when launched, a cudaError_t, or -1 (an argument out of range: hkv must divide 8,
@@ -252,7 +239,7 @@ extern "C" int se_quest_scores(const void* q, long long qb, long long qh, void* 
   if (B == 0) return 0;
   const int pages_per_item = TILE * (WARPS / hkv);
   const int items_per_b = (P + pages_per_item - 1) / pages_per_item, items = B * items_per_b;
-  const int want = sm_count() * ctas_per_sm;
+  const int want = sm_count(current_device()) * ctas_per_sm;
   const int per_cta = (items + want - 1) / want, grid = (items + per_cta - 1) / per_cta;
   const Args a = {(const __nv_bfloat16*)q, (__nv_bfloat16*)kmax, (__nv_bfloat16*)kmin, (const int*)table, kv_lens,
                   (float*)scores, (const __nv_bfloat16*)k_cache, slots, qb, qh, tb, kp, ko, kh, lens64, slots64, hkv,

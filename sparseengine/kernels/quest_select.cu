@@ -22,6 +22,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "launch_pdl.cuh"
+
 namespace {
 
 constexpr int THREADS = 256;
@@ -254,16 +256,7 @@ __global__ void __launch_bounds__(THREADS) select_kernel(const Args a) {
 
 template <int KPT>
 int launch(const Args& a, int rows, void* stream) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(rows);
-  cfg.blockDim = dim3(THREADS);
-  cfg.stream = (cudaStream_t)stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = a.pdl ? 1 : 0;
-  return (int)cudaLaunchKernelEx(&cfg, select_kernel<KPT>, a);
+  return launch_maybe_pdl(select_kernel<KPT>, dim3(rows), dim3(THREADS), 0, stream, a.pdl, a);
 }
 
 constexpr int KPTS[] = {4, 8, 16, 24, 36, 48, 64};  // keys a thread, the smallest that covers P

@@ -3,25 +3,18 @@
 (`quest_select_pages`, ties to the earlier page) on scores full of ties; through its warp
 path (at most 512 candidates) and its block path (more: many equal scores); equal to the
 Triton kernel at the 128K benchmark's shape, in a CUDA graph and as a programmatic
-dependent launch. On the CPU: the errors for bad input, the ctypes table against the
-source, and the build (where nvcc is). The engine with it: tests/methods/test_graph_vs_eager_gpu.py."""
+dependent launch. On the CPU: the errors for bad input and the build (where nvcc is); its
+ctypes table: test_nvcc_build.py. The engine with it: tests/methods/test_graph_vs_eager_gpu.py."""
 import pytest
 import torch
 
 from sparseengine.kernels import quest_select_cuda as QC
 from sparseengine.kernels import quest_select_pages_triton
-from sparseengine.kernels.nvcc_build import declared_signatures, find_nvcc
+from sparseengine.kernels.nvcc_build import find_nvcc
 from sparseengine.methods.quest import select_pages_batched
 from sparseengine.methods.selection import quest_select_pages
 
 from .test_quest_select import CASES, _case_id, _poison_torch_empty, _scores  # noqa: F401 (the fixture)
-
-
-def test_ctypes_signatures_match_the_source():
-    declared = declared_signatures(QC.SOURCE)
-    assert set(declared) == set(QC.SIGNATURES)
-    for name, (ret, args) in declared.items():
-        assert QC.SIGNATURES[name] == (ret, args), name
 
 
 @pytest.mark.skipif(find_nvcc() is None, reason="needs nvcc (no GPU needed: the library loads without one)")
