@@ -16,9 +16,11 @@ Hq / Hkv be at most 8. `takes(q, kmax)` says whether Quest's decode step scores 
 kernel. Without a GPU it cannot run: its tests are marked `gpu`, with the torch reference
 (`quest.quest_page_scores_ref`) and the minmax update (`update_page_minmax_ref`) as oracles.
 
-`ENGINE` is off: written in a session without a GPU, it has not run yet
-(`scripts/gpu_session.sh quest_scores_cuda` runs its tests, its bench beside the Triton
-launch, and the engine's Quest b=6 step with it on and off).
+On since session 49: in alternating Quest b=6 graph-step profiles (s49-1) the step took
+7.992 / 7.990 ms with it against 8.011 / 8.004 with the Triton kernel, and 7.932 / 7.937
+against 7.953 / 7.943 with the choice's float4 reads on in both (`scripts/gpu_session.sh
+quest_ab`). Its launches take longer than the Triton kernel's (1708 us a step against 1539),
+since they start before the qkv linear ends and wait on it; the step is shorter.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from .nvcc_build import load_library, on_device, unavailable
 from .quest import check_new_keys
 
 SOURCE = Path(__file__).with_name("quest_scores.cu")
-ENGINE = False  # Quest's decode step scores with this kernel where `takes` says it can (read at each call)
+ENGINE = True  # Quest's decode step scores with this kernel where `takes` says it can (read at each call)
 PDL = True  # with the fold: launched with PDL, its first bounds loaded before the wait (read at each call)
 CTAS_PER_SM = 2  # the grid: CTAs an SM (at most 2 fit; read at each call)
 HEAD_DIM = 128

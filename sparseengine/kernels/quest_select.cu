@@ -174,12 +174,41 @@ __device__ __forceinline__ int2 gt_eq(const unsigned (&k)[N], unsigned t) {
   return make_int2(gt, eq);
 }
 
-template <int KPT>
+// Warp 0's search and pick over the n_cand candidates in shared memory, PER lanes' worth a
+// lane (lane l holds [l * PER, (l + 1) * PER)).
+template <int PER>
+__device__ __forceinline__ void warp_choose(const Shared& s, int n_cand, int m, long long* out) {
+  const int lane = threadIdx.x & 31;
+  unsigned c[PER];
+  int cp[PER];
+#pragma unroll
+  for (int i = 0; i < PER; ++i) {
+    const int idx = lane * PER + i;
+    c[i] = idx < n_cand ? s.cand_key[idx] : 0u;
+    cp[i] = idx < n_cand ? s.cand_page[idx] : 0;
+  }
+  const unsigned t = warp_kth<PER, 16>(c, m);
+  const int2 ge = gt_eq(c, t);
+  int2 tot;
+  const int2 pre = warp_scan2(ge.x, ge.y, tot);
+  write_chosen(c, [&](int j) { return cp[j]; }, t, m, pre, tot, out);
+}
+
+// VEC: the row (P a multiple of 4) is read as float4 into shared memory at once and
+// each thread takes its KPT keys from there (16-byte reads, no bank conflict for KPT % 4 == 0);
+// otherwise each thread loads its KPT scores itself.
+template <int KPT, bool VEC>
 __global__ void __launch_bounds__(THREADS) select_kernel(const Args a) {
   if (a.pdl) asm volatile("griddepcontrol.wait;" ::: "memory");
   __shared__ Shared s;
+  extern __shared__ float4 staged[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, row = blockIdx.x;
   const int b = row / a.H, h = row % a.H;
+  const float* scores = a.scores + b * a.sb + h * a.sh;
+  if (VEC) {  // the whole row, its loads in flight while kv_len is read (pages past the request's are masked below)
+    const float4* src = reinterpret_cast<const float4*>(scores);
+    for (int i = tid; i < a.P / 4; i += THREADS) staged[i] = src[i];
+  }
   const long long n = a.lens64 ? static_cast<const long long*>(a.kv_lens)[b] : static_cast<const int*>(a.kv_lens)[b];
   const int ps = a.page_size, sink = a.sink_pages;
   const int n_pages = (int)((n + ps - 1) / ps);
@@ -200,15 +229,29 @@ __global__ void __launch_bounds__(THREADS) select_kernel(const Args a) {
     for (int p = sink + tid; p < mid_end; p += THREADS) out[p] = p;
     return;
   }
-  const float* scores = a.scores + b * a.sb + h * a.sh;
   const int page0 = tid * KPT;
   unsigned k[KPT], mx = 0;
+  if (VEC) {
+    __syncthreads();  // the row staged
 #pragma unroll
-  for (int j = 0; j < KPT; ++j) {
-    const int p = page0 + j;
-    k[j] = p >= sink && p < mid_end ? key_of(scores[p]) : 0u;
-    mx = max(mx, k[j]);
+    for (int j = 0; j < KPT; j += 4) {
+      const float4 v = staged[page0 / 4 + j / 4];  // past the row only where no key is taken
+      const float f[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int p = page0 + j + i;
+        k[j + i] = p >= sink && p < mid_end ? key_of(f[i]) : 0u;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < KPT; ++j) {
+      const int p = page0 + j;
+      k[j] = p >= sink && p < mid_end ? key_of(scores[p]) : 0u;
+    }
   }
+#pragma unroll
+  for (int j = 0; j < KPT; ++j) mx = max(mx, k[j]);
   s.maxima[tid] = mx;
   __syncthreads();
   if (warp == 0) {  // 1. L from the threads' maxima (a lane holds GROUPS_PER_LANE)
@@ -232,20 +275,10 @@ __global__ void __launch_bounds__(THREADS) select_kernel(const Args a) {
       if (k[j] != 0u && k[j] >= bound) s.cand_key[slot] = k[j], s.cand_page[slot++] = page0 + j;
     }
     __syncthreads();
-    if (warp != 0) return;
-    unsigned c[PER_LANE];  // 3. in warp 0: lane l holds candidates [l * PER_LANE, (l + 1) * PER_LANE)
-    int cp[PER_LANE];
-#pragma unroll
-    for (int i = 0; i < PER_LANE; ++i) {
-      const int idx = lane * PER_LANE + i;
-      c[i] = idx < n_cand ? s.cand_key[idx] : 0u;
-      cp[i] = idx < n_cand ? s.cand_page[idx] : 0;
-    }
-    const unsigned t = warp_kth<PER_LANE, 16>(c, m);
-    const int2 ge = gt_eq(c, t);
-    int2 tot;
-    const int2 pre = warp_scan2(ge.x, ge.y, tot);
-    write_chosen(c, [&](int j) { return cp[j]; }, t, m, pre, tot, out + sink);
+    if (warp != 0) return;  // 3. in warp 0, as many candidates a lane as it takes
+    if (n_cand <= 32 * 4) warp_choose<4>(s, n_cand, m, out + sink);
+    else if (n_cand <= 32 * 8) warp_choose<8>(s, n_cand, m, out + sink);
+    else warp_choose<PER_LANE>(s, n_cand, m, out + sink);
     return;
   }
   const unsigned t = block_kth(k, m, s);  // more candidates than warp 0 holds: the block over every key
@@ -254,9 +287,22 @@ __global__ void __launch_bounds__(THREADS) select_kernel(const Args a) {
   write_chosen(k, [&](int j) { return page0 + j; }, t, m, pre, total, out + sink);
 }
 
-template <int KPT>
+template <int KPT, bool VEC>
 int launch(const Args& a, int rows, void* stream) {
-  return launch_maybe_pdl(select_kernel<KPT>, dim3(rows), dim3(THREADS), 0, stream, a.pdl, a);
+  // VEC stages the row (P rounded up to 4 floats, KPT * THREADS covers it) in dynamic shared memory
+  // (the static Shared counts against the 48 KB a launch gets without the attribute)
+  const size_t smem = VEC ? (size_t)KPT * THREADS * sizeof(float) : 0;
+  if (smem + sizeof(Shared) > 48 * 1024) {
+    const cudaError_t e = cudaFuncSetAttribute(select_kernel<KPT, VEC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               (int)smem);
+    if (e != cudaSuccess) return (int)e;
+  }
+  return launch_maybe_pdl(select_kernel<KPT, VEC>, dim3(rows), dim3(THREADS), smem, stream, a.pdl, a);
+}
+
+template <int KPT>
+int launch_kpt(const Args& a, int rows, bool vec, void* stream) {
+  return vec ? launch<KPT, true>(a, rows, stream) : launch<KPT, false>(a, rows, stream);
 }
 
 constexpr int KPTS[] = {4, 8, 16, 24, 36, 48, 64};  // keys a thread, the smallest that covers P
@@ -264,23 +310,27 @@ constexpr int KPTS[] = {4, 8, 16, 24, 36, 48, 64};  // keys a thread, the smalle
 }  // namespace
 
 // -> 0 when launched, a cudaError_t, -1 (P outside 1..se_quest_select_max_pages(), or
-// another argument out of range). scores fp32, row (b, h) at b * sb + h * sh elements, its
+// another argument out of range). `vec_ok`: each row's storage extends to P rounded up to 4
+// floats (then aligned rows are read as float4). scores fp32, row (b, h) at b * sb + h * sh elements, its
 // pages contiguous; pages [B, H, K] int64 and counts [B, H] int32 contiguous.
 extern "C" int se_quest_select(const void* scores, long long sb, long long sh, const void* kv_lens, int lens64,
                                void* pages, void* counts, int B, int H, int P, int K, int page_size, int sink_pages,
-                               int recent, int total, int top, int pdl, void* stream) {
+                               int recent, int total, int top, int pdl, int vec_ok, void* stream) {
   if (B < 0 || H < 1 || P < 1 || K < 1 || page_size < 1 || sink_pages < 0 || recent < 0 || top < 1) return -1;
   if (B == 0) return 0;
   const Args a = {(const float*)scores, sb, sh, kv_lens, (long long*)pages, (int*)counts, lens64, H, P, K,
                   page_size, sink_pages, recent, total, top, pdl};
   const int rows = B * H;
-  if (P <= THREADS * 4) return launch<4>(a, rows, stream);
-  if (P <= THREADS * 8) return launch<8>(a, rows, stream);
-  if (P <= THREADS * 16) return launch<16>(a, rows, stream);
-  if (P <= THREADS * 24) return launch<24>(a, rows, stream);
-  if (P <= THREADS * 36) return launch<36>(a, rows, stream);
-  if (P <= THREADS * 48) return launch<48>(a, rows, stream);
-  if (P <= THREADS * 64) return launch<64>(a, rows, stream);
+  // float4 reads of whole rows: 16-byte aligned rows (the row's last float4 may pass P, not the allocation's end:
+  // the wrapper passes vec only where the rows' storage holds P rounded up to 4 floats)
+  const bool vec = vec_ok && ((uintptr_t)scores % 16 == 0) && sb % 4 == 0 && sh % 4 == 0;
+  if (P <= THREADS * 4) return launch_kpt<4>(a, rows, vec, stream);
+  if (P <= THREADS * 8) return launch_kpt<8>(a, rows, vec, stream);
+  if (P <= THREADS * 16) return launch_kpt<16>(a, rows, vec, stream);
+  if (P <= THREADS * 24) return launch_kpt<24>(a, rows, vec, stream);
+  if (P <= THREADS * 36) return launch_kpt<36>(a, rows, vec, stream);
+  if (P <= THREADS * 48) return launch_kpt<48>(a, rows, vec, stream);
+  if (P <= THREADS * 64) return launch_kpt<64>(a, rows, vec, stream);
   return -1;
 }
 

@@ -25,10 +25,11 @@ from .nvcc_build import load_library, on_device, unavailable
 SOURCE = Path(__file__).with_name("quest_select.cu")
 ENGINE = True  # Quest's decode step selects with this kernel where `takes` says it can (read at each call)
 PDL = False  # launched as a programmatic dependent launch of the page scores (read at each call)
+VEC = True  # rows of a multiple of 4 pages (16-byte aligned) read as float4 through shared memory (read at each call)
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
 SIGNATURES = {  # in the order of the source's `extern "C"` declarations (a CPU test holds them together)
-    "se_quest_select": (_I, [_P, _L, _L, _P, _I, _P, _P] + [_I] * 10 + [_P]),
+    "se_quest_select": (_I, [_P, _L, _L, _P, _I, _P, _P] + [_I] * 11 + [_P]),
     "se_quest_select_max_pages": (_I, []),
 }
 
@@ -78,7 +79,8 @@ def quest_select_pages_cuda(scores, kv_lens, page_size, sink_tokens, recent_toke
     err = on_device(scores, library().se_quest_select, scores.data_ptr(), scores.stride(0), scores.stride(1),
                     kv_lens.data_ptr(), int(kv_lens.dtype == torch.int64), pages.data_ptr(), counts.data_ptr(), B, H,
                     P, K, ps, -(-sink // ps), recent, sink + budget + recent, top_pages(budget, ps),
-                    int(PDL if pdl is None else pdl), torch.cuda.current_stream(scores.device).cuda_stream)
+                    int(PDL if pdl is None else pdl), int(VEC and P % 4 == 0),
+                    torch.cuda.current_stream(scores.device).cuda_stream)
     if err:
         raise RuntimeError(f"quest_select_pages_cuda's launch failed: error {err} (B={B}, Hkv={H}, P={P}, K={K})")
     return pages, counts

@@ -98,10 +98,13 @@ def test_ties_go_to_the_earlier_page(gen):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("vec", [True, False])
 @pytest.mark.parametrize("P", [1, 17, 1024, 1025, 4096 + 7, 9216, 12288, 16384])
-def test_every_build_width(P, gen):
+def test_every_build_width(P, vec, gen, monkeypatch):
     """Each build (keys a thread) at its widest and just past the one below: rows as long as
-    the table and shorter ones, against the torch path."""
+    the table and shorter ones, against the torch path; rows of a multiple of 4 pages read
+    as float4 through shared memory (`VEC`: past 48 KB of it at 12288 pages and more) or not."""
+    monkeypatch.setattr(QC, "VEC", vec)
     ps, sink, budget, recent = 16, 32, 256, 64
     lens = [P * ps, max(1, P * ps - 100), (P * ps) // 3 + 1, 5]
     scores = _scores(torch.randn(len(lens), 2, P, generator=gen), lens, ps).cuda()
@@ -112,13 +115,13 @@ def test_every_build_width(P, gen):
 
 @pytest.mark.gpu
 def test_strided_scores(gen):
-    """Scores as a slice of a wider table (row strides that are not P)."""
+    """Scores as a slice of a wider table (row strides that are not P), read both ways."""
     lens, ps = [16 * 200, 16 * 150 + 3], 16
     wide = _scores(torch.randn(2, 3, 260, generator=gen), lens, ps).cuda()
-    scores = wide[..., :210]
-    args = (scores, torch.tensor(lens, device="cuda"), ps, 16, 48, 320)
-    for g, w in zip(QC.quest_select_pages_cuda(*args), select_pages_batched(*args)):
-        assert torch.equal(g, w)
+    for P in (210, 208):  # read score by score; as float4 (aligned rows of a multiple of 4 pages)
+        args = (wide[..., :P], torch.tensor(lens, device="cuda"), ps, 16, 48, 320)
+        for g, w in zip(QC.quest_select_pages_cuda(*args), select_pages_batched(*args)):
+            assert torch.equal(g, w), P
 
 
 @pytest.mark.gpu
