@@ -11,7 +11,6 @@
 #   VARIANTS='default;M.NAME=V ...' [BENCH='--flag'] bash scripts/gpu_session.sh variants  # kernel-const A/B profiles
 #   COMMIT=<sha> DIRTY=0 bash scripts/gpu_session.sh quest_select  # Quest's CUDA page choice: tests, bench, A/B, lanes
 #   COMMIT=<sha> DIRTY=0 bash scripts/gpu_session.sh quest_scores_cuda  # Quest's CUDA page scores: tests, bench, A/Bs
-#   COMMIT=<sha> DIRTY=0 bash scripts/gpu_session.sh quest_ab  # CUDA page scores and the choice's v2 (.v2/): tests, A/B
 #   bash scripts/gpu_session.sh quest_scores # Quest's score tests, its scoring launches swept, the fastest A/B in b6 profiles
 #   bash scripts/gpu_session.sh pick         # GPU tests (kernels, methods), OmniKV's pick side by side, OmniKV b6 profile
 #   bash scripts/gpu_session.sh balanced     # split-K decode tests (all, compiled), the balanced plan beside the per-row one
@@ -32,7 +31,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 WANDB_MODE=offline
 # The device copy's .git can name an older commit: pass COMMIT=<sha> DIRTY=0|1 so records carry provenance.
 COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export SPARSEENGINE_GIT_COMMIT=$COMMIT SPARSEENGINE_GIT_DIRTY=${DIRTY:-}
-phase=${1:?phase: check, profiles, deltakv, ab, pick, quest_select, quest_scores_cuda, quest_ab, balanced, ragged, throughput or accuracy}; shift
+phase=${1:?phase: check, profiles, deltakv, ab, pick, quest_select, quest_scores_cuda, balanced, ragged, throughput or accuracy}; shift
 FI_WHEELS=.whl/flashinfer; [ -d .whl/flashinfer_trim ] && FI_WHEELS=.whl/flashinfer_trim
 export FI_WHEELS
 
@@ -245,30 +244,14 @@ quest_select)
   SKIP_TESTS=1 THROUGHPUT_TIMEOUT=${THROUGHPUT_TIMEOUT:-200} bash "$0" throughput sparse_method=vanilla,quest
   ;;
 quest_scores_cuda)
-  # Quest's page scores in CUDA (off until this runs): its GPU tests (and the Triton scores' and the CUDA choice's),
-  # the per-launch bench beside the Triton scores, then Quest b=6 with it off, on, on without PDL, on at 1 CTA an SM.
+  # Quest's page scores in CUDA (on since session 49): its GPU tests (and the Triton scores' and the CUDA choice's),
+  # the per-launch bench beside the Triton scores, then Quest b=6 with it on, off, on without PDL, on at 1 CTA an SM.
   install_wheels .whl/hydra
   timeout 240 python -m pytest -q -m gpu tests/kernels/test_quest_scores_cuda.py tests/kernels/test_quest.py \
     tests/kernels/test_quest_select_cuda.py -p no:cacheprovider -rs 2>&1 | tail -8 | tee "$OUT/gpu_tests.log"
   timeout 150 python -m sparseengine.kernels.bench_gpu --quest-scores-cuda --out "$OUT/bench.jsonl" 2>&1 | tail -3
-  on=quest_scores_cuda.ENGINE=True
-  METHOD=quest BATCH=6 ROUNDS=2 \
-    VARIANTS="default;$on;$on quest_scores_cuda.PDL=False;$on quest_scores_cuda.CTAS_PER_SM=1" bash "$0" variants
-  ;;
-quest_ab)
-  # Quest's CUDA page scores (off on this commit) and the CUDA choice's second version (tag
-  # quest-select-cuda-v2-untested; its three files carried in .v2/, made before the call by
-  #   git archive quest-select-cuda-v2-untested -- sparseengine/kernels/quest_select.cu \
-  #     sparseengine/kernels/quest_select_cuda.py tests/kernels/test_quest_select_cuda.py | tar -x -C .snap/.v2):
-  # the GPU tests of both (v2's in its overlay tree), then Quest b=6 with neither, each and both, alternating.
-  install_wheels .whl/hydra
-  timeout 200 python -m pytest -q -m gpu tests/kernels/test_quest_scores_cuda.py -p no:cacheprovider -rs 2>&1 \
-    | tail -6 | tee "$OUT/gpu_tests.log"
-  v2=$(overlay_tree .v2)
-  (cd "$v2" && PYTHONPATH=${PYTHONPATH//$OLDPWD/$v2} timeout 120 python -m pytest -q -m gpu \
-    tests/kernels/test_quest_select_cuda.py -p no:cacheprovider -rs 2>&1 | tail -6) | tee -a "$OUT/gpu_tests.log"
-  on=quest_scores_cuda.ENGINE=True
-  METHOD=quest BATCH=6 ROUNDS=2 VARIANTS="default;$on;overlay=.v2;overlay=.v2 $on" bash "$0" variants
+  METHOD=quest BATCH=6 ROUNDS=2 VARIANTS="default;quest_scores_cuda.ENGINE=False;quest_scores_cuda.PDL=False;\
+quest_scores_cuda.CTAS_PER_SM=1" bash "$0" variants
   ;;
 variants)
   # BENCH (bench_gpu flags, optional) into $OUT/bench.jsonl, then one method's graph step with each of VARIANTS
