@@ -19,6 +19,8 @@ from sparseengine.kernels.testing import assert_close, random_paged_kv, randn
 from .test_quest import _decode_step, _read, _scored_cache, _with_padding_row
 from .test_quest_select import _poison_torch_empty  # noqa: F401 (a fixture the GPU tests use)
 
+_TORCH_EMPTY = torch.empty  # the real one, for the engine test (the fixture above replaces it)
+
 # (Hq, Hkv, d, page_size, kv_lens): every Hkv the kernel takes, groups 1 to 8, pages of 4 to 16,
 # a request of one token, tables whose width is no multiple of a tile
 GPU_CASES = [
@@ -239,6 +241,9 @@ def test_in_the_engine(tmp_path, monkeypatch):
     from sparseengine.kernels import quest_select_cuda
     from sparseengine.models.loader import SHAPES_DIR
 
+    # the engine allocates with the real torch.empty, not the module's poisoned one (before the fixture warmed
+    # torch's cache of device factories, the poisoned one built the model's linears on the CPU: s49-2)
+    monkeypatch.setattr(torch, "empty", _TORCH_EMPTY)
     cfg = json.loads((SHAPES_DIR / "tiny-llama.json").read_text())
     cfg.update(hidden_size=2048, intermediate_size=4096, num_hidden_layers=3, num_attention_heads=16,
                num_key_value_heads=8, head_dim=128)

@@ -4,6 +4,7 @@ full of ties; through the shortlist of candidates, its fallback and the full sea
 Scores past a request's pages are NaN: the contract says they are never read."""
 import pytest
 import torch
+import torch.utils._device
 
 from sparseengine.kernels import quest_select_pages_triton
 from sparseengine.methods.quest import select_pages_batched
@@ -26,6 +27,9 @@ def _poison_torch_empty(monkeypatch):
     """The wrapper allocates its integer outputs with torch.empty (the conftest's NaN poison
     of _common.empty has no integer form): they start as -12345, so unwritten entries show."""
     real = torch.empty
+    # `with torch.device(...)` finds its factories in a set it caches on first use: cached with the
+    # replacement in it, it would pass over the real torch.empty for the rest of the process
+    torch.utils._device._device_constructors()
 
     def poisoned(*args, **kwargs):
         t = real(*args, **kwargs)
