@@ -238,7 +238,7 @@ def test_in_the_engine(tmp_path, monkeypatch):
     checked against the reference on the bounds the update would make: the fold's), the
     records say so, and its tokens are the Triton scores', eager and in decode graphs alike.
     (Eager against graph tokens is no test in bf16: with the Triton scores as well, one of
-    the four requests' tokens differ between the two paths, H200 s49-3.)"""
+    the four requests' tokens differ between the two paths, H200 s49-4.)"""
     from sparseengine import LLM, SamplingParams
     from sparseengine.kernels import quest_select_cuda
     from sparseengine.models.loader import SHAPES_DIR
