@@ -245,13 +245,14 @@ quest_select)
   ;;
 quest_scores_cuda)
   # Quest's page scores in CUDA (on since session 49): its GPU tests (and the Triton scores' and the CUDA choice's),
-  # the per-launch bench beside the Triton scores, then Quest b=6 with it on, off, on without PDL, on at 1 CTA an SM.
+  # the per-launch bench beside the Triton scores, then Quest b=6 with it on, off, with the ring kernel at 3 and 2
+  # stages (written in session 49, not run yet).
   install_wheels .whl/hydra
   timeout 240 python -m pytest -q -m gpu tests/kernels/test_quest_scores_cuda.py tests/kernels/test_quest.py \
     tests/kernels/test_quest_select_cuda.py -p no:cacheprovider -rs 2>&1 | tail -8 | tee "$OUT/gpu_tests.log"
   timeout 150 python -m sparseengine.kernels.bench_gpu --quest-scores-cuda --out "$OUT/bench.jsonl" 2>&1 | tail -3
-  METHOD=quest BATCH=6 ROUNDS=2 VARIANTS="default;quest_scores_cuda.ENGINE=False;quest_scores_cuda.PDL=False;\
-quest_scores_cuda.CTAS_PER_SM=1" bash "$0" variants
+  METHOD=quest BATCH=6 ROUNDS=2 VARIANTS="default;quest_scores_cuda.ENGINE=False;quest_scores_cuda.STAGES=3;\
+quest_scores_cuda.STAGES=2" bash "$0" variants
   ;;
 variants)
   # BENCH (bench_gpu flags, optional) into $OUT/bench.jsonl, then one method's graph step with each of VARIANTS
