@@ -284,7 +284,10 @@ __global__ void __launch_bounds__(THREADS, 1) scores_ring_kernel(const Args a) {
   Tile tiles[S];  // stage j's tile (compile-time indexes only: the loop below is unrolled by S)
 #pragma unroll
   for (int j = 0; j < S - 1; ++j) {  // items first .. first + S - 2 in flight, one commit group each
-    if (first + j < last) tiles[j] = tile_of(a, first + j, warp, g), issue_bounds(a, tiles[j], h, lane4, ring, j, warp);
+    if (first + j < last) {
+      tiles[j] = tile_of(a, first + j, warp, g);
+      if (tiles[j].p0 < tiles[j].n_pages) issue_bounds(a, tiles[j], h, lane4, ring, j, warp);  // else never read
+    }
     cp_async_commit();
   }
   if (a.pdl) asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -298,7 +301,9 @@ __global__ void __launch_bounds__(THREADS, 1) scores_ring_kernel(const Args a) {
       const int next_stage = (j + S - 1) % S;
       if (ahead < last) {
         tiles[next_stage] = tile_of(a, ahead, warp, g);
-        issue_bounds(a, tiles[next_stage], h, lane4, ring, next_stage, warp);
+        __syncwarp();  // the lane's reads of this stage (the item before) ordered before the copies into it
+        if (tiles[next_stage].p0 < tiles[next_stage].n_pages)
+          issue_bounds(a, tiles[next_stage], h, lane4, ring, next_stage, warp);
       }
       cp_async_commit();          // (empty past the run: the count of groups stays one an item)
       cp_async_wait<S - 1>();     // this item's group has landed (the lane's own slots: no barrier)
