@@ -18,9 +18,10 @@ kernel. Without a GPU it cannot run: its tests are marked `gpu`, with the torch 
 
 On since session 49: in alternating Quest b=6 graph-step profiles (s49-1) the step took
 7.992 / 7.990 ms with it against 8.011 / 8.004 with the Triton kernel, and 7.932 / 7.937
-against 7.953 / 7.943 with the choice's float4 reads on in both (`scripts/gpu_session.sh
-quest_ab`). Its launches take longer than the Triton kernel's (1708 us a step against 1539),
-since they start before the qkv linear ends and wait on it; the step is shorter.
+against 7.953 / 7.943 with the choice's float4 reads on in both (`gpu_session.sh quest_ab`
+as at c9728b1; rows in results/quest_cuda_s49_h200.jsonl). Its launches take longer than
+the Triton kernel's (1708 us a step against 1539; 59.3 us against 51.9 alone, s49-2): it
+wins only by starting before the qkv linear ends.
 """
 from __future__ import annotations
 
