@@ -179,37 +179,23 @@ __global__ void __launch_bounds__(THREADS, 1)
   }
 }
 
-using Kernel = void (*)(const __nv_bfloat16*, const __nv_bfloat16*, __nv_bfloat16*, int, int, int);
-
-// One CTA a SM on `stream`, as a programmatic dependent launch with `pdl`. `allowed`: the
-// dynamic shared memory `kernel` was last allowed (raised here when `smem` needs more).
-int launch(Kernel kernel, size_t smem, size_t& allowed, const void* x, const void* w, void* y, int N, int K,
-           int pdl, void* stream) {
-  static int sms = 0;
-  if (sms == 0) {
-    int dev = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  }
-  if (smem > allowed) {
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    if (e != cudaSuccess) return (int)e;
-    allowed = smem;
-  }
-  return launch_maybe_pdl(kernel, dim3(sms), dim3(THREADS), smem, stream, pdl, (const __nv_bfloat16*)x,
+// One CTA a SM on `stream`, as a programmatic dependent launch with `pdl`, `smem` bytes of dynamic shared memory.
+template <auto Kernel>
+int launch(size_t smem, const void* x, const void* w, void* y, int N, int K, int pdl, void* stream) {
+  const int dev = current_device();
+  if (const int e = allow_dynamic_smem<Kernel>(smem, dev)) return e;
+  return launch_maybe_pdl(Kernel, dim3(sm_count(dev)), dim3(THREADS), smem, stream, pdl, (const __nv_bfloat16*)x,
                           (const __nv_bfloat16*)w, (__nv_bfloat16*)y, N, K, pdl);
 }
 
 template <int M>
 int launch_cores(const void* x, const void* w, void* y, int N, int K, int pdl, void* stream) {
-  static size_t allowed = 0;  // x sits whole in shared memory
-  return launch(gemv_kernel<M>, (size_t)M * K * 2, allowed, x, w, y, N, K, pdl, stream);
+  return launch<gemv_kernel<M>>((size_t)M * K * 2, x, w, y, N, K, pdl, stream);  // x sits whole in shared memory
 }
 
 template <int M>
 int launch_mma(const void* x, const void* w, void* y, int N, int K, int pdl, void* stream) {
-  static size_t allowed = 0;  // the warps' partial sums
-  return launch(gemv_mma_kernel<M>, WARPS * 32 * 4 * sizeof(float), allowed, x, w, y, N, K, pdl, stream);
+  return launch<gemv_mma_kernel<M>>(WARPS * 32 * 4 * sizeof(float), x, w, y, N, K, pdl, stream);  // partial sums
 }
 
 }  // namespace

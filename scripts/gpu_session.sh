@@ -8,7 +8,7 @@
 #   bash scripts/gpu_session.sh flush        # DeltaKV's history flushes at b=6, timed and one profiled
 #   bash scripts/gpu_session.sh cuda_linear  # the CUDA linears: build, GPU tests, bench_gpu --cuda-linear
 #   bash scripts/gpu_session.sh ab           # GPU tests, then each decode-step switch (AB_CONSTS) on/off in alternating profiles
-#   VARIANTS='default;M.NAME=V ...' [BENCH='--flag'] bash scripts/gpu_session.sh variants  # kernel-const A/B profiles
+#   VARIANTS='default;M.NAME=V ...;overlay=DIR' [BENCH='--flag'] bash scripts/gpu_session.sh variants  # A/B profiles
 #   COMMIT=<sha> DIRTY=0 bash scripts/gpu_session.sh quest_select  # Quest's CUDA page choice: tests, bench, A/B, lanes
 #   COMMIT=<sha> DIRTY=0 bash scripts/gpu_session.sh quest_scores_cuda  # Quest's CUDA page scores: tests, bench, A/Bs
 #   bash scripts/gpu_session.sh quest_scores # Quest's score tests, its scoring launches swept, the fastest A/B in b6 profiles
@@ -256,7 +256,8 @@ quest_scores_cuda.STAGES=2" bash "$0" variants
   ;;
 variants)
   # BENCH (bench_gpu flags, optional) into $OUT/bench.jsonl, then one method's graph step with each of VARIANTS
-  # (';'-separated, each 'default' or space-separated MODULE.NAME=VALUE kernel consts) in alternating profiles,
+  # (';'-separated, each 'default' or space-separated MODULE.NAME=VALUE kernel consts and overlay=DIR, code carried in
+  # DIR that is not on this commit, as a tag's files: s49-1 profiled one so) in alternating profiles,
   # ROUNDS times (METHOD, BATCH: default quest 6; LAUNCH_SEQ: a kernel-name regex whose launches each profile
   # also lists one by one); the profiles in one archive.
   install_wheels .whl/hydra

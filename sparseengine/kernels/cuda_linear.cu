@@ -346,23 +346,13 @@ __global__ void __launch_bounds__(THREADS, SE_MIN_CTAS) linear_kernel(const Para
   }
 }
 
-constexpr int MAX_DEVICES = 64;  // the per-device cache below; a device past it is asked at every launch
 
 template <bool STAGED, bool ROPE>
 int launch(const Params& p, const Rope& r, void* stream) {
-  // The dynamic shared memory the kernel was last allowed, a device each: the attribute
-  // belongs to the device current at the call.
-  static size_t allowed[MAX_DEVICES] = {};
-  const int dev = current_device();
-  const bool cached = dev >= 0 && dev < MAX_DEVICES;
+  const int dev = current_device();  // the attribute belongs to the device current at the call
   const size_t smem = (RED_FLOATS + NORM_FLOATS) * sizeof(float) + (STAGED ? (size_t)p.M * (p.K / 8 + 1) * 16 : 0)
                       + (ROPE ? ROPE_BYTES : 0);
-  if (!cached || smem > allowed[dev]) {
-    const cudaError_t e = cudaFuncSetAttribute(linear_kernel<STAGED, ROPE>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               (int)smem);
-    if (e != cudaSuccess) return (int)e;
-    if (cached) allowed[dev] = smem;
-  }
+  if (const int e = allow_dynamic_smem<linear_kernel<STAGED, ROPE>>(smem, dev)) return e;
   const int blocks = p.N / 16, sms = sm_count(dev);
   return launch_maybe_pdl(linear_kernel<STAGED, ROPE>, dim3(blocks < sms ? blocks : sms), dim3(THREADS), smem, stream,
                           p.pdl, p, r);

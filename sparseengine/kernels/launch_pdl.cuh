@@ -1,7 +1,8 @@
 // Launching a kernel, as a programmatic dependent launch (PDL) when `pdl` is set: the kernel
 // may then start while the one before it on the stream is still running, so it must execute
-// griddepcontrol.wait before it reads anything that kernel writes; and the current device's
-// SM count, asked once a device (persistent grids size by it). Shared by cuda_linear.cu,
+// griddepcontrol.wait before it reads anything that kernel writes; the current device's
+// SM count, asked once a device (persistent grids size by it); and a kernel's dynamic shared
+// memory allowed, asked once a device and size. Shared by cuda_linear.cu,
 // quest_select.cu, quest_scores.cu and the probe scripts/cuda_gemv.cu (nvcc_build.py hashes
 // every header here with each source).
 #pragma once
@@ -23,7 +24,7 @@ inline int launch_maybe_pdl(void (*kernel)(Params...), dim3 grid, dim3 block, si
   return (int)cudaLaunchKernelEx(&cfg, kernel, args...);
 }
 
-constexpr int SM_COUNT_DEVICES = 64;  // devices whose SM count is kept; one past them is asked at every call
+constexpr int MAX_DEVICES = 64;  // devices whose values below are kept; one past them is asked at every call
 
 inline int current_device() {
   int dev = 0;
@@ -32,10 +33,23 @@ inline int current_device() {
 }
 
 inline int sm_count(int dev) {
-  static int sms[SM_COUNT_DEVICES] = {};
-  if (dev >= 0 && dev < SM_COUNT_DEVICES && sms[dev]) return sms[dev];
+  static int sms[MAX_DEVICES] = {};
+  if (dev >= 0 && dev < MAX_DEVICES && sms[dev]) return sms[dev];
   int n = 0;
   cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-  if (dev >= 0 && dev < SM_COUNT_DEVICES) sms[dev] = n;
+  if (dev >= 0 && dev < MAX_DEVICES) sms[dev] = n;
   return n;
+}
+
+// Allows `Kernel` `smem` bytes of dynamic shared memory on device `dev` (the attribute a launch
+// needs once its static and dynamic shared memory pass 48 KB; harmless below), asked only when
+// `smem` passes what was allowed there before. -> 0 or a cudaError_t.
+template <auto Kernel>
+int allow_dynamic_smem(size_t smem, int dev) {
+  static size_t allowed[MAX_DEVICES] = {};
+  const bool cached = dev >= 0 && dev < MAX_DEVICES;
+  if (cached && smem <= allowed[dev]) return 0;
+  const cudaError_t e = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  if (e == cudaSuccess && cached) allowed[dev] = smem;
+  return (int)e;
 }

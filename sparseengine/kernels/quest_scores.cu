@@ -250,7 +250,7 @@ __device__ __forceinline__ void issue_bounds(const Args& a, const Tile& t, int h
                                              int warp) {
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const bool ok = t.id[i] >= 0 && t.p0 < t.n_pages;
+    const bool ok = t.id[i] >= 0;  // (tile_of: -1 past the request's pages)
     const size_t row = ((size_t)(ok ? t.id[i] : 0) * a.hkv + h) * (D / 8) + lane4;
 #pragma unroll
     for (int s = 0; s < STEPS; ++s) {
@@ -323,14 +323,7 @@ __global__ void __launch_bounds__(THREADS, 1) scores_ring_kernel(const Args a) {
 template <int S>
 int launch_ring(const Args& a, int grid, void* stream) {
   const size_t smem = (size_t)S * WARPS * SLOTS * 32 * sizeof(uint4);
-  static bool allowed[SM_COUNT_DEVICES] = {};  // the shared memory attribute, set once a device (not in a capture)
-  const int dev = current_device();
-  if (dev < 0 || dev >= SM_COUNT_DEVICES || !allowed[dev]) {
-    const cudaError_t e = cudaFuncSetAttribute(scores_ring_kernel<S>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               (int)smem);
-    if (e != cudaSuccess) return (int)e;
-    if (dev >= 0 && dev < SM_COUNT_DEVICES) allowed[dev] = true;
-  }
+  if (const int e = allow_dynamic_smem<scores_ring_kernel<S>>(smem, current_device())) return e;
   return launch_maybe_pdl(scores_ring_kernel<S>, dim3(grid), dim3(THREADS), smem, stream, a.pdl, a);
 }
 

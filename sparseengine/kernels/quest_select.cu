@@ -195,7 +195,8 @@ __device__ __forceinline__ void warp_choose(const Shared& s, int n_cand, int m, 
 }
 
 // VEC: the row (P a multiple of 4) is read as float4 into shared memory at once and
-// each thread takes its KPT keys from there (16-byte reads, no bank conflict for KPT % 4 == 0);
+// each thread takes its KPT keys from there (16-byte reads, threads KPT * 4 bytes apart: conflict-free
+// where KPT / 4 is odd, as at the 128K table's KPT 36; 2-way at KPT 8 and 24, 4-way at 16 and 48, 8-way at 64);
 // otherwise each thread loads its KPT scores itself.
 template <int KPT, bool VEC>
 __global__ void __launch_bounds__(THREADS) select_kernel(const Args a) {
@@ -290,13 +291,8 @@ __global__ void __launch_bounds__(THREADS) select_kernel(const Args a) {
 template <int KPT, bool VEC>
 int launch(const Args& a, int rows, void* stream) {
   // VEC stages the row (P rounded up to 4 floats, KPT * THREADS covers it) in dynamic shared memory
-  // (the static Shared counts against the 48 KB a launch gets without the attribute)
   const size_t smem = VEC ? (size_t)KPT * THREADS * sizeof(float) : 0;
-  if (smem + sizeof(Shared) > 48 * 1024) {
-    const cudaError_t e = cudaFuncSetAttribute(select_kernel<KPT, VEC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               (int)smem);
-    if (e != cudaSuccess) return (int)e;
-  }
+  if (const int e = allow_dynamic_smem<select_kernel<KPT, VEC>>(smem, current_device())) return e;
   return launch_maybe_pdl(select_kernel<KPT, VEC>, dim3(rows), dim3(THREADS), smem, stream, a.pdl, a);
 }
 
