@@ -333,11 +333,10 @@ def bench_quest_select_cuda(out_path, B=6, P=8320, n=131072):
 def bench_quest_scores_cuda(out_path, B=6, P=8320, n=131072):
     """Quest's page scores in CUDA (`quest_scores_cuda`) beside the Triton launch the engine
     makes, both folding a decode step's keys in (the engine's path), per launch in a CUDA
-    graph of 30 on random bounds at the 128K shape: one or two CTAs an SM, and the ring kernel
-    at 2 and 3 stages, with and without PDL (30 PDL launches in a row let each prefetch its
-    first bounds under the one before: the engine's PDL launch follows the qkv linear
-    instead), each checked against the Triton kernel's scores (within rounding: the sums run
-    in another order)."""
+    graph of 30 on random bounds at the 128K shape: one or two CTAs an SM, with and without
+    PDL (30 PDL launches in a row let each prefetch its first bounds under the one before:
+    the engine's PDL launch follows the qkv linear instead), each checked against the Triton
+    kernel's scores (within rounding: the sums run in another order)."""
     from sparseengine.kernels import quest_page_scores_triton, quest_scores_cuda
     from sparseengine.kernels.testing import rel_err
 
@@ -351,12 +350,11 @@ def bench_quest_scores_cuda(out_path, B=6, P=8320, n=131072):
     want = quest_page_scores_triton(*args, **fold)[..., : n // PS]
     nbytes = 2 * B * (n // PS) * HKV * D * 2
     launches = {"triton": lambda: quest_page_scores_triton(*args, **fold)}  # noqa: E731
-    for ctas, stages in ((1, 0), (2, 0), (1, 2), (1, 3)):
+    for ctas in (1, 2):
         for pdl in (False, True):
-            name = f"cuda_{ctas}cta" if not stages else f"cuda_ring{stages}"
-            launches[name + ("_pdl" if pdl else "")] = (
-                lambda ctas=ctas, pdl=pdl, stages=stages: quest_scores_cuda.quest_page_scores_cuda(
-                    *args, **fold, pdl=pdl, ctas_per_sm=ctas, stages=stages))
+            launches[f"cuda_{ctas}cta{'_pdl' if pdl else ''}"] = (
+                lambda ctas=ctas, pdl=pdl: quest_scores_cuda.quest_page_scores_cuda(*args, **fold, pdl=pdl,
+                                                                                    ctas_per_sm=ctas))
     for impl, fn in launches.items():
         err = rel_err(fn()[..., : n // PS].float().cpu(), want.float().cpu())
         us = per_launch_us(fn)

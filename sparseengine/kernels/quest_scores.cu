@@ -223,127 +223,19 @@ __global__ void __launch_bounds__(THREADS, 2) scores_kernel(const Args a) {
   }
 }
 
-// The ring variant (`stages` S = 2 or 3): the bounds travel by cp.async into a ring of S
-// stages in shared memory, S - 1 items ahead of the one scored (each lane's 256 B a tile in
-// its own slots: a warp-wide 16-byte read of a slot is 512 contiguous bytes), where the
-// kernel above has one item's loads in flight a warp and issues the next only after scoring.
-// One CTA an SM (S x 64 KB of ring). The page ids of the item issued are read as it is
-// issued. As above, the first S - 1 items' loads go out before the PDL wait.
-__device__ __forceinline__ void cp_async16(uint4* smem, const uint4* gmem, bool ok) {
-  const unsigned dst = (unsigned)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(ok ? 16 : 0) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
-
-constexpr int SLOTS = 2 * STEPS * 2;  // a lane's uint4 a tile: 2 pages x STEPS x (max, min)
-
-// The lane's slot k (page i, step s, max/min) of stage `stage`: ((stage * WARPS + warp) * SLOTS + k) * 32 + lane.
-__device__ __forceinline__ uint4* slot(uint4* ring, int stage, int warp, int k) {
-  return ring + ((stage * WARPS + warp) * SLOTS + k) * 32 + (threadIdx.x & 31);
-}
-
-__device__ __forceinline__ void issue_bounds(const Args& a, const Tile& t, int h, int lane4, uint4* ring, int stage,
-                                             int warp) {
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const bool ok = t.id[i] >= 0;  // (tile_of: -1 past the request's pages)
-    const size_t row = ((size_t)(ok ? t.id[i] : 0) * a.hkv + h) * (D / 8) + lane4;
-#pragma unroll
-    for (int s = 0; s < STEPS; ++s) {
-      cp_async16(slot(ring, stage, warp, (i * STEPS + s) * 2), reinterpret_cast<const uint4*>(a.kmax) + row + s * 4,
-                 ok);
-      cp_async16(slot(ring, stage, warp, (i * STEPS + s) * 2 + 1),
-                 reinterpret_cast<const uint4*>(a.kmin) + row + s * 4, ok);
-    }
-  }
-}
-
-__device__ __forceinline__ void read_bounds(uint4* ring, int stage, int warp, Bounds& m) {
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-#pragma unroll
-    for (int s = 0; s < STEPS; ++s) {
-      m.hi[i][s] = *slot(ring, stage, warp, (i * STEPS + s) * 2);
-      m.lo[i][s] = *slot(ring, stage, warp, (i * STEPS + s) * 2 + 1);
-    }
-  }
-}
-
-template <int S>
-__global__ void __launch_bounds__(THREADS, 1) scores_ring_kernel(const Args a) {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  extern __shared__ uint4 ring[];  // [S][WARPS][SLOTS][32]
-  __shared__ uint4 q_smem[WARPS][STEPS][32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, lane4 = lane & 3;
-  const int h = warp % a.hkv;
-  const int first = blockIdx.x * a.per_cta, last = min(first + a.per_cta, a.items);
-  Tile tiles[S];  // stage j's tile (compile-time indexes only: the loop below is unrolled by S)
-#pragma unroll
-  for (int j = 0; j < S - 1; ++j) {  // items first .. first + S - 2 in flight, one commit group each
-    if (first + j < last) {
-      tiles[j] = tile_of(a, first + j, warp, g);
-      if (tiles[j].p0 < tiles[j].n_pages) issue_bounds(a, tiles[j], h, lane4, ring, j, warp);  // else never read
-    }
-    cp_async_commit();
-  }
-  if (a.pdl) asm volatile("griddepcontrol.wait;" ::: "memory");
-  uint4 (*q)[32] = q_smem[warp];
-  int q_of = -1;
-  for (int base = first; base < last; base += S) {
-#pragma unroll
-    for (int j = 0; j < S; ++j) {
-      const int item = base + j, ahead = item + S - 1;
-      if (item >= last) break;
-      const int next_stage = (j + S - 1) % S;
-      if (ahead < last) {
-        tiles[next_stage] = tile_of(a, ahead, warp, g);
-        __syncwarp();  // the lane's reads of this stage (the item before) ordered before the copies into it
-        if (tiles[next_stage].p0 < tiles[next_stage].n_pages)
-          issue_bounds(a, tiles[next_stage], h, lane4, ring, next_stage, warp);
-      }
-      cp_async_commit();          // (empty past the run: the count of groups stays one an item)
-      cp_async_wait<S - 1>();     // this item's group has landed (the lane's own slots: no barrier)
-      const Tile t = tiles[j];
-      if (t.p0 < t.n_pages) {
-        Bounds m;
-        read_bounds(ring, j, warp, m);
-        if (t.b != q_of) load_query(a, t.b, h, g, lane4, q), q_of = t.b;
-        fold(a, t, h, lane4, m);
-        score(a, t, h, m, q);
-      }
-    }
-  }
-  cp_async_wait<0>();
-}
-
-template <int S>
-int launch_ring(const Args& a, int grid, void* stream) {
-  const size_t smem = (size_t)S * WARPS * SLOTS * 32 * sizeof(uint4);
-  if (const int e = allow_dynamic_smem<scores_ring_kernel<S>>(smem, current_device())) return e;
-  return launch_maybe_pdl(scores_ring_kernel<S>, dim3(grid), dim3(THREADS), smem, stream, a.pdl, a);
-}
-
 }  // namespace
 
 // -> 0 when launched, a cudaError_t, or -1 (an argument out of range: hkv must divide 8,
 // group 1..8, D 128). q bf16 rows of D at b * qb + head * qh (16-byte aligned); kmax, kmin
 // [num_pages, hkv, D] bf16 contiguous; table int32 rows at b * tb; scores [B, hkv, P] fp32;
 // k_cache and slots null for no fold (else k_cache's (page, off, head) row at page * kp +
-// off * ko + head * kh, 16-byte aligned). `ctas_per_sm`: the grid (at most 2 fit an SM); `stages`:
-// 0 the register kernel, 2 or 3 the ring kernel (one CTA an SM whatever `ctas_per_sm` says).
+// off * ko + head * kh, 16-byte aligned). `ctas_per_sm`: the grid (at most 2 fit an SM).
 extern "C" int se_quest_scores(const void* q, long long qb, long long qh, void* kmax, void* kmin, const void* table,
                                long long tb, const void* kv_lens, int lens64, void* scores, const void* k_cache,
                                long long kp, long long ko, long long kh, const void* slots, int slots64, int B,
-                               int hkv, int group, int P, int page_size, int ctas_per_sm, int pdl, int stages,
-                               void* stream) {
-  if (B < 0 || hkv < 1 || WARPS % hkv || group < 1 || group > MAX_GROUP || P < 1 || page_size < 1 || ctas_per_sm < 1
-      || !(stages == 0 || stages == 2 || stages == 3))
+                               int hkv, int group, int P, int page_size, int ctas_per_sm, int pdl, void* stream) {
+  if (B < 0 || hkv < 1 || WARPS % hkv || group < 1 || group > MAX_GROUP || P < 1 || page_size < 1 || ctas_per_sm < 1)
     return -1;
-  if (stages) ctas_per_sm = 1;
   if (B == 0) return 0;
   const int pages_per_item = TILE * (WARPS / hkv);
   const int items_per_b = (P + pages_per_item - 1) / pages_per_item, items = B * items_per_b;
@@ -352,8 +244,6 @@ extern "C" int se_quest_scores(const void* q, long long qb, long long qh, void* 
   const Args a = {(const __nv_bfloat16*)q, (__nv_bfloat16*)kmax, (__nv_bfloat16*)kmin, (const int*)table, kv_lens,
                   (float*)scores, (const __nv_bfloat16*)k_cache, slots, qb, qh, tb, kp, ko, kh, lens64, slots64, hkv,
                   group, P, page_size, items_per_b, items, per_cta, pdl};
-  if (stages == 2) return launch_ring<2>(a, grid, stream);
-  if (stages == 3) return launch_ring<3>(a, grid, stream);
   return launch_maybe_pdl(scores_kernel, dim3(grid), dim3(THREADS), 0, stream, pdl, a);
 }
 

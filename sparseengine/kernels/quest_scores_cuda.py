@@ -21,7 +21,10 @@ On since session 49: in alternating Quest b=6 graph-step profiles (s49-1) the st
 against 7.953 / 7.943 with the choice's float4 reads on in both (`gpu_session.sh quest_ab`
 as at c9728b1; rows in results/quest_cuda_s49_h200.jsonl). Its launches take longer than
 the Triton kernel's (1708 us a step against 1539; 59.3 us against 51.9 alone, s49-2): it
-wins only by starting before the qkv linear ends.
+wins only by starting before the qkv linear ends. A ring kernel that sent the bounds by
+cp.async through 2 or 3 stages of shared memory, one CTA an SM, was slower (s50-1: 60.4-64.1
+us a launch; Quest b=6 graph step 8.189-8.218 ms against 7.912-7.915) and was removed (tag
+`quest-scores-ring-lost`).
 """
 from __future__ import annotations
 
@@ -38,15 +41,12 @@ SOURCE = Path(__file__).with_name("quest_scores.cu")
 ENGINE = True  # Quest's decode step scores with this kernel where `takes` says it can (read at each call)
 PDL = True  # with the fold: launched with PDL, its first bounds loaded before the wait (read at each call)
 CTAS_PER_SM = 2  # the grid: CTAs an SM (at most 2 fit; read at each call)
-# 0: the register kernel; 2 or 3: the ring kernel, the bounds by cp.async through S stages of shared memory, one CTA
-# an SM (written in session 49 against the register kernel's 3.4 TB/s; not run on a GPU yet; read at each call)
-STAGES = 0
 HEAD_DIM = 128
 MAX_GROUP = 8
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
 SIGNATURES = {  # in the order of the source's `extern "C"` declarations (a CPU test holds them together)
-    "se_quest_scores": (_I, [_P, _L, _L, _P, _P, _P, _L, _P, _I, _P, _P, _L, _L, _L, _P, _I] + [_I] * 8 + [_P]),
+    "se_quest_scores": (_I, [_P, _L, _L, _P, _P, _P, _L, _P, _I, _P, _P, _L, _L, _L, _P, _I] + [_I] * 7 + [_P]),
     "se_quest_scores_head_dim": (_I, []),
 }
 
@@ -76,13 +76,12 @@ def takes(q: torch.Tensor, kmax: torch.Tensor) -> bool:
 
 
 def quest_page_scores_cuda(q, kmax, kmin, page_table, kv_lens, page_size, *, k_cache=None, new_slots=None, pdl=None,
-                           ctas_per_sm=None, stages=None):
+                           ctas_per_sm=None):
     """Quest's page scores (the module's docstring). `pdl` (default `PDL`) applies with the
     fold only: the kernel then loads bounds, page table and lengths before it waits for the
     kernel just before it on the stream, which must not write them (in a decode step that is
     the qkv linear; without the fold the minmax update runs just before and writes the
-    bounds). `ctas_per_sm` (default `CTAS_PER_SM`): the grid; `stages` (default `STAGES`): the
-    kernel (0 the register kernel, 2 or 3 the ring kernel, which runs one CTA an SM)."""
+    bounds). `ctas_per_sm` (default `CTAS_PER_SM`): the grid."""
     if q.dim() != 3 or kmax.dim() != 3:
         raise ValueError(f"q must be [B, Hq, d] and kmax [num_pages, Hkv, d], got {tuple(q.shape)} and "
                          f"{tuple(kmax.shape)}")
@@ -114,9 +113,6 @@ def quest_page_scores_cuda(q, kmax, kmin, page_table, kv_lens, page_size, *, k_c
     ctas = CTAS_PER_SM if ctas_per_sm is None else ctas_per_sm
     if not isinstance(ctas, int) or not 1 <= ctas <= 2:
         raise ValueError(f"ctas_per_sm must be 1 or 2, got {ctas!r}")
-    stages = STAGES if stages is None else stages
-    if stages not in (0, 2, 3) or isinstance(stages, bool):
-        raise ValueError(f"stages must be 0, 2 or 3, got {stages!r}")
     for t in (kmax, kmin, page_table, kv_lens):
         if t.device != q.device:
             raise ValueError(f"every tensor must be on q's device {q.device}, got {t.device}")
@@ -143,7 +139,7 @@ def quest_page_scores_cuda(q, kmax, kmin, page_table, kv_lens, page_size, *, k_c
                     kmin.data_ptr(), page_table.data_ptr(), page_table.stride(0), kv_lens.data_ptr(),
                     int(kv_lens.dtype == torch.int64), scores.data_ptr(), k_cache.data_ptr() if fold else None, kp,
                     ko, kh, new_slots.data_ptr() if fold else None, int(fold and new_slots.dtype == torch.int64), B,
-                    hkv, hq // hkv, P, page_size, ctas, int(bool(launch_pdl)), stages,
+                    hkv, hq // hkv, P, page_size, ctas, int(bool(launch_pdl)),
                     torch.cuda.current_stream(q.device).cuda_stream)
     if err:
         raise RuntimeError(f"quest_page_scores_cuda's launch failed: error {err} (B={B}, Hq={hq}, Hkv={hkv}, P={P})")

@@ -96,8 +96,6 @@ def test_bad_input():
         call(*args, pdl=True)
     with pytest.raises(ValueError, match="ctas_per_sm must be 1 or 2, got 3"):
         call(*args, ctas_per_sm=3)
-    with pytest.raises(ValueError, match="stages must be 0, 2 or 3, got 1"):
-        call(*args, stages=1)
     with pytest.raises(RuntimeError, match="cannot run: needs a CUDA device, got cpu"):
         call(*args)
     assert not QS.takes(q, hi)
@@ -114,33 +112,30 @@ def _cuda_cache(case, gen):
 
 @pytest.mark.gpu
 @pytest.mark.usefixtures("_poison_torch_empty")
-@pytest.mark.parametrize("stages", [0, 3])  # the register kernel, the ring kernel
 @pytest.mark.parametrize("case", REFERENCE_CASES, ids=_id)
-def test_equals_the_reference(case, stages, gen):
+def test_equals_the_reference(case, gen):
     _, args = _cuda_cache(case, gen)
     ref = quest_page_scores_ref(*args)
     for lens_dtype in (torch.int32, torch.int64):
-        got = QS.quest_page_scores_cuda(*args[:4], args[4].to(lens_dtype), args[5], stages=stages)
+        got = QS.quest_page_scores_cuda(*args[:4], args[4].to(lens_dtype), args[5])
         assert_close(_read(got, args[4], args[5]), ref, 1e-3, str(lens_dtype))
 
 
 @pytest.mark.gpu
 @pytest.mark.usefixtures("_poison_torch_empty")
-@pytest.mark.parametrize("stages", [0, 2, 3])
-def test_tiles_past_a_short_request_stay_unwritten(stages, gen):
+def test_tiles_past_a_short_request_stay_unwritten(gen):
     """A 5-page request in a 125-page table: its 16-page tiles past the first are not
     written (the NaN poison stays); in the first, its pages past the fifth read -inf."""
     _, args = _cuda_cache((32, 8, 128, 4, [500, 20]), gen)
-    got = QS.quest_page_scores_cuda(*args, stages=stages)
+    got = QS.quest_page_scores_cuda(*args)
     assert torch.isnan(got[1, :, 16:]).all() and not torch.isnan(got[1, :, :16]).any()
     assert torch.isneginf(got[1, :, 5:16]).all() and not torch.isnan(got[0]).any()
     assert_close(_read(got, args[4], 4), quest_page_scores_ref(*args), 1e-3)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stages", [0, 3])
 @pytest.mark.parametrize("case", GPU_CASES, ids=_id)
-def test_fold_the_step_keys(case, stages, gen):
+def test_fold_the_step_keys(case, gen):
     """The step's keys folded into their pages' bounds (offset 0 starts a page afresh), bit
     for bit as the minmax update makes them, then scored; a padding row (slot -1) folds
     nothing; slots as int64 (the engine's) and int32."""
@@ -152,7 +147,7 @@ def test_fold_the_step_keys(case, stages, gen):
         q = randn(len(lens) + 1, hq, d, generator=gen, dtype=torch.bfloat16, device="cuda")
         want = quest_page_scores_ref(q, want_hi, want_lo, table, kv_lens, ps)
         got = QS.quest_page_scores_cuda(q, hi, lo, table, kv_lens, ps, k_cache=kv.k_cache,
-                                        new_slots=slots.to(slot_dtype), stages=stages)
+                                        new_slots=slots.to(slot_dtype))
         torch.testing.assert_close(hi, want_hi, rtol=0, atol=0, equal_nan=True)
         torch.testing.assert_close(lo, want_lo, rtol=0, atol=0, equal_nan=True)
         assert_close(_read(got, kv_lens, ps)[:-1], want[:-1], 1e-3, str(slot_dtype))
@@ -161,10 +156,9 @@ def test_fold_the_step_keys(case, stages, gen):
 @pytest.mark.gpu
 def test_launches_agree_bit_for_bit_and_replay_in_a_graph(gen):
     """At the 128K benchmark's shape (6 requests, 8320-page tables, 8 KV heads of 32 query
-    heads), a decode step's fold and scores: the same bits with and without PDL, with
-    one or two CTAs an SM and from the ring kernel at 2 and 3 stages, in a CUDA graph too
-    (both kernels), and the Triton kernel's within rounding (the sums run in another order)
-    with the same folded bounds."""
+    heads), a decode step's fold and scores: the same bits with and without PDL and with
+    one or two CTAs an SM, in a CUDA graph too, and the Triton kernel's within rounding
+    (the sums run in another order) with the same folded bounds."""
     B, P, hq, hkv, d, ps, n = 6, 8320, 32, 8, 128, 16, 131072
     pool = B * P + 8
     cuda_gen = torch.Generator("cuda").manual_seed(int(torch.randint(2 ** 31, (1,), generator=gen)))
@@ -181,41 +175,36 @@ def test_launches_agree_bit_for_bit_and_replay_in_a_graph(gen):
     update_page_minmax_ref(k_cache, slots, want_hi, want_lo)  # the fold, as the update makes it
     runs = {}
     for pdl in (True, False):
-        for ctas, stages in ((1, 0), (2, 0), (1, 2), (1, 3)):
+        for ctas in (1, 2):
             bounds = (hi.clone(), lo.clone())
             # the clones finished first: a PDL launch may load the bounds before the kernel just before it (here the
             # clone that writes them; in the engine the qkv linear, which does not) has finished
             torch.cuda.synchronize()
-            runs[pdl, ctas, stages] = QS.quest_page_scores_cuda(q, *bounds, table, lens, ps, k_cache=k_cache,
-                                                                new_slots=slots, pdl=pdl, ctas_per_sm=ctas,
-                                                                stages=stages)
-            assert torch.equal(bounds[0], want_hi) and torch.equal(bounds[1], want_lo), (pdl, ctas, stages)
-    first = runs[True, 2, 0]
+            runs[pdl, ctas] = QS.quest_page_scores_cuda(q, *bounds, table, lens, ps, k_cache=k_cache, new_slots=slots,
+                                                        pdl=pdl, ctas_per_sm=ctas)
+            assert torch.equal(bounds[0], want_hi) and torch.equal(bounds[1], want_lo), (pdl, ctas)
+    first = runs[True, 2]
     for key, got in runs.items():
         assert torch.equal(_read(got, lens, ps), _read(first, lens, ps)), key
     triton = quest_page_scores_triton(q, want_hi.clone(), want_lo.clone(), table, lens, ps)
     assert_close(_read(first, lens, ps), _read(triton, lens, ps), 1e-3)
-    for stages in (0, 3):
-        bounds = (hi.clone(), lo.clone())
-        stream = torch.cuda.Stream()
-        torch.cuda.synchronize()  # the clones above done (made on the default stream) before the PDL launches below
-        with torch.cuda.stream(stream):
-            QS.quest_page_scores_cuda(q, *bounds, table, lens, ps, k_cache=k_cache, new_slots=slots,
-                                      stages=stages)  # warm-up
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                out = QS.quest_page_scores_cuda(q, *bounds, table, lens, ps, k_cache=k_cache, new_slots=slots,
-                                                stages=stages)
-        bounds[0].copy_(hi), bounds[1].copy_(lo)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(_read(out, lens, ps), _read(first, lens, ps)), stages
-        assert torch.equal(bounds[0], want_hi) and torch.equal(bounds[1], want_lo), stages
+    bounds = (hi.clone(), lo.clone())
+    stream = torch.cuda.Stream()
+    torch.cuda.synchronize()  # the clones above done (made on the default stream) before the PDL launches below
+    with torch.cuda.stream(stream):
+        QS.quest_page_scores_cuda(q, *bounds, table, lens, ps, k_cache=k_cache, new_slots=slots)  # warm-up
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = QS.quest_page_scores_cuda(q, *bounds, table, lens, ps, k_cache=k_cache, new_slots=slots)
+    bounds[0].copy_(hi), bounds[1].copy_(lo)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(_read(out, lens, ps), _read(first, lens, ps))
+    assert torch.equal(bounds[0], want_hi) and torch.equal(bounds[1], want_lo)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stages", [0, 2, 3])
-def test_many_ragged_requests(stages, gen):
+def test_many_ragged_requests(gen):
     """40 requests of 1 to 32000 tokens in a 2000-page table (5000 work items, ~19 a CTA):
     each CTA's loop over items, its query reused across items of one request and reloaded
     at the next, the tiles past a short request skipped; the step's keys folded at every
@@ -236,7 +225,7 @@ def test_many_ragged_requests(stages, gen):
     q = torch.randn(B, hq, d, generator=cuda_gen, device="cuda").bfloat16()
     want_hi, want_lo = hi.clone(), lo.clone()
     update_page_minmax_ref(k_cache, slots, want_hi, want_lo)
-    got = QS.quest_page_scores_cuda(q, hi, lo, table, lens, ps, k_cache=k_cache, new_slots=slots, stages=stages)
+    got = QS.quest_page_scores_cuda(q, hi, lo, table, lens, ps, k_cache=k_cache, new_slots=slots)
     assert torch.equal(hi, want_hi) and torch.equal(lo, want_lo)
     want = quest_page_scores_torch(q, want_hi, want_lo, table, lens, ps)
     assert_close(_read(got, lens, ps), want, 1e-3)
