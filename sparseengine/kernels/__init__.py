@@ -19,8 +19,9 @@ from .omnikv_scores import (decode_max_logits_ref, decode_max_logits_triton, omn
 from .paged_decode import paged_decode_ref, paged_decode_triton
 from .paged_kv_write import paged_kv_write_ref, paged_kv_write_triton
 from .paged_prefill import paged_prefill_ref, paged_prefill_triton
-from .quest import (middle_group_maxima_ref, quest_page_scores_and_maxima_triton, quest_page_scores_ref,
-                    quest_page_scores_triton, update_page_minmax_ref, update_page_minmax_triton)
+from .quest import update_page_minmax_ref, update_page_minmax_triton
+from .quest_scores import (middle_group_maxima_ref, quest_page_scores_and_maxima_triton, quest_page_scores_ref,
+                           quest_page_scores_triton)
 from .omnikv_select import omnikv_select_triton
 from .quest_select import quest_select_pages_triton
 from .row_argmax import row_argmax_ref, row_argmax_triton

@@ -87,7 +87,7 @@ def bench_quest_score_launches(out_path, B=6, P=8320, n=131072):
     shortlist's group maxima of 32 pages from the same launch; sink 64, recent 512 tokens) at
     the 128K shape, pages scattered over a pool of B * P pages, per launch in a CUDA graph of
     30 launches: each of `SCORE_LAUNCHES`, checked against the default launch's output."""
-    from sparseengine.kernels.quest import quest_page_scores_and_maxima_triton
+    from sparseengine.kernels.quest_scores import quest_page_scores_and_maxima_triton
 
     q, kmax, kmin, table, kv_lens = _score_inputs(B, P, n)
     k_cache = torch.randn(kmax.shape[0], PS, HKV, D, device="cuda").to(BF16)
@@ -275,7 +275,7 @@ def bench_quest_select_warps(out_path, B=6, P=8320, n=131072):
     """Quest's page choice as the engine launches it (the group maxima from the page scores'
     launch, scores of random bounds and queries at the 128K shape), per launch in a CUDA
     graph of 30: pages a block x warps, each checked against the default launch."""
-    from sparseengine.kernels import quest as quest_kernels
+    from sparseengine.kernels import quest_scores as quest_kernels
     from sparseengine.kernels import quest_select
 
     q, kmax, kmin, table, kv_lens = _score_inputs(B, P, n)
@@ -301,7 +301,7 @@ def bench_quest_select_cuda(out_path, B=6, P=8320, n=131072):
     the page scores of random bounds and queries at the 128K shape, on random scores, and on
     scores rounded to 1 decimal (ties, counted at the threshold): each checked against the
     Triton kernel's choice; the CUDA launch also as a programmatic dependent launch."""
-    from sparseengine.kernels import quest as quest_kernels
+    from sparseengine.kernels import quest_scores as quest_kernels
     from sparseengine.kernels import quest_select, quest_select_cuda
 
     q, kmax, kmin, table, kv_lens = _score_inputs(B, P, n)
@@ -335,8 +335,9 @@ def bench_quest_scores_cuda(out_path, B=6, P=8320, n=131072):
     makes, both folding a decode step's keys in (the engine's path), per launch in a CUDA
     graph of 30 on random bounds at the 128K shape: one or two CTAs an SM, with and without
     PDL (30 PDL launches in a row let each prefetch its first bounds under the one before:
-    the engine's PDL launch follows the qkv linear instead), each checked against the Triton
-    kernel's scores (within rounding: the sums run in another order)."""
+    the engine's PDL launch follows the qkv linear instead), and the Triton launch with PDL
+    (`quest_scores.SCORE_PDL`), each checked against the Triton kernel's scores (within rounding:
+    the sums run in another order)."""
     from sparseengine.kernels import quest_page_scores_triton, quest_scores_cuda
     from sparseengine.kernels.testing import rel_err
 
@@ -349,7 +350,8 @@ def bench_quest_scores_cuda(out_path, B=6, P=8320, n=131072):
     fold = {"k_cache": k_cache, "new_slots": slots}
     want = quest_page_scores_triton(*args, **fold)[..., : n // PS]
     nbytes = 2 * B * (n // PS) * HKV * D * 2
-    launches = {"triton": lambda: quest_page_scores_triton(*args, **fold)}  # noqa: E731
+    launches = {"triton": lambda: quest_page_scores_triton(*args, **fold, pdl=False),  # noqa: E731
+                "triton_pdl": lambda: quest_page_scores_triton(*args, **fold, pdl=True)}  # noqa: E731
     for ctas in (1, 2):
         for pdl in (False, True):
             launches[f"cuda_{ctas}cta{'_pdl' if pdl else ''}"] = (

@@ -58,6 +58,21 @@ def trigger_arg(device: torch.device | str) -> bool:
 
 
 @shared_helper
+def pdl_wait(ON: tl.constexpr):
+    """With `ON`, in a kernel launched with PDL: wait until the kernel before has finished
+    and its writes are visible; returns an int32 0 that the compiler cannot see through, to
+    add to the addresses of what the kernel before writes: a load whose address depends on
+    it cannot be issued before the wait (Triton's pipeliner moves a dot operand's load into
+    the loop's prologue, ahead of everything else in the loop). Without `ON`, 0."""
+    if ON:
+        zero = tl.inline_asm_elementwise("griddepcontrol.wait;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                         is_pure=False, pack=1)
+    else:
+        zero = 0
+    return zero
+
+
+@shared_helper
 def pdl_trigger(ON: tl.constexpr):
     """With `ON`, let a kernel launched after this one with PDL start now (it still waits
     for this kernel's writes before reading them). Without it, nothing."""

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from .nvcc_build import load_library, on_device, unavailable
-from .quest import check_new_keys
+from .quest_scores import check_new_keys
 
 SOURCE = Path(__file__).with_name("quest_scores.cu")
 ENGINE = True  # Quest's decode step scores with this kernel where `takes` says it can (read at each call)

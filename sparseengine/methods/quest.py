@@ -25,9 +25,9 @@ import torch
 from sparseengine import kernels
 from sparseengine.config import ConfigError
 from sparseengine.engine.step_context import Selection
-from sparseengine.kernels import quest as quest_kernels
-from sparseengine.kernels import quest_scores_cuda, quest_select, quest_select_cuda
-from sparseengine.kernels.quest import quest_page_scores_torch, update_page_minmax_torch
+from sparseengine.kernels import pdl, quest_scores, quest_scores_cuda, quest_select, quest_select_cuda
+from sparseengine.kernels.quest import update_page_minmax_torch
+from sparseengine.kernels.quest_scores import quest_page_scores_torch
 from sparseengine.method_registry import MethodSpec
 from sparseengine.methods.base import SparseMethodRuntime
 
@@ -124,7 +124,8 @@ class Quest(SparseMethodRuntime):
             score = quest_scores_cuda.quest_page_scores_cuda if cuda else kernels.quest_page_scores_triton
             scores = score(*args, **new_keys)
             return Selection(*quest_select_cuda.quest_select_pages_cuda(scores, *choice), dense, page_size=self.page)
-        group = quest_select.maxima_group(view.page_table.shape[1], self.page, cfg.budget, quest_kernels.SCORE_BLOCK_P)
+        group = quest_select.maxima_group(view.page_table.shape[1], self.page, cfg.budget,
+                                          quest_scores.SCORE_BLOCK_P)
         if group is None:
             scores, maxima = kernels.quest_page_scores_triton(*args, **new_keys), None
         else:  # the shortlist's group maxima from the same launch
@@ -142,8 +143,9 @@ class Quest(SparseMethodRuntime):
         dtype = next(iter(self._bounds.values()))[0].dtype if self._bounds else None
         shape = (self.model.num_heads, self.model.num_kv_heads, self.model.head_dim, dtype)
         scores = quest_scores_cuda.ENGINE and quest_scores_cuda.shape_reason(*shape) is None
+        triton = "triton pdl" if quest_scores.SCORE_PDL and pdl.available(device) else "triton"
         return {"quest_select": f"cuda (rows of up to {quest_select_cuda.max_pages()} pages, triton past them)",
-                "quest_scores": "cuda" if scores else "triton"}
+                "quest_scores": "cuda" if scores else triton}
 
     def _prefill_rows(self, ctx) -> tuple[bool, ...]:
         """Which rows of the step are prefill rows (read densely): once per step, not per

@@ -147,12 +147,15 @@ def _with_padding_row(kv, last):
     return table, lens, torch.cat([last, torch.full((1,), -1, dtype=last.dtype, device=dev)])
 
 
+@pytest.mark.parametrize("pdl", [False, True], ids=["fold_first", "fold_after_loads"])
 @pytest.mark.parametrize("case", CASES + [(8, 2, 32, 4, [9, 7, 300, 64])], ids=case_id)
-def test_page_scores_fold_the_step_keys(case, gen, device):
+def test_page_scores_fold_the_step_keys(case, pdl, gen, device):
     """Given the step's slots, the scoring first folds each request's new key into its
     page's bounds (offset 0 starts a page afresh: 9 and 300 tokens of pages of 4 end at
     offset 0, 7 at 2), the same bounds the update makes, and scores with them; the padding
-    row folds nothing. 300 tokens in tiles of 16, two a program: the last page is program 2's."""
+    row folds nothing. 300 tokens in tiles of 16, two a program: the last page is program 2's.
+    `pdl`: the order a PDL launch takes (the tiles loaded before the fold, the folded page
+    scored from its new bounds; the wait itself only on a GPU)."""
     hq, hkv, d, ps, lens = case
     kv = random_paged_kv(lens, hkv, d, ps, generator=gen, device=device)
     (hi, lo), (want_hi, want_lo), last = _decode_step(kv, gen, device)
@@ -160,7 +163,7 @@ def test_page_scores_fold_the_step_keys(case, gen, device):
     q = randn(len(lens) + 1, hq, d, generator=gen, device=device)
     want = quest_page_scores_ref(q, want_hi, want_lo, table, kv_lens, ps)
     got = quest_page_scores_triton(q, hi, lo, table, kv_lens, ps, k_cache=kv.k_cache, new_slots=slots,
-                                   block_p=16, iters=2)
+                                   block_p=16, iters=2, pdl=pdl)
     torch.testing.assert_close(hi, want_hi, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(lo, want_lo, rtol=0, atol=0, equal_nan=True)
     assert_close(_read(got, kv_lens, ps)[:-1], want[:-1], 1e-4)
@@ -175,6 +178,8 @@ def test_page_scores_fold_needs_cache_and_slots(gen, device):
                                                                                    device=device))
     with pytest.raises(ValueError, match="k_cache must be"):
         quest_page_scores_triton(*args, k_cache=kv.v_cache[:1], new_slots=kv.kv_lens.long())
+    with pytest.raises(ValueError, match=r"pdl=True needs the fold \(k_cache, new_slots\)"):
+        quest_page_scores_triton(*args, pdl=True)
 
 
 def _written_groups(maxima, kv_lens, ps, group):
@@ -186,13 +191,14 @@ def _written_groups(maxima, kv_lens, ps, group):
 
 
 @pytest.mark.parametrize("group,sink_pages,recent", [(2, 1, 5), (4, 0, 0), (8, 3, 16), (16, 2, 9), (1, 1, 4)])
-@pytest.mark.parametrize("fold,keep", [(False, False), (True, False), (False, True), (True, True)])
-def test_scores_and_middle_group_maxima(group, sink_pages, recent, fold, keep, gen, device):
+@pytest.mark.parametrize("fold,keep,pdl", [(False, False, False), (True, False, False), (False, True, False),
+                                           (True, True, False), (True, False, True), (True, True, True)])
+def test_scores_and_middle_group_maxima(group, sink_pages, recent, fold, keep, pdl, gen, device):
     """One launch gives the scores, equal to the scores' launch alone, and each group's
     maximum over the request's middle pages (sink pages and the pages from the first
     recent token's on excluded; -inf for a group with none), as the torch twin takes them
     from those scores: requests of 300, 150, 9 and 1 tokens in pages of 4, tiles of 16
-    (stored a tile at a time or after the loop)."""
+    (stored a tile at a time or after the loop; folded first or after the tiles' loads)."""
     hq, hkv, d, ps, lens = 8, 2, 32, 4, [300, 150, 9, 1]
     kv = random_paged_kv(lens, hkv, d, ps, generator=gen, device=device)
     (hi, lo), _, last = _decode_step(kv, gen, device)
@@ -203,12 +209,15 @@ def test_scores_and_middle_group_maxima(group, sink_pages, recent, fold, keep, g
     args = (q, hi, lo, kv.page_table, kv.kv_lens, ps)
     tiling = {"block_p": 16, "iters": 2, "keep_tiles": keep}
     scores, maxima = quest_page_scores_and_maxima_triton(
-        *args, group=group, sink_pages=sink_pages, recent_tokens=recent, **new_keys, **tiling)
+        *args, group=group, sink_pages=sink_pages, recent_tokens=recent, **new_keys, **tiling, pdl=pdl)
     assert maxima.shape == (len(lens), hkv, -(-kv.page_table.shape[1] // group)) and maxima.dtype == torch.float32
     want = middle_group_maxima_ref(_read(scores, kv.kv_lens, ps), kv.kv_lens, ps, group, sink_pages, recent)
     assert torch.equal(_written_groups(maxima, kv.kv_lens, ps, group), _written_groups(want, kv.kv_lens, ps, group))
-    alone = quest_page_scores_triton(*args, **tiling)  # the bounds are folded by now: the same scores
-    assert torch.equal(_read(scores, kv.kv_lens, ps), _read(alone, kv.kv_lens, ps))
+    alone = _read(quest_page_scores_triton(*args, **tiling), kv.kv_lens, ps)  # the bounds are folded by now
+    if pdl:  # the folded page's score summed in another order than the dot's
+        assert_close(_read(scores, kv.kv_lens, ps), alone, 1e-6)
+    else:  # the same scores
+        assert torch.equal(_read(scores, kv.kv_lens, ps), alone)
     assert_close(_read(scores, kv.kv_lens, ps), quest_page_scores_ref(*args), 1e-4)
     assert torch.isfinite(maxima[0, :, 1]).all()  # the 300-token request's second group: middle pages
 
@@ -257,6 +266,44 @@ def test_gpu_32k(gen):
         groups = middle_group_maxima_ref(_read(got, kv_lens, ps), kv_lens, ps, 32, 4, 512)
         written = _written_groups(maxima, kv_lens, ps, 32)[:-1]
         assert torch.equal(written, _written_groups(groups, kv_lens, ps, 32)[:-1]), tiling
+
+
+@pytest.mark.gpu
+def test_gpu_fold_after_loads_with_pdl(gen):
+    """The PDL launch (`pdl=True`: the tiles loaded, then griddepcontrol.wait, then q, the
+    key and the fold) at 32K in pages of 16, the engine's tiling: the bounds the update
+    makes and the scores of the launch that folds first (the folded page's summed in
+    another order), eagerly and replayed in a CUDA graph after a copy kernel writes q and
+    the keys (the kernel before it, as the qkv linear in a decode step)."""
+    lens, hkv, d, ps = [32768, 5000, 77], 8, 128, 16
+    kv = random_paged_kv(lens, hkv, d, ps, generator=gen, dtype=torch.bfloat16, device="cuda")
+    (hi, lo), (want_hi, want_lo), last = _decode_step(kv, gen, "cuda")
+    table, kv_lens, slots = _with_padding_row(kv, last)
+    q = randn(4, 32, d, generator=gen, dtype=torch.bfloat16, device="cuda")
+    before, first = (hi.clone(), lo.clone()), (hi.clone(), lo.clone())
+    want = quest_page_scores_triton(q, *first, table, kv_lens, ps, k_cache=kv.k_cache, new_slots=slots, pdl=False)
+    got = quest_page_scores_triton(q, hi, lo, table, kv_lens, ps, k_cache=kv.k_cache, new_slots=slots, pdl=True)
+    for bounds in (first, (hi, lo)):
+        torch.testing.assert_close(bounds[0], want_hi, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(bounds[1], want_lo, rtol=0, atol=0, equal_nan=True)
+    assert_close(_read(got, kv_lens, ps)[:-1], _read(want, kv_lens, ps)[:-1], 1e-6)
+    q_in, k_in = torch.empty_like(q), kv.k_cache.clone()
+    graph_bounds = [t.clone() for t in before]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q_in.copy_(q)
+        k_in.copy_(kv.k_cache)
+        out = quest_page_scores_triton(q_in, *graph_bounds, table, kv_lens, ps, k_cache=k_in, new_slots=slots,
+                                       pdl=True)
+    for _ in range(3):
+        q_in.zero_(), k_in.zero_()
+        for t, b in zip(graph_bounds, before):  # the bounds before the step again
+            t.copy_(b)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(graph_bounds[0], want_hi, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(graph_bounds[1], want_lo, rtol=0, atol=0, equal_nan=True)
+        assert_close(_read(out, kv_lens, ps)[:-1], _read(want, kv_lens, ps)[:-1], 1e-6)
 
 
 def test_page_scores_fp16(gen, device):

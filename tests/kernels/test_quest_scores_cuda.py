@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sparseengine.kernels import quest_page_scores_ref, quest_page_scores_triton, update_page_minmax_ref
-from sparseengine.kernels.quest import quest_page_scores_torch
+from sparseengine.kernels.quest_scores import quest_page_scores_torch
 from sparseengine.kernels import quest_scores_cuda as QS
 from sparseengine.kernels.nvcc_build import find_nvcc
 from sparseengine.kernels.testing import assert_close, random_paged_kv, randn

@@ -28,7 +28,8 @@ from sparseengine.attention.torch_ref import TorchAttentionProvider
 from sparseengine.config import Config, ConfigError
 from sparseengine.engine.step_context import LayerView, Selection, StepContext
 from sparseengine.kernels import paged_kv_write_ref, quest_page_scores_ref, update_page_minmax_ref
-from sparseengine.kernels.quest import quest_page_scores_torch, update_page_minmax_torch
+from sparseengine.kernels.quest import update_page_minmax_torch
+from sparseengine.kernels.quest_scores import quest_page_scores_torch
 from sparseengine.kernels.testing import random_paged_kv, randn
 from sparseengine.methods import quest
 from sparseengine.methods.base import MethodStack, SparseMethodRuntime
