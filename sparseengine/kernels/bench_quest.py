@@ -336,8 +336,9 @@ def bench_quest_scores_cuda(out_path, B=6, P=8320, n=131072):
     graph of 30 on random bounds at the 128K shape: one or two CTAs an SM, with and without
     PDL (30 PDL launches in a row let each prefetch its first bounds under the one before:
     the engine's PDL launch follows the qkv linear instead), and the Triton launch with PDL
-    (`quest_scores.SCORE_PDL`), each checked against the Triton kernel's scores (within rounding:
-    the sums run in another order)."""
+    (`quest_scores.SCORE_PDL`; also at one tile a program, whose loads go to registers), each
+    checked against the Triton kernel's scores (within rounding: the sums run in another
+    order)."""
     from sparseengine.kernels import quest_page_scores_triton, quest_scores_cuda
     from sparseengine.kernels.testing import rel_err
 
@@ -351,7 +352,8 @@ def bench_quest_scores_cuda(out_path, B=6, P=8320, n=131072):
     want = quest_page_scores_triton(*args, **fold)[..., : n // PS]
     nbytes = 2 * B * (n // PS) * HKV * D * 2
     launches = {"triton": lambda: quest_page_scores_triton(*args, **fold, pdl=False),  # noqa: E731
-                "triton_pdl": lambda: quest_page_scores_triton(*args, **fold, pdl=True)}  # noqa: E731
+                "triton_pdl": lambda: quest_page_scores_triton(*args, **fold, pdl=True),  # noqa: E731
+                "triton_pdl_1tile": lambda: quest_page_scores_triton(*args, **fold, pdl=True, iters=1)}  # noqa: E731
     for ctas in (1, 2):
         for pdl in (False, True):
             launches[f"cuda_{ctas}cta{'_pdl' if pdl else ''}"] = (

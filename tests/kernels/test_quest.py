@@ -147,9 +147,10 @@ def _with_padding_row(kv, last):
     return table, lens, torch.cat([last, torch.full((1,), -1, dtype=last.dtype, device=dev)])
 
 
-@pytest.mark.parametrize("pdl", [False, True], ids=["fold_first", "fold_after_loads"])
+@pytest.mark.parametrize("pdl,iters", [(False, 2), (True, 2), (True, 1)],
+                         ids=["fold_first", "fold_after_loads", "fold_after_loads_1tile"])
 @pytest.mark.parametrize("case", CASES + [(8, 2, 32, 4, [9, 7, 300, 64])], ids=case_id)
-def test_page_scores_fold_the_step_keys(case, pdl, gen, device):
+def test_page_scores_fold_the_step_keys(case, pdl, iters, gen, device):
     """Given the step's slots, the scoring first folds each request's new key into its
     page's bounds (offset 0 starts a page afresh: 9 and 300 tokens of pages of 4 end at
     offset 0, 7 at 2), the same bounds the update makes, and scores with them; the padding
@@ -163,7 +164,7 @@ def test_page_scores_fold_the_step_keys(case, pdl, gen, device):
     q = randn(len(lens) + 1, hq, d, generator=gen, device=device)
     want = quest_page_scores_ref(q, want_hi, want_lo, table, kv_lens, ps)
     got = quest_page_scores_triton(q, hi, lo, table, kv_lens, ps, k_cache=kv.k_cache, new_slots=slots,
-                                   block_p=16, iters=2, pdl=pdl)
+                                   block_p=16, iters=iters, pdl=pdl)
     torch.testing.assert_close(hi, want_hi, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(lo, want_lo, rtol=0, atol=0, equal_nan=True)
     assert_close(_read(got, kv_lens, ps)[:-1], want[:-1], 1e-4)
@@ -282,11 +283,15 @@ def test_gpu_fold_after_loads_with_pdl(gen):
     q = randn(4, 32, d, generator=gen, dtype=torch.bfloat16, device="cuda")
     before, first = (hi.clone(), lo.clone()), (hi.clone(), lo.clone())
     want = quest_page_scores_triton(q, *first, table, kv_lens, ps, k_cache=kv.k_cache, new_slots=slots, pdl=False)
-    got = quest_page_scores_triton(q, hi, lo, table, kv_lens, ps, k_cache=kv.k_cache, new_slots=slots, pdl=True)
-    for bounds in (first, (hi, lo)):
-        torch.testing.assert_close(bounds[0], want_hi, rtol=0, atol=0, equal_nan=True)
-        torch.testing.assert_close(bounds[1], want_lo, rtol=0, atol=0, equal_nan=True)
-    assert_close(_read(got, kv_lens, ps)[:-1], _read(want, kv_lens, ps)[:-1], 1e-6)
+    for iters in (2, 1):  # the engine's two tiles a program (through cp.async), and one (into registers)
+        bounds = (before[0].clone(), before[1].clone())
+        torch.cuda.synchronize()  # the clones done: a PDL launch loads the bounds before its wait for the kernel before
+        got = quest_page_scores_triton(q, *bounds, table, kv_lens, ps, k_cache=kv.k_cache, new_slots=slots,
+                                       pdl=True, iters=iters)
+        for b in (first, bounds):
+            torch.testing.assert_close(b[0], want_hi, rtol=0, atol=0, equal_nan=True)
+            torch.testing.assert_close(b[1], want_lo, rtol=0, atol=0, equal_nan=True)
+        assert_close(_read(got, kv_lens, ps)[:-1], _read(want, kv_lens, ps)[:-1], 1e-6)
     q_in, k_in = torch.empty_like(q), kv.k_cache.clone()
     graph_bounds = [t.clone() for t in before]
     graph = torch.cuda.CUDAGraph()
