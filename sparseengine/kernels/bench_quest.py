@@ -333,7 +333,8 @@ def bench_quest_select_cuda(out_path, B=6, P=8320, n=131072):
 def bench_quest_scores_cuda(out_path, B=6, P=8320, n=131072):
     """Quest's page scores in CUDA (`quest_scores_cuda`) beside the Triton launch the engine
     makes, both folding a decode step's keys in (the engine's path), per launch in a CUDA
-    graph of 30 on random bounds at the 128K shape: one or two CTAs an SM, with and without
+    graph of 30 on random bounds at the 128K shape: one or two CTAs an SM (or 6 and 24, most
+    of them queued, each a shorter run), with and without
     PDL (30 PDL launches in a row let each prefetch its first bounds under the one before:
     the engine's PDL launch follows the qkv linear instead), and the Triton launch with PDL
     (`quest_scores.SCORE_PDL`; also at one tile a program, whose loads go to registers), each
@@ -354,7 +355,7 @@ def bench_quest_scores_cuda(out_path, B=6, P=8320, n=131072):
     launches = {"triton": lambda: quest_page_scores_triton(*args, **fold, pdl=False),  # noqa: E731
                 "triton_pdl": lambda: quest_page_scores_triton(*args, **fold, pdl=True),  # noqa: E731
                 "triton_pdl_1tile": lambda: quest_page_scores_triton(*args, **fold, pdl=True, iters=1)}  # noqa: E731
-    for ctas in (1, 2):
+    for ctas in (1, 2, 6, 24):  # past 2 the CTAs queue, each a shorter run (24: one item each)
         for pdl in (False, True):
             launches[f"cuda_{ctas}cta{'_pdl' if pdl else ''}"] = (
                 lambda ctas=ctas, pdl=pdl: quest_scores_cuda.quest_page_scores_cuda(*args, **fold, pdl=pdl,

@@ -229,7 +229,8 @@ __global__ void __launch_bounds__(THREADS, 2) scores_kernel(const Args a) {
 // group 1..8, D 128). q bf16 rows of D at b * qb + head * qh (16-byte aligned); kmax, kmin
 // [num_pages, hkv, D] bf16 contiguous; table int32 rows at b * tb; scores [B, hkv, P] fp32;
 // k_cache and slots null for no fold (else k_cache's (page, off, head) row at page * kp +
-// off * ko + head * kh, 16-byte aligned). `ctas_per_sm`: the grid (at most 2 fit an SM).
+// off * ko + head * kh, 16-byte aligned). `ctas_per_sm`: the grid, CTAs an SM (2 fit at once; more
+// queue behind them, each taking a shorter run of items).
 extern "C" int se_quest_scores(const void* q, long long qb, long long qh, void* kmax, void* kmin, const void* table,
                                long long tb, const void* kv_lens, int lens64, void* scores, const void* k_cache,
                                long long kp, long long ko, long long kh, const void* slots, int slots64, int B,

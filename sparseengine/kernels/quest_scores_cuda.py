@@ -40,7 +40,11 @@ from .quest_scores import check_new_keys
 SOURCE = Path(__file__).with_name("quest_scores.cu")
 ENGINE = True  # Quest's decode step scores with this kernel where `takes` says it can (read at each call)
 PDL = True  # with the fold: launched with PDL, its first bounds loaded before the wait (read at each call)
-CTAS_PER_SM = 2  # the grid: CTAs an SM (at most 2 fit; read at each call)
+# The grid: CTAs an SM it is sized for (read at each call). 2 fit an SM at once, each taking a contiguous run of
+# items; more queue behind them, each a shorter run (at the 128K shape 24 gives every CTA one item, as the Triton
+# kernel's 3120 short programs; an A/B in `gpu_session.sh quest_scores_cuda`, not run yet).
+CTAS_PER_SM = 2
+MAX_CTAS_PER_SM = 64
 HEAD_DIM = 128
 MAX_GROUP = 8
 
@@ -81,7 +85,7 @@ def quest_page_scores_cuda(q, kmax, kmin, page_table, kv_lens, page_size, *, k_c
     fold only: the kernel then loads bounds, page table and lengths before it waits for the
     kernel just before it on the stream, which must not write them (in a decode step that is
     the qkv linear; without the fold the minmax update runs just before and writes the
-    bounds). `ctas_per_sm` (default `CTAS_PER_SM`): the grid."""
+    bounds). `ctas_per_sm` (default `CTAS_PER_SM`, 1 to `MAX_CTAS_PER_SM`): the grid."""
     if q.dim() != 3 or kmax.dim() != 3:
         raise ValueError(f"q must be [B, Hq, d] and kmax [num_pages, Hkv, d], got {tuple(q.shape)} and "
                          f"{tuple(kmax.shape)}")
@@ -111,8 +115,8 @@ def quest_page_scores_cuda(q, kmax, kmin, page_table, kv_lens, page_size, *, k_c
                          "writes the bounds the kernel loads before its wait")
     launch_pdl = fold and (PDL if pdl is None else pdl)
     ctas = CTAS_PER_SM if ctas_per_sm is None else ctas_per_sm
-    if not isinstance(ctas, int) or not 1 <= ctas <= 2:
-        raise ValueError(f"ctas_per_sm must be 1 or 2, got {ctas!r}")
+    if not isinstance(ctas, int) or isinstance(ctas, bool) or not 1 <= ctas <= MAX_CTAS_PER_SM:
+        raise ValueError(f"ctas_per_sm must be an int from 1 to {MAX_CTAS_PER_SM}, got {ctas!r}")
     for t in (kmax, kmin, page_table, kv_lens):
         if t.device != q.device:
             raise ValueError(f"every tensor must be on q's device {q.device}, got {t.device}")

@@ -2,9 +2,10 @@
 (`quest_page_scores_ref`) on fresh random bounds, over every KV-head count it takes (1, 2, 4,
 8) and groups of 1 to 8 query heads; the decode step's fold against the minmax update (the
 same bounds, bit for bit, then the same scores); the tiles wholly past a short request left
-unwritten; the same bits with and without PDL, with one or two CTAs an SM, and in a CUDA
-graph; the engine's Quest step with it (eager and replayed tokens equal). On the CPU: the
-build (where nvcc is), the errors for bad input (its ctypes table: test_nvcc_build.py)."""
+unwritten; the same bits with and without PDL, with one, two or 24 CTAs an SM (queued),
+and in a CUDA graph; the engine's Quest step with it (eager and replayed tokens equal). On
+the CPU: the build (where nvcc is), the errors for bad input (its ctypes table:
+test_nvcc_build.py)."""
 import json
 
 import pytest
@@ -94,8 +95,9 @@ def test_bad_input():
         call(*args, k_cache=torch.zeros(10, 8, 2, 128, dtype=torch.bfloat16), new_slots=lens)
     with pytest.raises(ValueError, match="pdl=True needs the fold"):
         call(*args, pdl=True)
-    with pytest.raises(ValueError, match="ctas_per_sm must be 1 or 2, got 3"):
-        call(*args, ctas_per_sm=3)
+    for ctas in (0, 65, 2.0):
+        with pytest.raises(ValueError, match=f"ctas_per_sm must be an int from 1 to 64, got {ctas}"):
+            call(*args, ctas_per_sm=ctas)
     with pytest.raises(RuntimeError, match="cannot run: needs a CUDA device, got cpu"):
         call(*args)
     assert not QS.takes(q, hi)
@@ -157,8 +159,9 @@ def test_fold_the_step_keys(case, gen):
 def test_launches_agree_bit_for_bit_and_replay_in_a_graph(gen):
     """At the 128K benchmark's shape (6 requests, 8320-page tables, 8 KV heads of 32 query
     heads), a decode step's fold and scores: the same bits with and without PDL and with
-    one or two CTAs an SM, in a CUDA graph too, and the Triton kernel's within rounding
-    (the sums run in another order) with the same folded bounds."""
+    one, two or 24 CTAs an SM (24: a CTA an item, most queued), in a CUDA graph too, and the
+    Triton kernel's within rounding (the sums run in another order) with the same folded
+    bounds."""
     B, P, hq, hkv, d, ps, n = 6, 8320, 32, 8, 128, 16, 131072
     pool = B * P + 8
     cuda_gen = torch.Generator("cuda").manual_seed(int(torch.randint(2 ** 31, (1,), generator=gen)))
@@ -175,7 +178,7 @@ def test_launches_agree_bit_for_bit_and_replay_in_a_graph(gen):
     update_page_minmax_ref(k_cache, slots, want_hi, want_lo)  # the fold, as the update makes it
     runs = {}
     for pdl in (True, False):
-        for ctas in (1, 2):
+        for ctas in (1, 2, 24):  # 24: a CTA an item, most of them queued
             bounds = (hi.clone(), lo.clone())
             # the clones finished first: a PDL launch may load the bounds before the kernel just before it (here the
             # clone that writes them; in the engine the qkv linear, which does not) has finished
