@@ -248,15 +248,16 @@ quest_scores_cuda)
   # the per-launch bench beside the Triton scores, then Quest b=6 with it on, off (the Triton scores), and off with
   # the Triton scores launched with PDL (quest_scores.SCORE_PDL, session 50; 168 registers a thread for sm_90 at two
   # tiles a program, 128 at one tile, whose loads go to registers, not cp.async), and the CUDA scores' grid at 24
-  # CTAs an SM (a CTA an item, queued, as the Triton kernel's short programs).
+  # CTAs an SM (a CTA an item, queued, as the Triton kernel's short programs) and built asking L2 for 256 B around
+  # each load of the bounds.
   install_wheels .whl/hydra
   timeout 240 python -m pytest -q -m gpu tests/kernels/test_quest_scores_cuda.py tests/kernels/test_quest.py \
     tests/kernels/test_quest_select_cuda.py -p no:cacheprovider -rs 2>&1 | tail -8 | tee "$OUT/gpu_tests.log"
-  timeout 150 python -m sparseengine.kernels.bench_gpu --quest-scores-cuda --out "$OUT/bench.jsonl" 2>&1 | tail -3
+  timeout 240 python -m sparseengine.kernels.bench_gpu --quest-scores-cuda --out "$OUT/bench.jsonl" 2>&1 | tail -3
   METHOD=quest BATCH=6 ROUNDS=2 VARIANTS="default;quest_scores_cuda.ENGINE=False;\
 quest_scores_cuda.ENGINE=False quest_scores.SCORE_PDL=True;\
 quest_scores_cuda.ENGINE=False quest_scores.SCORE_PDL=True quest_scores.SCORE_ITERS=1;\
-quest_scores_cuda.CTAS_PER_SM=24" bash "$0" variants
+quest_scores_cuda.CTAS_PER_SM=24;quest_scores_cuda.BUILD_L2_PREFETCH=256" bash "$0" variants
   # last (s50-2, a call with it, hung and lost its machine; the cause is unknown): Nsight Compute over one launch of
   # each at the bench's shape (the Triton kernel, it with PDL, the CUDA kernel)
   timeout 150 ncu -k regex:scores_kernel --section SpeedOfLight --section MemoryWorkloadAnalysis \

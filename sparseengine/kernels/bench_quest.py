@@ -360,8 +360,21 @@ def bench_quest_scores_cuda(out_path, B=6, P=8320, n=131072):
             launches[f"cuda_{ctas}cta{'_pdl' if pdl else ''}"] = (
                 lambda ctas=ctas, pdl=pdl: quest_scores_cuda.quest_page_scores_cuda(*args, **fold, pdl=pdl,
                                                                                     ctas_per_sm=ctas))
+    for prefetch in (128, 256):  # the builds asking L2 for that many bytes around each load of the bounds
+        launches[f"cuda_2cta_pdl_l2_{prefetch}"] = lambda prefetch=prefetch: _with_build(
+            quest_scores_cuda, prefetch, lambda: quest_scores_cuda.quest_page_scores_cuda(*args, **fold, pdl=True))
     for impl, fn in launches.items():
         err = rel_err(fn()[..., : n // PS].float().cpu(), want.float().cpu())
         us = per_launch_us(fn)
         emit(out_path, {"kind": "quest_scores_cuda", "impl": impl, "batch": B, "hkv": HKV, "pages": P, "kv_len": n,
                         "us_per_launch": us, "GBps": nbytes / us / 1e3, "rel_err_vs_triton": err})
+
+
+def _with_build(module, prefetch, fn):
+    """fn() with `module.BUILD_L2_PREFETCH` set to `prefetch` (graph capture included: the
+    library is looked up at each call)."""
+    saved, module.BUILD_L2_PREFETCH = module.BUILD_L2_PREFETCH, prefetch
+    try:
+        return fn()
+    finally:
+        module.BUILD_L2_PREFETCH = saved

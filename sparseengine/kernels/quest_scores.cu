@@ -47,6 +47,26 @@ constexpr int TILE = 16;      // pages a warp's tile: the MMA's m
 constexpr int MAX_GROUP = 8;  // query heads a KV head: the MMA's n
 constexpr unsigned FULL = 0xffffffffu;
 
+// SE_L2_PREFETCH (the build's): 0 plain streaming loads of the bounds (ld.global.cs); 64, 128 or 256 the same
+// loads asking L2 to fetch that many bytes around each (a lane's 4 x 16 B steps of a page row are 64 B apart,
+// so 256 brings the row's 256 B from DRAM at its first touch).
+#ifndef SE_L2_PREFETCH
+#define SE_L2_PREFETCH 0
+#endif
+#define SE_STR2(x) #x
+#define SE_STR(x) SE_STR2(x)
+
+__device__ __forceinline__ uint4 load_stream(const uint4* p) {
+#if SE_L2_PREFETCH
+  uint4 v;
+  asm volatile("ld.global.cs.L2::" SE_STR(SE_L2_PREFETCH) "B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+#else
+  return __ldcs(p);
+#endif
+}
+
 struct Args {
   const __nv_bfloat16* q;        // row (b, head) at b * qb + head * qh, D contiguous
   __nv_bfloat16* kmax;           // [num_pages, hkv, D] contiguous
@@ -106,8 +126,8 @@ __device__ __forceinline__ void load_bounds(const Args& a, const Tile& t, int h,
     const uint4* lo = reinterpret_cast<const uint4*>(a.kmin) + row;
 #pragma unroll
     for (int s = 0; s < STEPS; ++s) {
-      m.hi[i][s] = ok ? __ldcs(hi + s * 4) : make_uint4(0u, 0u, 0u, 0u);
-      m.lo[i][s] = ok ? __ldcs(lo + s * 4) : make_uint4(0u, 0u, 0u, 0u);
+      m.hi[i][s] = ok ? load_stream(hi + s * 4) : make_uint4(0u, 0u, 0u, 0u);
+      m.lo[i][s] = ok ? load_stream(lo + s * 4) : make_uint4(0u, 0u, 0u, 0u);
     }
   }
 }

@@ -45,6 +45,11 @@ PDL = True  # with the fold: launched with PDL, its first bounds loaded before t
 # kernel's 3120 short programs; an A/B in `gpu_session.sh quest_scores_cuda`, not run yet).
 CTAS_PER_SM = 2
 MAX_CTAS_PER_SM = 64
+# The build (read at each call; `quest_scores.cu`'s SE_L2_PREFETCH): 0 plain streaming loads of the bounds; 64, 128
+# or 256 the same loads asking L2 to fetch that many bytes around each (256: a page row's whole 256 B from DRAM at
+# its first touch). An A/B in `gpu_session.sh quest_scores_cuda`, not run yet.
+BUILD_L2_PREFETCH = 0
+L2_PREFETCH_SIZES = (0, 64, 128, 256)
 HEAD_DIM = 128
 MAX_GROUP = 8
 
@@ -55,9 +60,17 @@ SIGNATURES = {  # in the order of the source's `extern "C"` declarations (a CPU 
 }
 
 
-@functools.lru_cache(maxsize=None)
 def library() -> ctypes.CDLL:
-    return load_library(SOURCE, [], "libse_quest_scores.so", SIGNATURES, "quest_scores_cuda")
+    """The built library of the build `BUILD_L2_PREFETCH` names (nvcc, once a build)."""
+    if BUILD_L2_PREFETCH not in L2_PREFETCH_SIZES or isinstance(BUILD_L2_PREFETCH, bool):
+        raise ValueError(f"BUILD_L2_PREFETCH must be one of {L2_PREFETCH_SIZES}, got {BUILD_L2_PREFETCH!r}")
+    return _library(BUILD_L2_PREFETCH)
+
+
+@functools.lru_cache(maxsize=None)
+def _library(prefetch: int) -> ctypes.CDLL:
+    flags = [f"-DSE_L2_PREFETCH={prefetch}"] if prefetch else []  # the default build's key as before
+    return load_library(SOURCE, flags, "libse_quest_scores.so", SIGNATURES, "quest_scores_cuda")
 
 
 def shape_reason(hq: int, hkv: int, head_dim: int, dtype: torch.dtype) -> str | None:

@@ -51,13 +51,24 @@ def _id(case):
 
 @pytest.mark.skipif(find_nvcc() is None, reason="needs nvcc (no GPU needed: the library loads without one)")
 def test_builds_and_reports_its_head_dim(monkeypatch, tmp_path):
+    """The default build and the one asking L2 for 256 B around each load of the bounds
+    (two libraries, one directory a build)."""
     monkeypatch.setenv("SPARSEENGINE_CACHE", str(tmp_path))
-    QS.library.cache_clear()
+    QS._library.cache_clear()
     try:
-        assert QS.library().se_quest_scores_head_dim() == QS.HEAD_DIM
+        for prefetch in (0, 256):
+            monkeypatch.setattr(QS, "BUILD_L2_PREFETCH", prefetch)
+            assert QS.library().se_quest_scores_head_dim() == QS.HEAD_DIM
     finally:
-        QS.library.cache_clear()
-    assert list(tmp_path.glob("cuda/*/libse_quest_scores.so"))
+        QS._library.cache_clear()
+    assert len(list(tmp_path.glob("cuda/*/libse_quest_scores.so"))) == 2
+
+
+def test_bad_build(monkeypatch):
+    for prefetch in (32, True, "256"):
+        monkeypatch.setattr(QS, "BUILD_L2_PREFETCH", prefetch)
+        with pytest.raises(ValueError, match=r"BUILD_L2_PREFETCH must be one of \(0, 64, 128, 256\), got"):
+            QS.library()
 
 
 def test_shapes_it_takes():
@@ -156,12 +167,12 @@ def test_fold_the_step_keys(case, gen):
 
 
 @pytest.mark.gpu
-def test_launches_agree_bit_for_bit_and_replay_in_a_graph(gen):
+def test_launches_agree_bit_for_bit_and_replay_in_a_graph(gen, monkeypatch):
     """At the 128K benchmark's shape (6 requests, 8320-page tables, 8 KV heads of 32 query
     heads), a decode step's fold and scores: the same bits with and without PDL and with
-    one, two or 24 CTAs an SM (24: a CTA an item, most queued), in a CUDA graph too, and the
-    Triton kernel's within rounding (the sums run in another order) with the same folded
-    bounds."""
+    one, two or 24 CTAs an SM (24: a CTA an item, most queued), from the build asking L2 for
+    256 B around each load, in a CUDA graph too, and the Triton kernel's within rounding (the
+    sums run in another order) with the same folded bounds."""
     B, P, hq, hkv, d, ps, n = 6, 8320, 32, 8, 128, 16, 131072
     pool = B * P + 8
     cuda_gen = torch.Generator("cuda").manual_seed(int(torch.randint(2 ** 31, (1,), generator=gen)))
@@ -186,6 +197,12 @@ def test_launches_agree_bit_for_bit_and_replay_in_a_graph(gen):
             runs[pdl, ctas] = QS.quest_page_scores_cuda(q, *bounds, table, lens, ps, k_cache=k_cache, new_slots=slots,
                                                         pdl=pdl, ctas_per_sm=ctas)
             assert torch.equal(bounds[0], want_hi) and torch.equal(bounds[1], want_lo), (pdl, ctas)
+    with monkeypatch.context() as m:
+        m.setattr(QS, "BUILD_L2_PREFETCH", 256)
+        bounds = (hi.clone(), lo.clone())
+        torch.cuda.synchronize()
+        runs["l2_256"] = QS.quest_page_scores_cuda(q, *bounds, table, lens, ps, k_cache=k_cache, new_slots=slots)
+        assert torch.equal(bounds[0], want_hi) and torch.equal(bounds[1], want_lo)
     first = runs[True, 2]
     for key, got in runs.items():
         assert torch.equal(_read(got, lens, ps), _read(first, lens, ps)), key
