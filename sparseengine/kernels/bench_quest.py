@@ -275,13 +275,12 @@ def bench_quest_select_warps(out_path, B=6, P=8320, n=131072):
     """Quest's page choice as the engine launches it (the group maxima from the page scores'
     launch, scores of random bounds and queries at the 128K shape), per launch in a CUDA
     graph of 30: pages a block x warps, each checked against the default launch."""
-    from sparseengine.kernels import quest_scores as quest_kernels
-    from sparseengine.kernels import quest_select
+    from sparseengine.kernels import quest_scores, quest_select
 
     q, kmax, kmin, table, kv_lens = _score_inputs(B, P, n)
     sink, recent, budget = 64, 512, 1472
-    group = quest_select.maxima_group(P, PS, budget, quest_kernels.SCORE_BLOCK_P)
-    scores, maxima = quest_kernels.quest_page_scores_and_maxima_triton(
+    group = quest_select.maxima_group(P, PS, budget, quest_scores.SCORE_BLOCK_P)
+    scores, maxima = quest_scores.quest_page_scores_and_maxima_triton(
         q, kmax, kmin, table, kv_lens, PS, group=group, sink_pages=sink // PS, recent_tokens=recent)
     args = (scores, kv_lens, PS, sink, recent, budget)
     want = quest_select.quest_select_pages_triton(*args, group_maxima=maxima)
@@ -301,13 +300,12 @@ def bench_quest_select_cuda(out_path, B=6, P=8320, n=131072):
     the page scores of random bounds and queries at the 128K shape, on random scores, and on
     scores rounded to 1 decimal (ties, counted at the threshold): each checked against the
     Triton kernel's choice; the CUDA launch also as a programmatic dependent launch."""
-    from sparseengine.kernels import quest_scores as quest_kernels
-    from sparseengine.kernels import quest_select, quest_select_cuda
+    from sparseengine.kernels import quest_scores, quest_select, quest_select_cuda
 
     q, kmax, kmin, table, kv_lens = _score_inputs(B, P, n)
     sink, recent, budget = 64, 512, 1472
-    group = quest_select.maxima_group(P, PS, budget, quest_kernels.SCORE_BLOCK_P)
-    real, maxima = quest_kernels.quest_page_scores_and_maxima_triton(
+    group = quest_select.maxima_group(P, PS, budget, quest_scores.SCORE_BLOCK_P)
+    real, maxima = quest_scores.quest_page_scores_and_maxima_triton(
         q, kmax, kmin, table, kv_lens, PS, group=group, sink_pages=sink // PS, recent_tokens=recent)
     gen = torch.Generator(device="cuda").manual_seed(0)
     noise = torch.randn(B, HKV, P, generator=gen, device="cuda")
@@ -361,20 +359,10 @@ def bench_quest_scores_cuda(out_path, B=6, P=8320, n=131072):
                 lambda ctas=ctas, pdl=pdl: quest_scores_cuda.quest_page_scores_cuda(*args, **fold, pdl=pdl,
                                                                                     ctas_per_sm=ctas))
     for prefetch in (128, 256):  # the builds asking L2 for that many bytes around each load of the bounds
-        launches[f"cuda_2cta_pdl_l2_{prefetch}"] = lambda prefetch=prefetch: _with_build(
-            quest_scores_cuda, prefetch, lambda: quest_scores_cuda.quest_page_scores_cuda(*args, **fold, pdl=True))
+        launches[f"cuda_2cta_pdl_l2_{prefetch}"] = lambda prefetch=prefetch: quest_scores_cuda.quest_page_scores_cuda(
+            *args, **fold, pdl=True, l2_prefetch=prefetch)
     for impl, fn in launches.items():
         err = rel_err(fn()[..., : n // PS].float().cpu(), want.float().cpu())
         us = per_launch_us(fn)
         emit(out_path, {"kind": "quest_scores_cuda", "impl": impl, "batch": B, "hkv": HKV, "pages": P, "kv_len": n,
                         "us_per_launch": us, "GBps": nbytes / us / 1e3, "rel_err_vs_triton": err})
-
-
-def _with_build(module, prefetch, fn):
-    """fn() with `module.BUILD_L2_PREFETCH` set to `prefetch` (graph capture included: the
-    library is looked up at each call)."""
-    saved, module.BUILD_L2_PREFETCH = module.BUILD_L2_PREFETCH, prefetch
-    try:
-        return fn()
-    finally:
-        module.BUILD_L2_PREFETCH = saved

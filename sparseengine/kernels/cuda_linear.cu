@@ -346,7 +346,6 @@ __global__ void __launch_bounds__(THREADS, SE_MIN_CTAS) linear_kernel(const Para
   }
 }
 
-
 template <bool STAGED, bool ROPE>
 int launch(const Params& p, const Rope& r, void* stream) {
   const int dev = current_device();  // the attribute belongs to the device current at the call

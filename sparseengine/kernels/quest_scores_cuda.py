@@ -60,11 +60,13 @@ SIGNATURES = {  # in the order of the source's `extern "C"` declarations (a CPU 
 }
 
 
-def library() -> ctypes.CDLL:
-    """The built library of the build `BUILD_L2_PREFETCH` names (nvcc, once a build)."""
-    if BUILD_L2_PREFETCH not in L2_PREFETCH_SIZES or isinstance(BUILD_L2_PREFETCH, bool):
-        raise ValueError(f"BUILD_L2_PREFETCH must be one of {L2_PREFETCH_SIZES}, got {BUILD_L2_PREFETCH!r}")
-    return _library(BUILD_L2_PREFETCH)
+def library(l2_prefetch: int | None = None) -> ctypes.CDLL:
+    """The built library of the build `l2_prefetch` names (default `BUILD_L2_PREFETCH`;
+    nvcc, once a build)."""
+    prefetch = BUILD_L2_PREFETCH if l2_prefetch is None else l2_prefetch
+    if prefetch not in L2_PREFETCH_SIZES or isinstance(prefetch, bool):
+        raise ValueError(f"l2_prefetch must be one of {L2_PREFETCH_SIZES}, got {prefetch!r}")
+    return _library(prefetch)
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,12 +95,13 @@ def takes(q: torch.Tensor, kmax: torch.Tensor) -> bool:
 
 
 def quest_page_scores_cuda(q, kmax, kmin, page_table, kv_lens, page_size, *, k_cache=None, new_slots=None, pdl=None,
-                           ctas_per_sm=None):
+                           ctas_per_sm=None, l2_prefetch=None):
     """Quest's page scores (the module's docstring). `pdl` (default `PDL`) applies with the
     fold only: the kernel then loads bounds, page table and lengths before it waits for the
     kernel just before it on the stream, which must not write them (in a decode step that is
     the qkv linear; without the fold the minmax update runs just before and writes the
-    bounds). `ctas_per_sm` (default `CTAS_PER_SM`, 1 to `MAX_CTAS_PER_SM`): the grid."""
+    bounds). `ctas_per_sm` (default `CTAS_PER_SM`, 1 to `MAX_CTAS_PER_SM`): the grid;
+    `l2_prefetch` (default `BUILD_L2_PREFETCH`): the build."""
     if q.dim() != 3 or kmax.dim() != 3:
         raise ValueError(f"q must be [B, Hq, d] and kmax [num_pages, Hkv, d], got {tuple(q.shape)} and "
                          f"{tuple(kmax.shape)}")
@@ -152,7 +155,7 @@ def quest_page_scores_cuda(q, kmax, kmin, page_table, kv_lens, page_size, *, k_c
         kp, ko, kh = k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
     else:
         kp = ko = kh = 0
-    err = on_device(q, library().se_quest_scores, q.data_ptr(), q.stride(0), q.stride(1), kmax.data_ptr(),
+    err = on_device(q, library(l2_prefetch).se_quest_scores, q.data_ptr(), q.stride(0), q.stride(1), kmax.data_ptr(),
                     kmin.data_ptr(), page_table.data_ptr(), page_table.stride(0), kv_lens.data_ptr(),
                     int(kv_lens.dtype == torch.int64), scores.data_ptr(), k_cache.data_ptr() if fold else None, kp,
                     ko, kh, new_slots.data_ptr() if fold else None, int(fold and new_slots.dtype == torch.int64), B,

@@ -152,6 +152,45 @@ def compile_for_gpu(kernel, helpers, types: dict, constexprs: dict, *, num_warps
                 mod[name] = value
 
 
+_PTX_CHILD = """
+import importlib, json, sys
+from sparseengine.kernels.testing import compile_for_gpu
+out = {}
+for name, b in json.loads(sys.stdin.read()).items():
+    kernel = getattr(importlib.import_module(b["module"]), b["kernel"])
+    options = dict(b.get("options", {}))
+    out[name] = compile_for_gpu(kernel, None, b["types"], b["constexprs"], num_warps=options.pop("num_warps", 4),
+                                options=options, aligned=tuple(b.get("aligned", ()))).asm["ptx"]
+print(json.dumps(out))
+"""
+
+
+def child_env() -> dict:
+    """This process's environment without TRITON_INTERPRET, the repository on PYTHONPATH:
+    for a child process that compiles kernels for the GPU."""
+    import os
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH")]))
+    return env
+
+
+def ptx_in_child(builds: dict, timeout: int = 600) -> dict:
+    """{name: PTX} of each build (a dict of module, kernel, types, constexprs, and optionally
+    options, num_warps among them, and aligned: `compile_for_gpu`'s arguments), compiled in
+    a child process without TRITON_INTERPRET."""
+    import json
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _PTX_CHILD], input=json.dumps(builds), capture_output=True, text=True,
+                         env=child_env(), timeout=timeout)
+    if run.returncode:
+        raise RuntimeError(f"the child's compile failed:\n{run.stderr[-3000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 _TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
                  torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
                  torch.bool: "i1"}

@@ -6,8 +6,9 @@ failed so, on the GPU only). These tests build, in the configurations the engine
 launches, the kernels CI cannot otherwise compile. Triton's own library functions are
 interpreter objects once Triton is imported under TRITON_INTERPRET=1, so the compiles
 run in one child process without it."""
+import collections
 import json
-import os
+import re
 import subprocess
 import sys
 
@@ -16,7 +17,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from sparseengine.kernels.testing import record_launches  # noqa: E402
+from sparseengine.kernels.testing import child_env, ptx_in_child, record_launches  # noqa: E402
 
 SELECT_TYPES = dict(scores_ptr="*fp32", kv_lens_ptr="*i32", pages_ptr="*i64", counts_ptr="*i32",
                     scratch_ptr="*i32", maxima_ptr="*fp32", stride_sb="i32", stride_sh="i32", HKV="i32", P="i32",
@@ -139,13 +140,6 @@ for name, b in json.loads(sys.stdin.read()).items():
                      cubin=bool(compiled.asm.get("cubin")))
 print(json.dumps(out))
 """
-
-
-def child_env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    return env
 
 
 def test_a_launch_binds_what_its_kernel_calls(device):
@@ -346,18 +340,6 @@ def test_engine_linear_tiles_fit_shared_memory(device, dtype):
     assert all(0 < s <= H200_SHARED_BYTES for s in shared.values()), shared
 
 
-LOADS_CHILD = """
-import collections, importlib, json, re, sys
-from sparseengine.kernels.testing import compile_for_gpu
-out = {}
-for name, b in json.loads(sys.stdin.read()).items():
-    kernel = getattr(importlib.import_module(b["module"]), b["kernel"])
-    ptx = compile_for_gpu(kernel, None, b["types"], b["constexprs"], num_warps=4, aligned=tuple(b["aligned"])).asm["ptx"]
-    out[name] = collections.Counter(re.findall(r"ld\\.global[a-z0-9.]*", ptx))
-print(json.dumps(out))
-"""
-
-
 def test_batched_rebuild_loads_as_wide_as_the_per_request_one():
     """The batched rebuild reads each row's codec through addresses it loads, which carry no
     alignment of their own; it declares them 16-byte aligned (``codec_addresses`` checks),
@@ -368,62 +350,10 @@ def test_batched_rebuild_loads_as_wide_as_the_per_request_one():
     aligned = [k for k, t in types.items() if t.startswith("*")] + ["R", "stride_cp", "stride_co", "stride_ch"]
     builds = {str(batched): dict(module="sparseengine.kernels." + name, kernel=kernel, types=types, aligned=aligned,
                                  constexprs=dict(consts, BATCHED=batched, BLOCK_M=16)) for batched in (False, True)}
-    run = subprocess.run([sys.executable, "-c", LOADS_CHILD], input=json.dumps(builds), capture_output=True,
-                         text=True, env=child_env(), timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    loads = json.loads(run.stdout.strip().splitlines()[-1])
+    loads = {k: collections.Counter(re.findall(r"ld\.global[a-z0-9.]*", ptx))
+             for k, ptx in ptx_in_child(builds).items()}
     per_request, batched = loads["False"], loads["True"]
     assert per_request.get("ld.global.v4.b32", 0) >= 8, per_request  # the centers' 16-byte vectors
     for width in ("ld.global.b16", "ld.global.v4.b32", "ld.global.v2.b32", "ld.global.b8"):
         assert batched.get(width, 0) == per_request.get(width, 0), (batched, per_request)
 
-
-ORDER_CHILD = """
-import importlib, json, sys
-from sparseengine.kernels.testing import compile_for_gpu
-b = json.loads(sys.stdin.read())
-kernel = getattr(importlib.import_module(b["module"]), b["kernel"])
-options = dict(b["options"])
-ptx = compile_for_gpu(kernel, None, b["types"], b["constexprs"], num_warps=options.pop("num_warps"), options=options,
-                      aligned=tuple(b["aligned"])).asm["ptx"]
-lines = ptx.splitlines()
-at = lambda text: [i for i, line in enumerate(lines) if text in line]  # noqa: E731
-print(json.dumps(dict(wait=at("griddepcontrol.wait"), copies=at("cp.async.cg"), loads=at("ld.global"),
-                      branches=at("bra"))))
-"""
-
-
-def test_quest_scores_pdl_build_issues_the_first_tile_before_its_wait(device):
-    """Quest's page scores as a PDL launch at the engine's tiling (tiles of 64 pages, two a
-    program, bf16, GQA 4): built for sm_90 with the wait, the kernel waits once, and the
-    first tile's bounds go out (cp.async, in the entry block: the prologue of the
-    pipelined loop) before griddepcontrol.wait, which is what the launch is for. The
-    loop's blocks are laid out before the wait's in the PTX text, so the text's order is
-    checked up to the first branch only."""
-    from sparseengine.kernels import quest_page_scores_triton
-    from sparseengine.kernels.testing import random_paged_kv, randn
-
-    gen = torch.Generator().manual_seed(0)
-    kv = random_paged_kv([300, 290], 8, 128, 16, generator=gen, dtype=torch.bfloat16, device=device)
-    q = randn(2, 32, 128, generator=gen, dtype=torch.bfloat16, device=device)
-    kmax = kv.k_cache.new_zeros(kv.k_cache.shape[0], 8, 128)
-    slots = torch.stack([kv.slots(0)[-1], kv.slots(1)[-1]])
-    with record_launches() as rec:
-        quest_page_scores_triton(q, kmax, kmax.clone(), kv.page_table, kv.kv_lens, 16, k_cache=kv.k_cache,
-                                 new_slots=slots, pdl=True)
-    build = rec.launches[0]
-    assert build["constexprs"]["LATE"] and build["constexprs"]["BLOCK_P"] == 64
-    build["constexprs"]["PDL"] = True  # the interpreter has no griddepcontrol: the GPU's build
-    # as a launch at the 128K shape specialises: 16-byte aligned pointers, strides of whole 16-element runs
-    build["aligned"] = [n for n, t in build["types"].items() if t.startswith("*")] + [
-        "stride_qb", "stride_qh", "stride_mp", "stride_mh", "stride_kp", "stride_ko", "stride_kh"]
-    run = subprocess.run([sys.executable, "-c", ORDER_CHILD], input=json.dumps(build), capture_output=True, text=True,
-                         env=child_env(), timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    order = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(order["wait"]) == 1, order
-    loop = [i for i in order["branches"] if i > order["copies"][0]][0]  # the prologue's end
-    entry = [i for i in order["copies"] if i < loop]
-    # a thread's share of one tile's bounds: 64 pages x 128 channels x (max, min) x 2 bytes / 128 threads / 16 B
-    assert len(entry) == 64 * 128 * 2 * 2 // 128 // 16 and loop < order["wait"][0], order
-    assert len([i for i in order["loads"] if i < loop]) <= 2 + 64 // 8, order  # length, slot, page ids (4 B each)

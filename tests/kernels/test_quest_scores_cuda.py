@@ -57,8 +57,7 @@ def test_builds_and_reports_its_head_dim(monkeypatch, tmp_path):
     QS._library.cache_clear()
     try:
         for prefetch in (0, 256):
-            monkeypatch.setattr(QS, "BUILD_L2_PREFETCH", prefetch)
-            assert QS.library().se_quest_scores_head_dim() == QS.HEAD_DIM
+            assert QS.library(prefetch).se_quest_scores_head_dim() == QS.HEAD_DIM
     finally:
         QS._library.cache_clear()
     assert len(list(tmp_path.glob("cuda/*/libse_quest_scores.so"))) == 2
@@ -66,9 +65,11 @@ def test_builds_and_reports_its_head_dim(monkeypatch, tmp_path):
 
 def test_bad_build(monkeypatch):
     for prefetch in (32, True, "256"):
-        monkeypatch.setattr(QS, "BUILD_L2_PREFETCH", prefetch)
-        with pytest.raises(ValueError, match=r"BUILD_L2_PREFETCH must be one of \(0, 64, 128, 256\), got"):
-            QS.library()
+        with pytest.raises(ValueError, match=r"l2_prefetch must be one of \(0, 64, 128, 256\), got"):
+            QS.library(prefetch)
+    monkeypatch.setattr(QS, "BUILD_L2_PREFETCH", 100)  # the module's default, checked the same way
+    with pytest.raises(ValueError, match="l2_prefetch must be one of .*, got 100"):
+        QS.library()
 
 
 def test_shapes_it_takes():
@@ -167,7 +168,7 @@ def test_fold_the_step_keys(case, gen):
 
 
 @pytest.mark.gpu
-def test_launches_agree_bit_for_bit_and_replay_in_a_graph(gen, monkeypatch):
+def test_launches_agree_bit_for_bit_and_replay_in_a_graph(gen):
     """At the 128K benchmark's shape (6 requests, 8320-page tables, 8 KV heads of 32 query
     heads), a decode step's fold and scores: the same bits with and without PDL and with
     one, two or 24 CTAs an SM (24: a CTA an item, most queued), from the build asking L2 for
@@ -197,12 +198,11 @@ def test_launches_agree_bit_for_bit_and_replay_in_a_graph(gen, monkeypatch):
             runs[pdl, ctas] = QS.quest_page_scores_cuda(q, *bounds, table, lens, ps, k_cache=k_cache, new_slots=slots,
                                                         pdl=pdl, ctas_per_sm=ctas)
             assert torch.equal(bounds[0], want_hi) and torch.equal(bounds[1], want_lo), (pdl, ctas)
-    with monkeypatch.context() as m:
-        m.setattr(QS, "BUILD_L2_PREFETCH", 256)
-        bounds = (hi.clone(), lo.clone())
-        torch.cuda.synchronize()
-        runs["l2_256"] = QS.quest_page_scores_cuda(q, *bounds, table, lens, ps, k_cache=k_cache, new_slots=slots)
-        assert torch.equal(bounds[0], want_hi) and torch.equal(bounds[1], want_lo)
+    bounds = (hi.clone(), lo.clone())
+    torch.cuda.synchronize()
+    runs["l2_256"] = QS.quest_page_scores_cuda(q, *bounds, table, lens, ps, k_cache=k_cache, new_slots=slots,
+                                               l2_prefetch=256)
+    assert torch.equal(bounds[0], want_hi) and torch.equal(bounds[1], want_lo)
     first = runs[True, 2]
     for key, got in runs.items():
         assert torch.equal(_read(got, lens, ps), _read(first, lens, ps)), key
