@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -94,14 +95,42 @@ def takes(q: torch.Tensor, kmax: torch.Tensor) -> bool:
             and unavailable(q.device) is None)
 
 
-def quest_page_scores_cuda(q, kmax, kmin, page_table, kv_lens, page_size, *, k_cache=None, new_slots=None, pdl=None,
-                           ctas_per_sm=None, l2_prefetch=None):
-    """Quest's page scores (the module's docstring). `pdl` (default `PDL`) applies with the
-    fold only: the kernel then loads bounds, page table and lengths before it waits for the
-    kernel just before it on the stream, which must not write them (in a decode step that is
-    the qkv linear; without the fold the minmax update runs just before and writes the
-    bounds). `ctas_per_sm` (default `CTAS_PER_SM`, 1 to `MAX_CTAS_PER_SM`): the grid;
-    `l2_prefetch` (default `BUILD_L2_PREFETCH`): the build."""
+@dataclass(frozen=True)
+class ScoreLaunch:
+    """A scores launch's checked inputs (`score_launch`): the tensors as the kernel reads them
+    and the fold's strides."""
+    q: torch.Tensor
+    kmax: torch.Tensor
+    kmin: torch.Tensor
+    table: torch.Tensor
+    kv_lens: torch.Tensor
+    k_cache: torch.Tensor | None  # with new_slots: the fold
+    new_slots: torch.Tensor | None
+    page_size: int
+    pdl: bool
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(B, Hkv, group, P)."""
+        B, hq, _ = self.q.shape
+        hkv = self.kmax.shape[1]
+        return B, hkv, hq // hkv, self.table.shape[1]
+
+    def c_args(self, scores: torch.Tensor) -> list:
+        """The entry point's arguments from q to page_size (`se_quest_scores`'s order)."""
+        fold = self.k_cache is not None
+        kp, ko, kh = self.k_cache.stride()[:3] if fold else (0, 0, 0)
+        return [self.q.data_ptr(), self.q.stride(0), self.q.stride(1), self.kmax.data_ptr(), self.kmin.data_ptr(),
+                self.table.data_ptr(), self.table.stride(0), self.kv_lens.data_ptr(),
+                int(self.kv_lens.dtype == torch.int64), scores.data_ptr(), self.k_cache.data_ptr() if fold else None,
+                kp, ko, kh, self.new_slots.data_ptr() if fold else None,
+                int(fold and self.new_slots.dtype == torch.int64), *self.shape, self.page_size]
+
+
+def score_launch(q, kmax, kmin, page_table, kv_lens, page_size, k_cache, new_slots, pdl, what) -> ScoreLaunch:
+    """The inputs checked (errors name `what`) and made as the kernel reads them; `pdl` (None:
+    `PDL`) applies with the fold only (`quest_page_scores_cuda`). Not whether the device runs
+    it (`check_device`)."""
     if q.dim() != 3 or kmax.dim() != 3:
         raise ValueError(f"q must be [B, Hq, d] and kmax [num_pages, Hkv, d], got {tuple(q.shape)} and "
                          f"{tuple(kmax.shape)}")
@@ -109,7 +138,7 @@ def quest_page_scores_cuda(q, kmax, kmin, page_table, kv_lens, page_size, *, k_c
     num_pages, hkv, _ = kmax.shape
     reason = shape_reason(hq, hkv, d, q.dtype) or shape_reason(hq, hkv, kmax.shape[2], kmax.dtype)
     if reason:
-        raise ValueError(f"quest_page_scores_cuda {reason}")
+        raise ValueError(f"{what} {reason}")
     if kmin.shape != kmax.shape or kmin.dtype != kmax.dtype or not (kmax.is_contiguous() and kmin.is_contiguous()):
         raise ValueError(f"kmax and kmin must be contiguous {tuple(kmax.shape)} {kmax.dtype} tensors, got "
                          f"{tuple(kmin.shape)} {kmin.dtype}")
@@ -129,40 +158,52 @@ def quest_page_scores_cuda(q, kmax, kmin, page_table, kv_lens, page_size, *, k_c
     if pdl and not fold:
         raise ValueError("pdl=True needs the fold (k_cache, new_slots): without it the minmax update just before "
                          "writes the bounds the kernel loads before its wait")
-    launch_pdl = fold and (PDL if pdl is None else pdl)
-    ctas = CTAS_PER_SM if ctas_per_sm is None else ctas_per_sm
-    if not isinstance(ctas, int) or isinstance(ctas, bool) or not 1 <= ctas <= MAX_CTAS_PER_SM:
-        raise ValueError(f"ctas_per_sm must be an int from 1 to {MAX_CTAS_PER_SM}, got {ctas!r}")
     for t in (kmax, kmin, page_table, kv_lens):
         if t.device != q.device:
             raise ValueError(f"every tensor must be on q's device {q.device}, got {t.device}")
-    reason = unavailable(q.device)
-    if reason is not None:
-        raise RuntimeError(f"quest_page_scores_cuda cannot run: {reason}")
     q = _aligned_rows(q, "q", copy=True)
     for name, t in (("kmax", kmax), ("kmin", kmin)):
         _aligned_rows(t, name, copy=False)
     if page_table.stride(1) != 1:
         page_table = page_table.contiguous()
-    kv_lens = kv_lens.contiguous()
-    P = page_table.shape[1]
-    scores = torch.empty((B, hkv, P), dtype=torch.float32, device=q.device)
-    if B == 0 or P == 0:
-        return scores
     if fold:
         k_cache = _aligned_rows(k_cache, "k_cache", copy=False)  # the fold reads the step's keys in place
         new_slots = new_slots.contiguous()
-        kp, ko, kh = k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
     else:
-        kp = ko = kh = 0
-    err = on_device(q, library(l2_prefetch).se_quest_scores, q.data_ptr(), q.stride(0), q.stride(1), kmax.data_ptr(),
-                    kmin.data_ptr(), page_table.data_ptr(), page_table.stride(0), kv_lens.data_ptr(),
-                    int(kv_lens.dtype == torch.int64), scores.data_ptr(), k_cache.data_ptr() if fold else None, kp,
-                    ko, kh, new_slots.data_ptr() if fold else None, int(fold and new_slots.dtype == torch.int64), B,
-                    hkv, hq // hkv, P, page_size, ctas, int(bool(launch_pdl)),
+        k_cache = new_slots = None
+    return ScoreLaunch(q, kmax, kmin, page_table, kv_lens.contiguous(), k_cache, new_slots, page_size,
+                       bool(fold and (PDL if pdl is None else pdl)))
+
+
+def check_device(device: torch.device, what: str) -> None:
+    reason = unavailable(device)
+    if reason is not None:
+        raise RuntimeError(f"{what} cannot run: {reason}")
+
+
+def quest_page_scores_cuda(q, kmax, kmin, page_table, kv_lens, page_size, *, k_cache=None, new_slots=None, pdl=None,
+                           ctas_per_sm=None, l2_prefetch=None):
+    """Quest's page scores (the module's docstring). `pdl` (default `PDL`) applies with the
+    fold only: the kernel then loads bounds, page table and lengths before it waits for the
+    kernel just before it on the stream, which must not write them (in a decode step that is
+    the qkv linear; without the fold the minmax update runs just before and writes the
+    bounds). `ctas_per_sm` (default `CTAS_PER_SM`, 1 to `MAX_CTAS_PER_SM`): the grid;
+    `l2_prefetch` (default `BUILD_L2_PREFETCH`): the build."""
+    ctas = CTAS_PER_SM if ctas_per_sm is None else ctas_per_sm
+    if not isinstance(ctas, int) or isinstance(ctas, bool) or not 1 <= ctas <= MAX_CTAS_PER_SM:
+        raise ValueError(f"ctas_per_sm must be an int from 1 to {MAX_CTAS_PER_SM}, got {ctas!r}")
+    launch = score_launch(q, kmax, kmin, page_table, kv_lens, page_size, k_cache, new_slots, pdl,
+                          "quest_page_scores_cuda")
+    check_device(q.device, "quest_page_scores_cuda")
+    B, hkv, _, P = launch.shape
+    scores = torch.empty((B, hkv, P), dtype=torch.float32, device=q.device)
+    if B == 0 or P == 0:
+        return scores
+    err = on_device(q, library(l2_prefetch).se_quest_scores, *launch.c_args(scores), ctas, int(launch.pdl),
                     torch.cuda.current_stream(q.device).cuda_stream)
     if err:
-        raise RuntimeError(f"quest_page_scores_cuda's launch failed: error {err} (B={B}, Hq={hq}, Hkv={hkv}, P={P})")
+        raise RuntimeError(f"quest_page_scores_cuda's launch failed: error {err} (B={B}, Hq={q.shape[1]}, Hkv={hkv}, "
+                           f"P={P})")
     return scores
 
 

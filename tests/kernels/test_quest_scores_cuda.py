@@ -251,25 +251,48 @@ def test_many_ragged_requests(gen):
     assert_close(_read(got, lens, ps), want, 1e-3)
 
 
-@pytest.mark.gpu
-def test_in_the_engine(tmp_path, monkeypatch):
-    """A model the kernel takes (head dim 128, bf16, 16 query / 8 KV heads; dummy weights):
-    with `ENGINE` on, Quest's decode step scores with it (each call outside a graph capture
-    checked against the reference on the bounds the update would make: the fold's), the
-    records say so, and its tokens are the Triton scores', eager and in decode graphs alike.
-    (Eager against graph tokens is no test in bf16: with the Triton scores as well, one of
-    the four requests' tokens differ between the two paths, H200 s49-4.)"""
-    from sparseengine import LLM, SamplingParams
-    from sparseengine.kernels import quest_select_cuda
+def quest_model_dir(tmp_path):
+    """A model both Quest CUDA kernels take (head dim 128, 16 query / 8 KV heads, 3 layers;
+    dummy weights load from its config)."""
     from sparseengine.models.loader import SHAPES_DIR
 
-    # the engine allocates with the real torch.empty, not the module's poisoned one (before the fixture warmed
-    # torch's cache of device factories, the poisoned one built the model's linears on the CPU: s49-2)
-    monkeypatch.setattr(torch, "empty", _TORCH_EMPTY)
     cfg = json.loads((SHAPES_DIR / "tiny-llama.json").read_text())
     cfg.update(hidden_size=2048, intermediate_size=4096, num_hidden_layers=3, num_attention_heads=16,
                num_key_value_heads=8, head_dim=128)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return str(tmp_path)
+
+
+def quest_engine_tokens(model_dir, eager, check_kernels):
+    """Four prompts' 24 greedy tokens from Quest (bf16, total 112) on the GPU, eager or with
+    decode graphs; `check_kernels` sees the method's kernel record first."""
+    from sparseengine import LLM, SamplingParams
+
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (700, 260, 513, 390)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(model_dir, load_format="dummy", device="cuda", dtype="bfloat16", sparse_method="quest",
+             sink_tokens=16, budget=64, recent_tokens=32, num_kv_pages=512, enforce_eager=eager) as llm:
+        check_kernels(llm.method.kernels(llm.device, llm.provider))
+        tokens = [o.token_ids for o in llm.generate(prompts, params)]
+        assert (llm.runner.graph_steps > 0) != eager
+    return tokens
+
+
+@pytest.mark.gpu
+def test_in_the_engine(tmp_path, monkeypatch):
+    """A model the kernel takes (`quest_model_dir`): with `ENGINE` on, Quest's decode step
+    scores with it (each call outside a graph capture checked against the reference on the
+    bounds the update would make: the fold's), the records say so, and its tokens are the
+    Triton scores', eager and in decode graphs alike. (Eager against graph tokens is no test
+    in bf16: with the Triton scores as well, one of the four requests' tokens differ between
+    the two paths, H200 s49-4.)"""
+    from sparseengine.kernels import quest_select_cuda
+
+    # the engine allocates with the real torch.empty, not the module's poisoned one (before the fixture warmed
+    # torch's cache of device factories, the poisoned one built the model's linears on the CPU: s49-2)
+    monkeypatch.setattr(torch, "empty", _TORCH_EMPTY)
+    model = quest_model_dir(tmp_path)
     assert quest_select_cuda.takes("cuda", 64)  # the scores run in the CUDA choice's branch
     real, checked = QS.quest_page_scores_cuda, []
 
@@ -286,19 +309,16 @@ def test_in_the_engine(tmp_path, monkeypatch):
         return got
 
     monkeypatch.setattr(QS, "quest_page_scores_cuda", checking)
-    gen = torch.Generator().manual_seed(6)
-    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (700, 260, 513, 390)]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     tokens = {}
     for on in (False, True):
         monkeypatch.setattr(QS, "ENGINE", on)
         for eager in (True, False):
             checked.clear()
-            with LLM(str(tmp_path), load_format="dummy", device="cuda", dtype="bfloat16", sparse_method="quest",
-                     sink_tokens=16, budget=64, recent_tokens=32, num_kv_pages=512, enforce_eager=eager) as llm:
-                assert llm.method.kernels(llm.device, llm.provider)["quest_scores"] == ("cuda" if on else "triton")
-                tokens[on, eager] = [o.token_ids for o in llm.generate(prompts, params)]
-                assert (llm.runner.graph_steps > 0) != eager
+
+            def check_kernels(kernels):
+                assert kernels["quest_scores"] == ("cuda" if on else "triton"), kernels
+
+            tokens[on, eager] = quest_engine_tokens(model, eager, check_kernels)
             assert any(checked) == on, (on, eager, checked)  # decode steps scored here, the step's keys folded in
             if on and eager:
                 assert len(checked) >= 20, checked  # every eager decode step's sparse layer
