@@ -21,7 +21,8 @@
 // holds at once (host, by the occupancy API), so every scoring CTA runs while rows wait.
 // Where the rows fit that, a CTA takes one (CTAs past the scoring ones only choose); else
 // the scoring CTAs take several each (LOOP, whose registers spill at the wider rows).
-// Every CTA passes the PDL wait before it touches the counters or writes anything.
+// Every CTA passes the PDL wait before it touches the counters or writes anything. A row
+// that waits over 2 s traps (the launch fails with an error instead of hanging the GPU).
 #include <cuda_runtime.h>
 
 #include "launch_pdl.cuh"
@@ -43,6 +44,14 @@ __device__ __forceinline__ int load_acquire(const int* p) {
   int v;
   asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
+}
+
+constexpr unsigned long long WAIT_LIMIT_NS = 2000000000ull;  // a row's wait for its scores, at most (then a trap)
+
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
 }
 
 // The CTAs whose runs of items hold request b's items.
@@ -76,7 +85,11 @@ __global__ void __launch_bounds__(qscore::THREADS, 2) pick_kernel(const PickArgs
     const int b = row / H;
     if (threadIdx.x == 0) {
       const int want = ctas_of(a, b);
-      while (load_acquire(p.counters + b) < want) __nanosleep(64);
+      const unsigned long long start = global_ns();
+      while (load_acquire(p.counters + b) < want) {
+        __nanosleep(64);
+        if (global_ns() - start > WAIT_LIMIT_NS) __trap();  // a broken hand-off fails the launch instead of hanging
+      }
       if (atomicAdd(p.counters + p.B + b, 1) == H - 1) p.counters[b] = 0, p.counters[p.B + b] = 0;  // the last row
     }
     __syncthreads();  // the row's scores in; the row before's readers of s and staged are past it

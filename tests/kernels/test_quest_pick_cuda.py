@@ -4,8 +4,9 @@ the same scores, pages and counts bit for bit, with and without the decode step'
 bounds as the minmax update makes them), through the choice's warp path and its block path
 (scores full of ties), with a row a CTA and with several (more rows than CTAs fit at once),
 CTAs that only choose (fewer work items than rows), PDL on and off, one or two CTAs an SM,
-replayed in a CUDA graph; the counters left zero after every launch; Quest's decode step with
-it (the tokens of the two launches, eager and in graphs). On the CPU: the build (where nvcc
+replayed in a CUDA graph; the counters left zero after every launch; a count that never
+completes failing the launch (no hang); Quest's decode step with it (the tokens of the two
+launches, eager and in graphs). On the CPU: the build (where nvcc
 is), the errors for bad input (its ctypes table: test_nvcc_build.py)."""
 import pytest
 import torch
@@ -226,6 +227,41 @@ def test_128k_shape_in_a_cuda_graph(gen):
         _assert_same(out, want, lens, ps, "replay")
         assert torch.equal(bounds[0], want_hi) and torch.equal(bounds[1], want_lo)
         assert not counters.any()
+
+
+_NEVER_COMPLETE = """
+import torch
+from sparseengine.kernels import quest_pick_cuda as QP
+B, P, hkv = 2, 64, 8
+q = torch.randn(B, 32, 128, device="cuda").bfloat16()
+hi = torch.randn(B * P, hkv, 128, device="cuda").bfloat16()
+table = torch.arange(B * P, device="cuda").view(B, P).int()
+lens = torch.full((B,), P * 16, dtype=torch.int32, device="cuda")
+counters = QP.workspace(B, "cuda")
+counters[:B] = -1000  # request counts that never complete
+QP.quest_pick_cuda(q, hi, hi - 1, table, lens, 16, 16, 32, 128, counters=counters)
+torch.cuda.synchronize()
+print("returned")
+"""
+
+
+@pytest.mark.gpu
+def test_a_count_that_never_completes_fails_the_launch():
+    """The rows' wait is bounded: with counters that never reach a request's count (a broken
+    workspace), the launch traps after ~2 s and the process sees a CUDA error, not a hung GPU
+    (a child process: the error leaves its CUDA context unusable)."""
+    import subprocess
+    import sys
+    import time
+
+    from sparseengine.kernels.testing import child_env
+
+    start = time.monotonic()
+    run = subprocess.run([sys.executable, "-c", _NEVER_COMPLETE], capture_output=True, text=True, env=child_env(),
+                         timeout=120)
+    assert run.returncode != 0 and "returned" not in run.stdout, (run.stdout, run.stderr[-2000:])
+    assert "CUDA error" in run.stderr or "AcceleratorError" in run.stderr, run.stderr[-2000:]
+    assert time.monotonic() - start < 60
 
 
 @pytest.mark.gpu
