@@ -9,11 +9,12 @@
 // CTAs 0 .. selectors - 1 then each take (request, KV head) rows as quest_select.cu's kernel
 // does (quest_select.cuh), a row once every CTA that scores its request has announced it.
 //
-// The hand-off: every thread fences its score stores (__threadfence), the CTA meets at a
-// barrier, and thread 0 adds one to arrive[b] for each request b of its items. A row's CTA
-// waits (thread 0, ld.acquire.gpu, __nanosleep between polls) until arrive[b] counts every
-// CTA whose items hold request b's, meets its threads at a barrier, and reads the scores
-// through L2 only (ld.global.cg: no stale L1 line). The last of request b's H rows to see its
+// The hand-off (a semaphore as CUTLASS's): the CTA meets at a barrier after its score stores,
+// and thread 0 adds one to arrive[b] for each request b of its items with a release
+// reduction (red.release.gpu: cumulative over the stores the barrier ordered before it). A
+// row's CTA waits (thread 0, ld.acquire.gpu, __nanosleep between polls) until arrive[b]
+// counts every CTA whose items hold request b's, meets its threads at a barrier, and reads
+// the scores through L2 only (ld.global.cg: no stale L1 line). The last of request b's H rows to see its
 // count complete resets arrive[b] and its own counter seen[b] to 0 for the next launch, so
 // `counters` ([2, B] int32, zero before the first launch) stays zero between launches.
 // No CTA waits on a CTA that waits: a CTA scores (never waiting, but for the PDL wait on the
@@ -46,6 +47,10 @@ __device__ __forceinline__ int load_acquire(const int* p) {
   return v;
 }
 
+__device__ __forceinline__ void add_release(int* p, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
 constexpr unsigned long long WAIT_LIMIT_NS = 2000000000ull;  // a row's wait for its scores, at most (then a trap)
 
 __device__ __forceinline__ unsigned long long global_ns() {
@@ -72,10 +77,9 @@ __global__ void __launch_bounds__(qscore::THREADS, 2) pick_kernel(const PickArgs
   const int first = blockIdx.x * a.per_cta, last = min(first + a.per_cta, a.items);
   if (first < a.items) {  // else a CTA that only chooses
     qscore::score_items(a, first, last, q_smem);
-    __threadfence();  // this thread's score stores visible to the GPU before the CTA announces them
-    __syncthreads();
+    __syncthreads();  // the CTA's score stores before thread 0's release (cumulative over what the barrier ordered)
     if (threadIdx.x == 0) {
-      for (int b = first / a.items_per_b; b <= (last - 1) / a.items_per_b; ++b) atomicAdd(p.counters + b, 1);
+      for (int b = first / a.items_per_b; b <= (last - 1) / a.items_per_b; ++b) add_release(p.counters + b, 1);
     }
   } else if (a.pdl) {
     asm volatile("griddepcontrol.wait;" ::: "memory");  // as the scoring CTAs: nothing before it but the launch
