@@ -11,7 +11,7 @@
 #   VARIANTS='default;M.NAME=V ...;overlay=DIR' [BENCH='--flag'] bash scripts/gpu_session.sh variants  # A/B profiles
 #   COMMIT=<sha> DIRTY=0 bash scripts/gpu_session.sh quest_select  # Quest's CUDA page choice: tests, bench, A/B, lanes
 #   COMMIT=<sha> DIRTY=0 bash scripts/gpu_session.sh quest_scores_cuda  # Quest's CUDA page scores: tests, bench, A/Bs
-#   COMMIT=<sha> DIRTY=0 bash scripts/gpu_session.sh quest_pick  # Quest's scores and choice in one launch: tests, bench, A/B
+#   COMMIT=<sha> DIRTY=0 bash scripts/gpu_session.sh quest_pick  # Quest's scores + choice as one launch: tests, A/B
 #   bash scripts/gpu_session.sh quest_scores # Quest's score tests, its scoring launches swept, the fastest A/B in b6 profiles
 #   bash scripts/gpu_session.sh pick         # GPU tests (kernels, methods), OmniKV's pick side by side, OmniKV b6 profile
 #   bash scripts/gpu_session.sh balanced     # split-K decode tests (all, compiled), the balanced plan beside the per-row one
@@ -32,7 +32,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 WANDB_MODE=offline
 # The device copy's .git can name an older commit: pass COMMIT=<sha> DIRTY=0|1 so records carry provenance.
 COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 export SPARSEENGINE_GIT_COMMIT=$COMMIT SPARSEENGINE_GIT_DIRTY=${DIRTY:-}
-phase=${1:?phase: check, profiles, deltakv, ab, pick, quest_select, quest_scores_cuda, quest_pick, balanced, ragged, throughput or accuracy}; shift
+phase=${1:?phase: one of those listed above}; shift
 FI_WHEELS=.whl/flashinfer; [ -d .whl/flashinfer_trim ] && FI_WHEELS=.whl/flashinfer_trim
 export FI_WHEELS
 
@@ -282,12 +282,13 @@ PY
 quest_pick)
   # Quest's page scores and choice in one CUDA launch (quest_pick_cuda, session 51, off by default; never run on a GPU
   # before): its GPU tests (SKIP_TESTS=1 skips them), the bench beside the two launches it joins, then Quest b=6 with it
-  # on and off in alternating profiles, three rounds.
+  # off, on, and on built asking L2 for 256 B around each load of the bounds, in alternating profiles, two rounds.
   install_wheels .whl/hydra
   [ -n "${SKIP_TESTS:-}" ] || timeout 240 python -m pytest -q -m gpu tests/kernels/test_quest_pick_cuda.py \
     -p no:cacheprovider -rs 2>&1 | tail -8 | tee "$OUT/gpu_tests.log"
   timeout 150 python -m sparseengine.kernels.bench_gpu --quest-pick-cuda --out "$OUT/bench.jsonl" 2>&1 | tail -3
-  METHOD=quest BATCH=6 ROUNDS=3 VARIANTS="default;quest_pick_cuda.ENGINE=True" bash "$0" variants
+  METHOD=quest BATCH=6 ROUNDS=2 VARIANTS="default;quest_pick_cuda.ENGINE=True;\
+quest_pick_cuda.ENGINE=True quest_scores_cuda.BUILD_L2_PREFETCH=256" bash "$0" variants
   ;;
 variants)
   # BENCH (bench_gpu flags, optional) into $OUT/bench.jsonl, then one method's graph step with each of VARIANTS

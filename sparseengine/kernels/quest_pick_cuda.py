@@ -16,8 +16,10 @@ allocates zeros. Two launches that share a workspace must not run at once: a row
 for the other launch's counts.
 
 `takes(q, kmax, pages)` says whether Quest's decode step picks with it: `ENGINE` (off by
-default: not yet run on a GPU), an sm_90 GPU with nvcc, and shapes both kernels take. Without a GPU it cannot run: its GPU tests compare it with the two
-launches it replaces.
+default: not yet run on a GPU), an sm_90 GPU with nvcc, and shapes both kernels take.
+Without a GPU it cannot run: its GPU tests compare it with the two launches it replaces.
+`l2_prefetch=` picks the build of the scoring loads (`quest_scores_cuda.BUILD_L2_PREFETCH`
+by default: the scores' code and its switch are theirs).
 """
 from __future__ import annotations
 
@@ -42,9 +44,17 @@ SIGNATURES = {  # in the order of the source's `extern "C"` declarations (a CPU 
 }
 
 
+def library(l2_prefetch: int | None = None) -> ctypes.CDLL:
+    """The built library whose loads of the bounds ask L2 for `l2_prefetch` bytes around each
+    (default `quest_scores_cuda.BUILD_L2_PREFETCH`: the scores' code is theirs, and so is its
+    build switch; nvcc, once a build)."""
+    return _library(quest_scores_cuda.build_prefetch(l2_prefetch))
+
+
 @functools.lru_cache(maxsize=None)
-def library() -> ctypes.CDLL:
-    return load_library(SOURCE, [], "libse_quest_pick.so", SIGNATURES, "quest_pick_cuda")
+def _library(prefetch: int) -> ctypes.CDLL:
+    return load_library(SOURCE, quest_scores_cuda.build_flags(prefetch), "libse_quest_pick.so", SIGNATURES,
+                        "quest_pick_cuda")
 
 
 def takes(q: torch.Tensor, kmax: torch.Tensor, pages: int) -> bool:
@@ -62,9 +72,11 @@ def workspace(max_batch: int, device: torch.device | str) -> torch.Tensor:
 
 
 def quest_pick_cuda(q, kmax, kmin, page_table, kv_lens, page_size, sink_tokens, recent_tokens, budget, *,
-                    k_cache=None, new_slots=None, counters=None, pdl=None, ctas_per_sm=None, return_scores=False):
+                    k_cache=None, new_slots=None, counters=None, pdl=None, ctas_per_sm=None, l2_prefetch=None,
+                    return_scores=False):
     """Quest's page scores and choice in one launch (the module's docstring); `pdl` as
-    `quest_scores_cuda.quest_page_scores_cuda`'s; `ctas_per_sm` default `CTAS_PER_SM`."""
+    `quest_scores_cuda.quest_page_scores_cuda`'s; `ctas_per_sm` default `CTAS_PER_SM`;
+    `l2_prefetch`: the build (`library`)."""
     from sparseengine.methods.quest import selection_width  # methods.quest imports this package
     from .quest_select import choice_args, top_pages
 
@@ -84,15 +96,16 @@ def quest_pick_cuda(q, kmax, kmin, page_table, kv_lens, page_size, sink_tokens, 
           or counters.device != q.device or not counters.is_contiguous()):
         raise ValueError(f"counters must be a contiguous int32 vector of at least 2 x B = {2 * B} entries on "
                          f"{q.device}, got {tuple(counters.shape)} {counters.dtype} on {counters.device}")
+    prefetch = quest_scores_cuda.build_prefetch(l2_prefetch)
     quest_scores_cuda.check_device(q.device, "quest_pick_cuda")
     scores = torch.empty((B, hkv, -(-P // 4) * 4), dtype=torch.float32, device=q.device)  # fresh: 16-byte aligned
     K = min(selection_width(ps, sink, budget, recent), P)
     pages = torch.empty((B, hkv, K), dtype=torch.int64, device=q.device)
     counts = torch.empty((B, hkv), dtype=torch.int32, device=q.device)
     if B:
-        err = on_device(q, library().se_quest_pick, *launch.c_args(scores), pages.data_ptr(), counts.data_ptr(), K,
-                        -(-sink // ps), recent, sink + budget + recent, top_pages(budget, ps), counters.data_ptr(),
-                        ctas, int(launch.pdl), torch.cuda.current_stream(q.device).cuda_stream)
+        err = on_device(q, _library(prefetch).se_quest_pick, *launch.c_args(scores), pages.data_ptr(),
+                        counts.data_ptr(), K, -(-sink // ps), recent, sink + budget + recent, top_pages(budget, ps),
+                        counters.data_ptr(), ctas, int(launch.pdl), torch.cuda.current_stream(q.device).cuda_stream)
         if err:
             raise RuntimeError(f"quest_pick_cuda's launch failed: error {err} (B={B}, Hq={q.shape[1]}, Hkv={hkv}, "
                                f"P={P}, K={K})")

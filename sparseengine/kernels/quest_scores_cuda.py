@@ -64,16 +64,25 @@ SIGNATURES = {  # in the order of the source's `extern "C"` declarations (a CPU 
 def library(l2_prefetch: int | None = None) -> ctypes.CDLL:
     """The built library of the build `l2_prefetch` names (default `BUILD_L2_PREFETCH`;
     nvcc, once a build)."""
+    return _library(build_prefetch(l2_prefetch))
+
+
+def build_prefetch(l2_prefetch: int | None) -> int:
+    """The build `l2_prefetch` names, checked (None: `BUILD_L2_PREFETCH`); also the build
+    of `quest_pick_cuda`, which scores with the same code."""
     prefetch = BUILD_L2_PREFETCH if l2_prefetch is None else l2_prefetch
     if prefetch not in L2_PREFETCH_SIZES or isinstance(prefetch, bool):
         raise ValueError(f"l2_prefetch must be one of {L2_PREFETCH_SIZES}, got {prefetch!r}")
-    return _library(prefetch)
+    return prefetch
+
+
+def build_flags(prefetch: int) -> list[str]:
+    return [f"-DSE_L2_PREFETCH={prefetch}"] if prefetch else []  # the default build's key as before
 
 
 @functools.lru_cache(maxsize=None)
 def _library(prefetch: int) -> ctypes.CDLL:
-    flags = [f"-DSE_L2_PREFETCH={prefetch}"] if prefetch else []  # the default build's key as before
-    return load_library(SOURCE, flags, "libse_quest_scores.so", SIGNATURES, "quest_scores_cuda")
+    return load_library(SOURCE, build_flags(prefetch), "libse_quest_scores.so", SIGNATURES, "quest_scores_cuda")
 
 
 def shape_reason(hq: int, hkv: int, head_dim: int, dtype: torch.dtype) -> str | None:

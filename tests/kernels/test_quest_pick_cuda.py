@@ -43,11 +43,11 @@ def _id(case):
 @pytest.mark.skipif(find_nvcc() is None, reason="needs nvcc (no GPU needed: the library loads without one)")
 def test_builds_and_reports_its_widest_row(monkeypatch, tmp_path):
     monkeypatch.setenv("SPARSEENGINE_CACHE", str(tmp_path))
-    QP.library.cache_clear()
+    QP._library.cache_clear()
     try:
         assert QP.library().se_quest_pick_max_pages() == QC.max_pages()
     finally:
-        QP.library.cache_clear()
+        QP._library.cache_clear()
     assert list(tmp_path.glob("cuda/*/libse_quest_pick.so"))
 
 
@@ -73,6 +73,8 @@ def test_bad_input():
     wide = torch.zeros(2, QC.max_pages() + 1, dtype=torch.int32)
     with pytest.raises(ValueError, match=f"takes 1 to {QC.max_pages()} pages a row, got P={QC.max_pages() + 1}"):
         call(q, hi, hi, wide, lens, 4, 4, 4, 8)
+    with pytest.raises(ValueError, match=r"l2_prefetch must be one of \(0, 64, 128, 256\), got 32"):
+        call(*args, l2_prefetch=32)
     for counters in (torch.zeros(3, dtype=torch.int32), torch.zeros(4), torch.zeros(2, 2, dtype=torch.int32)):
         with pytest.raises(ValueError, match=r"counters must be a contiguous int32 vector of at least 2 x B = 4"):
             call(*args, counters=counters)
@@ -181,7 +183,8 @@ def test_more_rows_than_ctas_and_ctas_that_only_choose(gen):
 @pytest.mark.gpu
 def test_128k_shape_in_a_cuda_graph(gen):
     """The 128K benchmark's shape (6 requests, 8320-page tables, 32 query / 8 KV heads, total
-    2048), a decode step's fold: eager with and without PDL, then captured once and replayed
+    2048), a decode step's fold: eager with and without PDL (and the build asking L2 for 256 B
+    around each load of the bounds), then captured once and replayed
     three times with the bounds restored before each: the same pages, counts and scores as the
     two launches every time, the counters zero after each replay."""
     B, P, hq, hkv, d, ps, n = 6, 8320, 32, 8, 128, 16, 131072
@@ -202,13 +205,13 @@ def test_128k_shape_in_a_cuda_graph(gen):
     fold = {"k_cache": k_cache, "new_slots": slots}
     want = _two_launches(q, want_hi.clone(), want_lo.clone(), table, lens, ps, choice)
     counters = QP.workspace(8, "cuda")
-    for pdl in (False, True):
+    for pdl, prefetch in ((False, 0), (True, 0), (True, 256)):
         bounds = (hi.clone(), lo.clone())
         torch.cuda.synchronize()
         got = QP.quest_pick_cuda(q, *bounds, table, lens, ps, *choice, **fold, counters=counters, pdl=pdl,
-                                 return_scores=True)
+                                 l2_prefetch=prefetch, return_scores=True)
         assert torch.equal(bounds[0], want_hi) and torch.equal(bounds[1], want_lo)
-        _assert_same(got, want, lens, ps, pdl)
+        _assert_same(got, want, lens, ps, (pdl, prefetch))
         assert not counters.any()
     bounds = (hi.clone(), lo.clone())
     stream = torch.cuda.Stream()
