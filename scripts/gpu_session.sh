@@ -281,13 +281,15 @@ PY
   ;;
 quest_pick)
   # Quest's page scores and choice in one CUDA launch (quest_pick_cuda, session 51, off by default; never run on a GPU
-  # before): its GPU tests (SKIP_TESTS=1 skips them), the bench beside the two launches it joins, then Quest b=6 with it
-  # off, on, and on built asking L2 for 256 B around each load of the bounds, in alternating profiles, two rounds.
+  # before): its GPU tests (SKIP_TESTS=1 skips them), the bench beside the two launches it joins, then Quest b=6 in
+  # alternating profiles, two rounds: default (the two launches; since session 51 the choice reads the CUDA scores'
+  # 8321-page rows as float4), the choice reading them score by score (as before session 51), it on, it on built
+  # asking L2 for 256 B around each load of the bounds.
   install_wheels .whl/hydra
   [ -n "${SKIP_TESTS:-}" ] || timeout 240 python -m pytest -q -m gpu tests/kernels/test_quest_pick_cuda.py \
     -p no:cacheprovider -rs 2>&1 | tail -8 | tee "$OUT/gpu_tests.log"
   timeout 150 python -m sparseengine.kernels.bench_gpu --quest-pick-cuda --out "$OUT/bench.jsonl" 2>&1 | tail -3
-  METHOD=quest BATCH=6 ROUNDS=2 VARIANTS="default;quest_pick_cuda.ENGINE=True;\
+  METHOD=quest BATCH=6 ROUNDS=2 VARIANTS="default;quest_select_cuda.VEC=False;quest_pick_cuda.ENGINE=True;\
 quest_pick_cuda.ENGINE=True quest_scores_cuda.BUILD_L2_PREFETCH=256" bash "$0" variants
   ;;
 variants)

@@ -29,7 +29,8 @@ __global__ void __launch_bounds__(THREADS, 2) scores_kernel(const Args a) {
 
 // -> 0 when launched, a cudaError_t, or -1 (an argument out of range: hkv must divide 8,
 // group 1..8, D 128). q bf16 rows of D at b * qb + head * qh (16-byte aligned); kmax, kmin
-// [num_pages, hkv, D] bf16 contiguous; table int32 rows at b * tb; scores [B, hkv, P] fp32;
+// [num_pages, hkv, D] bf16 contiguous; table int32 rows at b * tb; scores [B, hkv, P4] fp32, P4 = P rounded
+// up to 4 (rows a float4 read may take whole: quest_select.cu's VEC; the floats past P unwritten);
 // k_cache and slots null for no fold (else k_cache's (page, off, head) row at page * kp +
 // off * ko + head * kh, 16-byte aligned). `ctas_per_sm`: the grid, CTAs an SM (2 fit at once; more
 // queue behind them, each taking a shorter run of items).
@@ -46,7 +47,7 @@ extern "C" int se_quest_scores(const void* q, long long qb, long long qh, void* 
   const int per_cta = (items + want - 1) / want, grid = (items + per_cta - 1) / per_cta;
   const Args a = {(const __nv_bfloat16*)q, (__nv_bfloat16*)kmax, (__nv_bfloat16*)kmin, (const int*)table, kv_lens,
                   (float*)scores, (const __nv_bfloat16*)k_cache, slots, qb, qh, tb, kp, ko, kh, lens64, slots64, hkv,
-                  group, P, page_size, items_per_b, items, per_cta, pdl, P};
+                  group, P, page_size, items_per_b, items, per_cta, pdl, (P + 3) / 4 * 4};
   return launch_maybe_pdl(scores_kernel, dim3(grid), dim3(THREADS), 0, stream, pdl, a);
 }
 

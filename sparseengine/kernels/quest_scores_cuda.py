@@ -10,7 +10,8 @@ its first tiles' bounds loaded before it waits for the qkv linear before it
 `quest_page_scores_cuda(q, kmax, kmin, page_table, kv_lens, page_size, *, k_cache=None,
 new_slots=None)`: `q [B, Hq, 128]` bf16 (rows 16-byte aligned), `kmax, kmin [num_pages,
 Hkv, 128]` bf16 contiguous, `page_table [B, P]` int32, `kv_lens [B]` int32 or int64,
-`new_slots [B]` int32 or int64 -> `scores [B, Hkv, P]` float32. Hkv must divide 8 and
+`new_slots [B]` int32 or int64 -> `scores [B, Hkv, P]` float32 (a view of rows of P rounded
+up to 4, which the CUDA choice reads whole as float4: `quest_select_cuda`). Hkv must divide 8 and
 Hq / Hkv be at most 8. `takes(q, kmax)` says whether Quest's decode step scores with it
 (`ENGINE`, an sm_90 GPU with nvcc, the shapes above); otherwise the step runs the Triton
 kernel. Without a GPU it cannot run: its tests are marked `gpu`, with the torch reference
@@ -205,7 +206,8 @@ def quest_page_scores_cuda(q, kmax, kmin, page_table, kv_lens, page_size, *, k_c
                           "quest_page_scores_cuda")
     check_device(q.device, "quest_page_scores_cuda")
     B, hkv, _, P = launch.shape
-    scores = torch.empty((B, hkv, P), dtype=torch.float32, device=q.device)
+    # rows of P rounded up to 4 floats (the kernel's layout), so that the CUDA choice reads each whole as float4
+    scores = torch.empty((B, hkv, -(-P // 4) * 4), dtype=torch.float32, device=q.device)[..., :P]
     if B == 0 or P == 0:
         return scores
     err = on_device(q, library(l2_prefetch).se_quest_scores, *launch.c_args(scores), ctas, int(launch.pdl),

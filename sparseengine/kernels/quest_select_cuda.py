@@ -25,7 +25,10 @@ from .nvcc_build import load_library, on_device, unavailable
 SOURCE = Path(__file__).with_name("quest_select.cu")
 ENGINE = True  # Quest's decode step selects with this kernel where `takes` says it can (read at each call)
 PDL = False  # launched as a programmatic dependent launch of the page scores (read at each call)
-VEC = True  # rows of a multiple of 4 pages (16-byte aligned) read as float4 through shared memory (read at each call)
+# Rows read as float4 through shared memory where each row's storage holds P rounded up to 4 floats (16-byte aligned:
+# `whole_rows`; the CUDA scores' rows do, the engine's 8321-page table included), read at each call. Before session 51
+# it took rows of a multiple of 4 pages only, so the engine's choice at the 128K shape (8321 pages) never took it.
+VEC = True
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
 SIGNATURES = {  # in the order of the source's `extern "C"` declarations (a CPU test holds them together)
@@ -48,6 +51,17 @@ def takes(device: torch.device | str, pages: int) -> bool:
     """Whether Quest's decode step selects with this kernel on `device` for rows of `pages`
     pages: `ENGINE` on, a GPU it runs on, `pages <= max_pages()` (the page scores are float32)."""
     return ENGINE and torch.device(device).type == "cuda" and pages <= max_pages() and unavailable(device) is None
+
+
+def whole_rows(scores: torch.Tensor) -> bool:
+    """Whether every row of `scores [B, H, P]` (pages contiguous) may be read as float4 up to
+    P rounded up to 4: rows 16 bytes apart and aligned, the last one's floats within the
+    storage (past P they are another row's or padding, never taken)."""
+    B, H, P = scores.shape
+    if scores.stride(-1) != 1 or scores.data_ptr() % 16 or any(s % 4 for s in scores.stride()[:2]):
+        return False
+    last = scores.storage_offset() + (B - 1) * scores.stride(0) + (H - 1) * scores.stride(1)
+    return last + -(-P // 4) * 4 <= scores.untyped_storage().nbytes() // scores.element_size()
 
 
 def quest_select_pages_cuda(scores, kv_lens, page_size, sink_tokens, recent_tokens, budget, *, pdl=None):
@@ -79,7 +93,7 @@ def quest_select_pages_cuda(scores, kv_lens, page_size, sink_tokens, recent_toke
     err = on_device(scores, library().se_quest_select, scores.data_ptr(), scores.stride(0), scores.stride(1),
                     kv_lens.data_ptr(), int(kv_lens.dtype == torch.int64), pages.data_ptr(), counts.data_ptr(), B, H,
                     P, K, ps, -(-sink // ps), recent, sink + budget + recent, top_pages(budget, ps),
-                    int(PDL if pdl is None else pdl), int(VEC and P % 4 == 0),
+                    int(PDL if pdl is None else pdl), int(VEC and whole_rows(scores)),
                     torch.cuda.current_stream(scores.device).cuda_stream)
     if err:
         raise RuntimeError(f"quest_select_pages_cuda's launch failed: error {err} (B={B}, Hkv={H}, P={P}, K={K})")

@@ -3,8 +3,10 @@
 (`quest_select_pages`, ties to the earlier page) on scores full of ties; through its warp
 path (at most 512 candidates) and its block path (more: many equal scores); equal to the
 Triton kernel at the 128K benchmark's shape, in a CUDA graph and as a programmatic
-dependent launch. On the CPU: the errors for bad input and the build (where nvcc is); its
-ctypes table: test_nvcc_build.py. The engine with it: tests/methods/test_graph_vs_eager_gpu.py."""
+dependent launch; rows read as float4 where their storage holds P rounded up to 4 (the
+engine's 8321-page rows as the CUDA scores store them). On the CPU: the errors for bad input,
+which rows are read whole (`whole_rows`) and the build (where nvcc is); its ctypes table:
+test_nvcc_build.py. The engine with it: tests/methods/test_graph_vs_eager_gpu.py."""
 import pytest
 import torch
 
@@ -113,15 +115,44 @@ def test_every_build_width(P, vec, gen, monkeypatch):
         assert torch.equal(g, w)
 
 
+def test_whole_rows():
+    """Which scores the choice reads as float4: rows 16 bytes apart and aligned whose storage
+    holds P rounded up to 4 floats (the CUDA scores' rows of 8321 pages in 8324)."""
+    assert QC.whole_rows(torch.empty(6, 8, 8324)[..., :8321])
+    assert QC.whole_rows(torch.empty(6, 8, 8320))
+    assert not QC.whole_rows(torch.empty(6, 8, 8321))  # rows 8321 floats apart
+    assert not QC.whole_rows(torch.empty(2 * 8 * 8324 + 2)[2:].view(2, 8, 8324)[..., :8321])  # 8 bytes off
+    assert not QC.whole_rows(torch.empty(2, 8, 8324)[..., 1:8322])  # each row 4 bytes off
+    assert not QC.whole_rows(torch.empty(1, 1, 5))  # its last float4 would pass the storage
+    assert not QC.whole_rows(torch.empty(2, 8, 8324)[..., ::2])  # pages not contiguous
+
+
 @pytest.mark.gpu
 def test_strided_scores(gen):
-    """Scores as a slice of a wider table (row strides that are not P), read both ways."""
+    """Scores as a slice of a wider table (row strides that are not P), read both ways: score
+    by score (rows 262 floats apart), as float4 (rows 260 apart, 210 pages read as 212, and
+    208 pages)."""
     lens, ps = [16 * 200, 16 * 150 + 3], 16
-    wide = _scores(torch.randn(2, 3, 260, generator=gen), lens, ps).cuda()
-    for P in (210, 208):  # read score by score; as float4 (aligned rows of a multiple of 4 pages)
+    for width, P, vec in ((262, 210, False), (260, 210, True), (260, 208, True)):
+        wide = _scores(torch.randn(2, 3, width, generator=gen), lens, ps).cuda()
+        assert QC.whole_rows(wide[..., :P]) == vec
         args = (wide[..., :P], torch.tensor(lens, device="cuda"), ps, 16, 48, 320)
         for g, w in zip(QC.quest_select_pages_cuda(*args), select_pages_batched(*args)):
-            assert torch.equal(g, w), P
+            assert torch.equal(g, w), (width, P)
+
+
+@pytest.mark.gpu
+def test_the_engine_width_read_as_float4(gen):
+    """The engine's 128K table (8321 pages: max_model_len 133120 plus a token) stored as the
+    CUDA scores store it, rows of 8324: read as float4, the torch path's choice and the
+    Triton kernel's."""
+    lens, hkv, P, ps = [131072, 131000, 70000, 4097, 2100, 0], 8, 8321, 16
+    scores = _scores(torch.randn(len(lens), hkv, 8324, generator=gen), lens, ps).cuda()[..., :P]
+    assert QC.whole_rows(scores)
+    args = (scores, torch.tensor(lens, dtype=torch.int32, device="cuda"), ps, 64, 512, 1472)
+    got = QC.quest_select_pages_cuda(*args)
+    for want in (select_pages_batched(*args), quest_select_pages_triton(scores.contiguous(), *args[1:])):
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
 @pytest.mark.gpu
