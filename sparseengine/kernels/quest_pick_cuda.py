@@ -98,7 +98,7 @@ def quest_pick_cuda(q, kmax, kmin, page_table, kv_lens, page_size, sink_tokens, 
                          f"{q.device}, got {tuple(counters.shape)} {counters.dtype} on {counters.device}")
     prefetch = quest_scores_cuda.build_prefetch(l2_prefetch)
     quest_scores_cuda.check_device(q.device, "quest_pick_cuda")
-    scores = torch.empty((B, hkv, -(-P // 4) * 4), dtype=torch.float32, device=q.device)  # fresh: 16-byte aligned
+    scores = quest_scores_cuda.scores_buffer(B, hkv, P, q.device)
     K = min(selection_width(ps, sink, budget, recent), P)
     pages = torch.empty((B, hkv, K), dtype=torch.int64, device=q.device)
     counts = torch.empty((B, hkv), dtype=torch.int32, device=q.device)
@@ -109,4 +109,4 @@ def quest_pick_cuda(q, kmax, kmin, page_table, kv_lens, page_size, sink_tokens, 
         if err:
             raise RuntimeError(f"quest_pick_cuda's launch failed: error {err} (B={B}, Hq={q.shape[1]}, Hkv={hkv}, "
                                f"P={P}, K={K})")
-    return (pages, counts, scores[..., :P]) if return_scores else (pages, counts)
+    return (pages, counts, scores) if return_scores else (pages, counts)

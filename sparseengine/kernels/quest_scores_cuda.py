@@ -185,6 +185,13 @@ def score_launch(q, kmax, kmin, page_table, kv_lens, page_size, k_cache, new_slo
                        bool(fold and (PDL if pdl is None else pdl)))
 
 
+def scores_buffer(B: int, hkv: int, P: int, device) -> torch.Tensor:
+    """`[B, Hkv, P]` float32, a view of rows of P rounded up to 4 floats: the kernels' layout
+    (`se_quest_scores`, `se_quest_pick`), whose rows the CUDA choice reads whole as float4
+    (`quest_select_cuda.whole_rows`)."""
+    return torch.empty((B, hkv, -(-P // 4) * 4), dtype=torch.float32, device=device)[..., :P]
+
+
 def check_device(device: torch.device, what: str) -> None:
     reason = unavailable(device)
     if reason is not None:
@@ -206,8 +213,7 @@ def quest_page_scores_cuda(q, kmax, kmin, page_table, kv_lens, page_size, *, k_c
                           "quest_page_scores_cuda")
     check_device(q.device, "quest_page_scores_cuda")
     B, hkv, _, P = launch.shape
-    # rows of P rounded up to 4 floats (the kernel's layout), so that the CUDA choice reads each whole as float4
-    scores = torch.empty((B, hkv, -(-P // 4) * 4), dtype=torch.float32, device=q.device)[..., :P]
+    scores = scores_buffer(B, hkv, P, q.device)
     if B == 0 or P == 0:
         return scores
     err = on_device(q, library(l2_prefetch).se_quest_scores, *launch.c_args(scores), ctas, int(launch.pdl),

@@ -117,8 +117,13 @@ def test_every_build_width(P, vec, gen, monkeypatch):
 
 def test_whole_rows():
     """Which scores the choice reads as float4: rows 16 bytes apart and aligned whose storage
-    holds P rounded up to 4 floats (the CUDA scores' rows of 8321 pages in 8324)."""
-    assert QC.whole_rows(torch.empty(6, 8, 8324)[..., :8321])
+    holds P rounded up to 4 floats: the CUDA scores' buffers at every width (the engine's
+    8321-page table at the 128K benchmark's max_model_len, 133120 tokens plus one, among
+    them), not a plain tensor of 8321 pages."""
+    from sparseengine.kernels.quest_scores_cuda import scores_buffer
+
+    for P in (1, 2, 3, 4, 5, 8320, 8321, 8322, 8323):
+        assert QC.whole_rows(scores_buffer(6, 8, P, "cpu")), P
     assert QC.whole_rows(torch.empty(6, 8, 8320))
     assert not QC.whole_rows(torch.empty(6, 8, 8321))  # rows 8321 floats apart
     assert not QC.whole_rows(torch.empty(2 * 8 * 8324 + 2)[2:].view(2, 8, 8324)[..., :8321])  # 8 bytes off
