@@ -265,16 +265,11 @@ quest_scores_cuda.CTAS_PER_SM=24;quest_scores_cuda.BUILD_L2_PREFETCH=256" bash "
   # each at the bench's shape (the Triton kernel, it with PDL, the CUDA kernel)
   timeout 150 ncu -k regex:scores_kernel --section SpeedOfLight --section MemoryWorkloadAnalysis \
     --section WarpStateStats --section Occupancy --section LaunchStats python - > "$OUT/ncu_scores.txt" 2>&1 <<'PY'
-from sparseengine.kernels import bench_quest as bq, quest_page_scores_triton, quest_scores_cuda
-q, kmax, kmin, table, lens = bq._score_inputs(6, 8320, 131072)
-last = lens.long() - 1  # each request's newest token (its key: q's first 8 heads)
-slots = table[bq.torch.arange(6, device="cuda"), last // bq.PS].long() * bq.PS + last % bq.PS
-k_cache = bq.torch.zeros(6 * 8320, bq.PS, bq.HKV, bq.D, dtype=bq.BF16, device="cuda")
-k_cache.view(-1, bq.HKV, bq.D)[slots] = q[:, :bq.HKV]
-fold = {"k_cache": k_cache, "new_slots": slots}
+from sparseengine.kernels import bench_quest_cuda, quest_page_scores_triton, quest_scores_cuda
+args, fold = bench_quest_cuda._decode_step_inputs(6, 8320, 131072)
 for pdl in (False, True):
-    quest_page_scores_triton(q, kmax, kmin, table, lens, bq.PS, **fold, pdl=pdl)
-quest_scores_cuda.quest_page_scores_cuda(q, kmax, kmin, table, lens, bq.PS, **fold, pdl=False)
+    quest_page_scores_triton(*args, **fold, pdl=pdl)
+quest_scores_cuda.quest_page_scores_cuda(*args, **fold, pdl=False)
 PY
   grep -E "scores_kernel|Duration|DRAM Throughput|Memory Throughput|L2 Hit|Achieved Occupancy|Registers Per" \
     "$OUT/ncu_scores.txt" | head -40

@@ -131,12 +131,12 @@ PARTS = {
                              "bench_quest", ("bench_quest_score_launches",)),
     "quest-select-warps": ("Quest's page choice as the engine launches it: pages a block x warps",
                            "bench_quest", ("bench_quest_select_warps",)),
-    "quest-select-cuda": ("Quest's page choice in CUDA beside the Triton launch", "bench_quest",
+    "quest-select-cuda": ("Quest's page choice in CUDA beside the Triton launch", "bench_quest_cuda",
                           ("bench_quest_select_cuda",)),
     "quest-scores-cuda": ("Quest's page scores in CUDA beside the Triton launch, the step's keys folded in",
-                          "bench_quest", ("bench_quest_scores_cuda",)),
+                          "bench_quest_cuda", ("bench_quest_scores_cuda",)),
     "quest-pick-cuda": ("Quest's page scores and choice in one CUDA launch beside the two launches",
-                        "bench_quest", ("bench_quest_pick_cuda",)),
+                        "bench_quest_cuda", ("bench_quest_pick_cuda",)),
     "prefill-launches": ("the chunked prefill's launches (tile rows, key block, warps, stages, unmasked blocks "
                          "first) at 32K and 128K", "bench_prefill", ("bench_prefill_launches",)),
     "mixed-steps": ("a mixed step's attention (decode rows beside a prefill chunk) with the decode rows routed "

@@ -148,31 +148,20 @@ extern "C" int se_quest_pick(const void* q, long long qb, long long qh, void* km
                              long long kp, long long ko, long long kh, const void* slots, int slots64, int B, int hkv,
                              int group, int P, int page_size, void* pages, void* counts, int K, int sink_pages,
                              int recent, int total, int top, void* counters, int ctas_per_sm, int pdl, void* stream) {
-  using qscore::TILE;
-  if (B < 0 || hkv < 1 || qscore::WARPS % hkv || group < 1 || group > qscore::MAX_GROUP || P < 1 || page_size < 1 ||
-      ctas_per_sm < 1 || ctas_per_sm > 2 || K < 1 || sink_pages < 0 || recent < 0 || top < 1)
+  PickArgs p = {};
+  if (!qscore::make_args(p.s, q, qb, qh, kmax, kmin, table, tb, kv_lens, lens64, scores, k_cache, kp, ko, kh, slots,
+                         slots64, B, hkv, group, P, page_size, pdl) ||
+      ctas_per_sm < 1 || ctas_per_sm > 2 || K < 1 || sink_pages < 0 || recent < 0 || top < 1 ||
+      (uintptr_t)scores % 16)
     return -1;
   if (B == 0) return 0;
-  if ((uintptr_t)scores % 16) return -1;
-  const int pages_per_item = TILE * (qscore::WARPS / hkv);
-  const int items_per_b = (P + pages_per_item - 1) / pages_per_item, P4 = (P + 3) / 4 * 4;
-  PickArgs p = {};
-  p.s = {(const __nv_bfloat16*)q, (__nv_bfloat16*)kmax, (__nv_bfloat16*)kmin, (const int*)table, kv_lens,
-         (float*)scores, (const __nv_bfloat16*)k_cache, slots, qb, qh, tb, kp, ko, kh, lens64, slots64, hkv,
-         group, P, page_size, items_per_b, B * items_per_b, 1, pdl, P4};  // per_cta: launch<KPT>
+  const int P4 = p.s.sp;
   p.c = {(const float*)scores, (long long)hkv * P4, P4, kv_lens, (long long*)pages, (int*)counts, lens64, hkv, P,
          K, page_size, sink_pages, recent, total, top, 0};
   p.counters = (int*)counters;
   p.B = B;
-  if (P <= qsel::THREADS * 4) return launch<4>(p, ctas_per_sm, pdl, stream);
-  if (P <= qsel::THREADS * 8) return launch<8>(p, ctas_per_sm, pdl, stream);
-  if (P <= qsel::THREADS * 16) return launch<16>(p, ctas_per_sm, pdl, stream);
-  if (P <= qsel::THREADS * 24) return launch<24>(p, ctas_per_sm, pdl, stream);
-  if (P <= qsel::THREADS * 36) return launch<36>(p, ctas_per_sm, pdl, stream);
-  if (P <= qsel::THREADS * 48) return launch<48>(p, ctas_per_sm, pdl, stream);
-  if (P <= qsel::THREADS * 64) return launch<64>(p, ctas_per_sm, pdl, stream);
-  return -1;
+  return qsel::with_kpt(P, [&](auto kpt) { return launch<decltype(kpt)::value>(p, ctas_per_sm, pdl, stream); });
 }
 
 // The most pages a row may have (the widest build's THREADS x KPT, as se_quest_select's).
-extern "C" int se_quest_pick_max_pages() { return qsel::THREADS * 64; }
+extern "C" int se_quest_pick_max_pages() { return qsel::THREADS * qsel::MAX_KPT; }

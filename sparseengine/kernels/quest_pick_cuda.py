@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from . import quest_scores_cuda, quest_select_cuda
-from .nvcc_build import load_library, on_device, unavailable
+from .nvcc_build import load_library, on_device
 
 SOURCE = Path(__file__).with_name("quest_pick.cu")
 ENGINE = False  # Quest's decode step picks with this kernel where `takes` says it can (read at each call)
@@ -58,12 +58,10 @@ def _library(prefetch: int) -> ctypes.CDLL:
 
 
 def takes(q: torch.Tensor, kmax: torch.Tensor, pages: int) -> bool:
-    """Whether Quest's decode step picks with this kernel: `ENGINE` on, a GPU it runs on, the
-    scores' shapes (`quest_scores_cuda.shape_reason`) and rows of at most `max_pages()` pages
-    (whatever the two kernels' own `ENGINE` switches say)."""
-    return (ENGINE and q.device.type == "cuda" and q.dtype == kmax.dtype and pages <= quest_select_cuda.max_pages()
-            and quest_scores_cuda.shape_reason(q.shape[1], kmax.shape[1], q.shape[2], q.dtype) is None
-            and unavailable(q.device) is None)
+    """Whether Quest's decode step picks with this kernel: `ENGINE` on, rows of at most
+    `quest_select_cuda.max_pages()` pages, inputs the scores' code runs on
+    (`quest_scores_cuda.runs`), whatever the two kernels' own `ENGINE` switches say."""
+    return ENGINE and pages <= quest_select_cuda.max_pages() and quest_scores_cuda.runs(q, kmax)
 
 
 def workspace(max_batch: int, device: torch.device | str) -> torch.Tensor:
@@ -86,8 +84,9 @@ def quest_pick_cuda(q, kmax, kmin, page_table, kv_lens, page_size, sink_tokens, 
     launch = quest_scores_cuda.score_launch(q, kmax, kmin, page_table, kv_lens, page_size, k_cache, new_slots, pdl,
                                             "quest_pick_cuda")
     B, hkv, _, P = launch.shape
-    _, _, _, ps, sink, recent, budget = choice_args(torch.empty((B, hkv, P), device="meta"), launch.kv_lens,
-                                                    page_size, sink_tokens, recent_tokens, budget)
+    scores = quest_scores_cuda.scores_buffer(B, hkv, P, q.device)
+    _, _, _, ps, sink, recent, budget = choice_args(scores, launch.kv_lens, page_size, sink_tokens, recent_tokens,
+                                                    budget)
     if not 1 <= P <= quest_select_cuda.max_pages():
         raise ValueError(f"quest_pick_cuda takes 1 to {quest_select_cuda.max_pages()} pages a row, got P={P}")
     if counters is None:
@@ -98,7 +97,6 @@ def quest_pick_cuda(q, kmax, kmin, page_table, kv_lens, page_size, sink_tokens, 
                          f"{q.device}, got {tuple(counters.shape)} {counters.dtype} on {counters.device}")
     prefetch = quest_scores_cuda.build_prefetch(l2_prefetch)
     quest_scores_cuda.check_device(q.device, "quest_pick_cuda")
-    scores = quest_scores_cuda.scores_buffer(B, hkv, P, q.device)
     K = min(selection_width(ps, sink, budget, recent), P)
     pages = torch.empty((B, hkv, K), dtype=torch.int64, device=q.device)
     counts = torch.empty((B, hkv), dtype=torch.int32, device=q.device)

@@ -38,16 +38,14 @@ extern "C" int se_quest_scores(const void* q, long long qb, long long qh, void* 
                                long long tb, const void* kv_lens, int lens64, void* scores, const void* k_cache,
                                long long kp, long long ko, long long kh, const void* slots, int slots64, int B,
                                int hkv, int group, int P, int page_size, int ctas_per_sm, int pdl, void* stream) {
-  if (B < 0 || hkv < 1 || WARPS % hkv || group < 1 || group > MAX_GROUP || P < 1 || page_size < 1 || ctas_per_sm < 1)
+  Args a;
+  if (ctas_per_sm < 1 || !make_args(a, q, qb, qh, kmax, kmin, table, tb, kv_lens, lens64, scores, k_cache, kp, ko, kh,
+                                    slots, slots64, B, hkv, group, P, page_size, pdl))
     return -1;
   if (B == 0) return 0;
-  const int pages_per_item = TILE * (WARPS / hkv);
-  const int items_per_b = (P + pages_per_item - 1) / pages_per_item, items = B * items_per_b;
   const int want = sm_count(current_device()) * ctas_per_sm;
-  const int per_cta = (items + want - 1) / want, grid = (items + per_cta - 1) / per_cta;
-  const Args a = {(const __nv_bfloat16*)q, (__nv_bfloat16*)kmax, (__nv_bfloat16*)kmin, (const int*)table, kv_lens,
-                  (float*)scores, (const __nv_bfloat16*)k_cache, slots, qb, qh, tb, kp, ko, kh, lens64, slots64, hkv,
-                  group, P, page_size, items_per_b, items, per_cta, pdl, (P + 3) / 4 * 4};
+  a.per_cta = (a.items + want - 1) / want;
+  const int grid = (a.items + a.per_cta - 1) / a.per_cta;
   return launch_maybe_pdl(scores_kernel, dim3(grid), dim3(THREADS), 0, stream, pdl, a);
 }
 

@@ -237,4 +237,18 @@ __device__ __forceinline__ void score_items(const Args& a, int first, int last, 
   }
 }
 
+// The launch's Args from an entry point's arguments (se_quest_scores's, in its order), per_cta 0 (the launch
+// sizes the grid) and rows of P rounded up to 4 floats; false where one is out of range.
+inline bool make_args(Args& a, const void* q, long long qb, long long qh, void* kmax, void* kmin, const void* table,
+                      long long tb, const void* kv_lens, int lens64, void* scores, const void* k_cache, long long kp,
+                      long long ko, long long kh, const void* slots, int slots64, int B, int hkv, int group, int P,
+                      int page_size, int pdl) {
+  if (B < 0 || hkv < 1 || WARPS % hkv || group < 1 || group > MAX_GROUP || P < 1 || page_size < 1) return false;
+  const int pages_per_item = TILE * (WARPS / hkv), items_per_b = (P + pages_per_item - 1) / pages_per_item;
+  a = {(const __nv_bfloat16*)q, (__nv_bfloat16*)kmax, (__nv_bfloat16*)kmin, (const int*)table, kv_lens,
+       (float*)scores, (const __nv_bfloat16*)k_cache, slots, qb, qh, tb, kp, ko, kh, lens64, slots64, hkv, group, P,
+       page_size, items_per_b, B * items_per_b, 0, pdl, (P + 3) / 4 * 4};
+  return true;
+}
+
 }  // namespace qscore

@@ -98,9 +98,14 @@ def shape_reason(hq: int, hkv: int, head_dim: int, dtype: torch.dtype) -> str | 
 
 
 def takes(q: torch.Tensor, kmax: torch.Tensor) -> bool:
-    """Whether Quest's decode step scores with this kernel: `ENGINE` on, a GPU it runs on,
-    shapes it takes (`shape_reason`)."""
-    return (ENGINE and q.device.type == "cuda" and q.dtype == kmax.dtype
+    """Whether Quest's decode step scores with this kernel: `ENGINE` on and `runs`."""
+    return ENGINE and runs(q, kmax)
+
+
+def runs(q: torch.Tensor, kmax: torch.Tensor) -> bool:
+    """Whether the kernel runs on these inputs: a GPU it runs on, shapes it takes
+    (`shape_reason`); `quest_pick_cuda` scores with the same code."""
+    return (q.device.type == "cuda" and q.dtype == kmax.dtype
             and shape_reason(q.shape[1], kmax.shape[1], q.shape[2], q.dtype) is None
             and unavailable(q.device) is None)
 

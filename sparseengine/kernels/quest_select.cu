@@ -41,8 +41,6 @@ int launch_kpt(const Args& a, int rows, bool vec, void* stream) {
   return vec ? launch<KPT, true>(a, rows, stream) : launch<KPT, false>(a, rows, stream);
 }
 
-constexpr int KPTS[] = {4, 8, 16, 24, 36, 48, 64};  // keys a thread, the smallest that covers P
-
 }  // namespace
 
 // -> 0 when launched, a cudaError_t, -1 (P outside 1..se_quest_select_max_pages(), or
@@ -60,15 +58,8 @@ extern "C" int se_quest_select(const void* scores, long long sb, long long sh, c
   // float4 reads of whole rows: 16-byte aligned rows (the row's last float4 may pass P, not the allocation's end:
   // the wrapper passes vec only where the rows' storage holds P rounded up to 4 floats)
   const bool vec = vec_ok && ((uintptr_t)scores % 16 == 0) && sb % 4 == 0 && sh % 4 == 0;
-  if (P <= THREADS * 4) return launch_kpt<4>(a, rows, vec, stream);
-  if (P <= THREADS * 8) return launch_kpt<8>(a, rows, vec, stream);
-  if (P <= THREADS * 16) return launch_kpt<16>(a, rows, vec, stream);
-  if (P <= THREADS * 24) return launch_kpt<24>(a, rows, vec, stream);
-  if (P <= THREADS * 36) return launch_kpt<36>(a, rows, vec, stream);
-  if (P <= THREADS * 48) return launch_kpt<48>(a, rows, vec, stream);
-  if (P <= THREADS * 64) return launch_kpt<64>(a, rows, vec, stream);
-  return -1;
+  return with_kpt(P, [&](auto kpt) { return launch_kpt<decltype(kpt)::value>(a, rows, vec, stream); });
 }
 
 // The most pages a row may have (the widest build's THREADS x KPT).
-extern "C" int se_quest_select_max_pages() { return THREADS * KPTS[sizeof(KPTS) / sizeof(KPTS[0]) - 1]; }
+extern "C" int se_quest_select_max_pages() { return THREADS * MAX_KPT; }

@@ -17,6 +17,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 namespace qsel {
 
 constexpr int THREADS = 256;
@@ -283,5 +285,21 @@ __device__ __forceinline__ void select_row(const Args& a, int row, Shared& s, fl
   write_chosen(k, [&](int j) { return page0 + j; }, t, m, pre, total, out + sink);
 }
 
+
+constexpr int MAX_KPT = 64;  // the widest build's keys a thread: rows of up to THREADS * MAX_KPT pages
+
+// f(std::integral_constant<int, KPT>{}) for the build whose keys a thread (4, 8, 16, 24, 36, 48 or 64) is the
+// fewest that cover P pages; -1 past the widest. Host code: each launch instantiates its kernel at every width.
+template <typename F>
+inline int with_kpt(int P, F&& f) {
+  if (P <= THREADS * 4) return f(std::integral_constant<int, 4>{});
+  if (P <= THREADS * 8) return f(std::integral_constant<int, 8>{});
+  if (P <= THREADS * 16) return f(std::integral_constant<int, 16>{});
+  if (P <= THREADS * 24) return f(std::integral_constant<int, 24>{});
+  if (P <= THREADS * 36) return f(std::integral_constant<int, 36>{});
+  if (P <= THREADS * 48) return f(std::integral_constant<int, 48>{});
+  if (P <= THREADS * MAX_KPT) return f(std::integral_constant<int, MAX_KPT>{});
+  return -1;
+}
 
 }  // namespace qsel

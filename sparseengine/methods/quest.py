@@ -151,13 +151,13 @@ class Quest(SparseMethodRuntime):
             return {"quest_select": "torch"}
         dtype = next(iter(self._bounds.values()))[0].dtype if self._bounds else None
         shape = (self.model.num_heads, self.model.num_kv_heads, self.model.head_dim, dtype)
-        cuda_shapes = unavailable(device) is None and quest_scores_cuda.shape_reason(*shape) is None
-        if quest_pick_cuda.ENGINE and cuda_shapes:
+        shapes = quest_scores_cuda.shape_reason(*shape) is None
+        if quest_pick_cuda.ENGINE and shapes and unavailable(device) is None:
             return {"quest_select": f"cuda in the scores' launch (rows of up to {quest_select_cuda.max_pages()} "
                                     "pages, two triton launches past them)", "quest_scores": "cuda pick"}
         if not quest_select_cuda.takes(device, 1):
             return {"quest_select": "triton"}
-        scores = quest_scores_cuda.ENGINE and quest_scores_cuda.shape_reason(*shape) is None
+        scores = quest_scores_cuda.ENGINE and shapes
         triton = "triton pdl" if quest_scores.SCORE_PDL and pdl.available(device) else "triton"
         return {"quest_select": f"cuda (rows of up to {quest_select_cuda.max_pages()} pages, triton past them)",
                 "quest_scores": "cuda" if scores else triton}

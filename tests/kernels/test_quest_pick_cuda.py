@@ -14,12 +14,11 @@ import torch
 from sparseengine.kernels import quest_pick_cuda as QP
 from sparseengine.kernels import quest_scores_cuda as QS
 from sparseengine.kernels import quest_select_cuda as QC
-from sparseengine.kernels import update_page_minmax_ref
 from sparseengine.kernels.nvcc_build import find_nvcc
 from sparseengine.kernels.testing import random_paged_kv, randn
 
 from .test_quest import _decode_step, _read, _with_padding_row
-from .test_quest_scores_cuda import _TORCH_EMPTY, _cuda_cache, quest_engine_tokens, quest_model_dir
+from .test_quest_scores_cuda import _TORCH_EMPTY, _cuda_cache, decode_step_128k, quest_engine_tokens, quest_model_dir
 from .test_quest_select import _poison_torch_empty  # noqa: F401 (the fixture: outputs start poisoned)
 
 # (Hq, Hkv, d, page_size, kv_lens, (sink, recent, budget)): the scores' shapes with choices that take some middle
@@ -187,22 +186,9 @@ def test_128k_shape_in_a_cuda_graph(gen):
     around each load of the bounds), then captured once and replayed
     three times with the bounds restored before each: the same pages, counts and scores as the
     two launches every time, the counters zero after each replay."""
-    B, P, hq, hkv, d, ps, n = 6, 8320, 32, 8, 128, 16, 131072
-    pool = B * P + 8
-    cuda_gen = torch.Generator("cuda").manual_seed(int(torch.randint(2 ** 31, (1,), generator=gen)))
-    table = torch.randperm(pool, generator=gen)[: B * P].view(B, P).int().cuda()
-    lens = torch.full((B,), n, dtype=torch.int32, device="cuda")
-    lens[1] = n - 5
-    slots = table[torch.arange(B, device="cuda"), (lens.long() - 1) // ps].long() * ps + (lens.long() - 1) % ps
-    k_cache = torch.zeros(pool, ps, hkv, d, dtype=torch.bfloat16, device="cuda")
-    k_cache.view(-1, hkv, d)[slots] = torch.randn(B, hkv, d, generator=cuda_gen, device="cuda").bfloat16()
-    hi = torch.randn(pool, hkv, d, generator=cuda_gen, device="cuda").bfloat16()
-    lo = hi - torch.rand(pool, hkv, d, generator=cuda_gen, device="cuda").bfloat16()
-    q = randn(B, hq, d, generator=gen, dtype=torch.bfloat16, device="cuda")
-    want_hi, want_lo = hi.clone(), lo.clone()
-    update_page_minmax_ref(k_cache, slots, want_hi, want_lo)
+    q, hi, lo, table, lens, fold, (want_hi, want_lo) = decode_step_128k(gen)
+    ps = 16
     choice = (64, 512, 1472)
-    fold = {"k_cache": k_cache, "new_slots": slots}
     want = _two_launches(q, want_hi.clone(), want_lo.clone(), table, lens, ps, choice)
     counters = QP.workspace(8, "cuda")
     for pdl, prefetch in ((False, 0), (True, 0), (True, 256)):

@@ -167,19 +167,18 @@ def test_fold_the_step_keys(case, gen):
         assert_close(_read(got, kv_lens, ps)[:-1], want[:-1], 1e-3, str(slot_dtype))
 
 
-@pytest.mark.gpu
-def test_launches_agree_bit_for_bit_and_replay_in_a_graph(gen):
-    """At the 128K benchmark's shape (6 requests, 8320-page tables, 8 KV heads of 32 query
-    heads), a decode step's fold and scores: the same bits with and without PDL and with
-    one, two or 24 CTAs an SM (24: a CTA an item, most queued), from the build asking L2 for
-    256 B around each load, in a CUDA graph too, and the Triton kernel's within rounding (the
-    sums run in another order) with the same folded bounds."""
+def decode_step_128k(gen):
+    """A decode step's scoring at the 128K benchmark's shape (6 requests, 8320-page tables
+    scattered over a pool, 32 query / 8 KV heads, pages of 16; request 1's last token at
+    offset 10 of its last page): `(q, kmax, kmin, table, kv_lens, fold, (kmax, kmin) as the
+    minmax update makes them with the step's keys)`, `fold` the step's `k_cache` and
+    `new_slots`."""
     B, P, hq, hkv, d, ps, n = 6, 8320, 32, 8, 128, 16, 131072
     pool = B * P + 8
     cuda_gen = torch.Generator("cuda").manual_seed(int(torch.randint(2 ** 31, (1,), generator=gen)))
     table = torch.randperm(pool, generator=gen)[: B * P].view(B, P).int().cuda()
     lens = torch.full((B,), n, dtype=torch.int32, device="cuda")
-    lens[1] = n - 5  # its last token at offset 10 of its last page
+    lens[1] = n - 5
     slots = (table[torch.arange(B, device="cuda"), (lens.long() - 1) // ps].long() * ps + (lens.long() - 1) % ps)
     k_cache = torch.zeros(pool, ps, hkv, d, dtype=torch.bfloat16, device="cuda")  # the step's keys: all the fold reads
     k_cache.view(-1, hkv, d)[slots] = torch.randn(B, hkv, d, generator=cuda_gen, device="cuda").bfloat16()
@@ -188,6 +187,18 @@ def test_launches_agree_bit_for_bit_and_replay_in_a_graph(gen):
     q = randn(B, hq, d, generator=gen, dtype=torch.bfloat16, device="cuda")
     want_hi, want_lo = hi.clone(), lo.clone()
     update_page_minmax_ref(k_cache, slots, want_hi, want_lo)  # the fold, as the update makes it
+    return q, hi, lo, table, lens, {"k_cache": k_cache, "new_slots": slots}, (want_hi, want_lo)
+
+
+@pytest.mark.gpu
+def test_launches_agree_bit_for_bit_and_replay_in_a_graph(gen):
+    """At the 128K benchmark's shape (6 requests, 8320-page tables, 8 KV heads of 32 query
+    heads), a decode step's fold and scores: the same bits with and without PDL and with
+    one, two or 24 CTAs an SM (24: a CTA an item, most queued), from the build asking L2 for
+    256 B around each load, in a CUDA graph too, and the Triton kernel's within rounding (the
+    sums run in another order) with the same folded bounds."""
+    q, hi, lo, table, lens, fold, (want_hi, want_lo) = decode_step_128k(gen)
+    k_cache, slots, ps = fold["k_cache"], fold["new_slots"], 16
     runs = {}
     for pdl in (True, False):
         for ctas in (1, 2, 24):  # 24: a CTA an item, most of them queued
