@@ -95,7 +95,9 @@ def _assert_same(got, want, lens, ps, where=""):
     pages, counts, scores = got
     assert torch.equal(counts, want[1]), where
     assert torch.equal(pages, want[0]), where
-    assert torch.equal(_read(scores, lens, ps), _read(want[2], lens, ps)), where
+    # bit for bit, NaN where the two launches have NaN (a padding row reads page 0's bounds, NaN in a fresh pool)
+    torch.testing.assert_close(_read(scores, lens, ps), _read(want[2], lens, ps), rtol=0, atol=0, equal_nan=True,
+                               msg=lambda m: f"{where}: {m}")
 
 
 @pytest.mark.gpu
