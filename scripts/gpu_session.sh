@@ -249,8 +249,8 @@ quest_scores_cuda)
   # the per-launch bench beside the Triton scores, then Quest b=6 with it on, off (the Triton scores), and off with
   # the Triton scores launched with PDL (quest_scores.SCORE_PDL, session 50; 168 registers a thread for sm_90 at two
   # tiles a program, 128 at one tile, whose loads go to registers, not cp.async), and the CUDA scores' grid at 24
-  # CTAs an SM (a CTA an item, queued, as the Triton kernel's short programs) and built asking L2 for 256 B around
-  # each load of the bounds.
+  # CTAs an SM (a CTA an item, queued, as the Triton kernel's short programs) and the plain build of its loads of the
+  # bounds (the default asks L2 for 256 B around each, since session 52).
   # SKIP_TESTS=1: not the tests (a call of their own first keeps the rest under the 600 s a call may run).
   install_wheels .whl/hydra
   [ -n "${SKIP_TESTS:-}" ] || timeout 240 python -m pytest -q -m gpu tests/kernels/test_quest_scores_cuda.py \
@@ -260,7 +260,7 @@ quest_scores_cuda)
   METHOD=quest BATCH=6 ROUNDS=2 VARIANTS="default;quest_scores_cuda.ENGINE=False;\
 quest_scores_cuda.ENGINE=False quest_scores.SCORE_PDL=True;\
 quest_scores_cuda.ENGINE=False quest_scores.SCORE_PDL=True quest_scores.SCORE_ITERS=1;\
-quest_scores_cuda.CTAS_PER_SM=24;quest_scores_cuda.BUILD_L2_PREFETCH=256" bash "$0" variants
+quest_scores_cuda.CTAS_PER_SM=24;quest_scores_cuda.BUILD_L2_PREFETCH=0" bash "$0" variants
   # last (s50-2, a call with it, hung and lost its machine; the cause is unknown): Nsight Compute over one launch of
   # each at the bench's shape (the Triton kernel, it with PDL, the CUDA kernel)
   timeout 150 ncu -k regex:scores_kernel --section SpeedOfLight --section MemoryWorkloadAnalysis \
@@ -278,14 +278,14 @@ quest_pick)
   # Quest's page scores and choice in one CUDA launch (quest_pick_cuda, session 51, off by default; never run on a GPU
   # before): its GPU tests (SKIP_TESTS=1 skips them), the bench beside the two launches it joins, then Quest b=6 in
   # alternating profiles, two rounds: default (the two launches; since session 51 the choice reads the CUDA scores'
-  # 8321-page rows as float4), the choice reading them score by score (as before session 51), it on, it on built
-  # asking L2 for 256 B around each load of the bounds.
+  # 8321-page rows as float4), the choice reading them score by score (as before session 51), it on, it on with the
+  # plain build of the scoring loads (the default asks L2 for 256 B around each, since session 52).
   install_wheels .whl/hydra
   [ -n "${SKIP_TESTS:-}" ] || timeout 240 python -m pytest -q -m gpu tests/kernels/test_quest_pick_cuda.py \
     -p no:cacheprovider -rs 2>&1 | tail -8 | tee "$OUT/gpu_tests.log"
   timeout 150 python -m sparseengine.kernels.bench_gpu --quest-pick-cuda --out "$OUT/bench.jsonl" 2>&1 | tail -3
   METHOD=quest BATCH=6 ROUNDS=2 VARIANTS="default;quest_select_cuda.VEC=False;quest_pick_cuda.ENGINE=True;\
-quest_pick_cuda.ENGINE=True quest_scores_cuda.BUILD_L2_PREFETCH=256" bash "$0" variants
+quest_pick_cuda.ENGINE=True quest_scores_cuda.BUILD_L2_PREFETCH=0" bash "$0" variants
   ;;
 variants)
   # BENCH (bench_gpu flags, optional) into $OUT/bench.jsonl, then one method's graph step with each of VARIANTS

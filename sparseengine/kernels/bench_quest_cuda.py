@@ -81,7 +81,7 @@ def bench_quest_scores_cuda(out_path, B=6, P=8320, n=131072):
             launches[f"cuda_{ctas}cta{'_pdl' if pdl else ''}"] = (
                 lambda ctas=ctas, pdl=pdl: quest_scores_cuda.quest_page_scores_cuda(*args, **fold, pdl=pdl,
                                                                                     ctas_per_sm=ctas))
-    for prefetch in (128, 256):  # the builds asking L2 for that many bytes around each load of the bounds
+    for prefetch in (0, 128):  # the plain build; one asking L2 for 128 B around each load (the default: 256)
         launches[f"cuda_2cta_pdl_l2_{prefetch}"] = lambda prefetch=prefetch: quest_scores_cuda.quest_page_scores_cuda(
             *args, **fold, pdl=True, l2_prefetch=prefetch)
     for impl, fn in launches.items():
@@ -95,8 +95,8 @@ def bench_quest_pick_cuda(out_path, B=6, P=8320, n=131072, total=2048):
     """Quest's page scores and choice in one launch (`quest_pick_cuda`) beside the two launches
     the engine makes (the CUDA scores, then the CUDA choice), folding a decode step's keys in,
     per step's pair in a CUDA graph of 30 at the 128K shape (sink 64, recent 512): with and
-    without PDL, one or two CTAs an SM, and built asking L2 for 256 B around each load of the
-    bounds; each checked for the two launches' pages and counts."""
+    without PDL, one or two CTAs an SM, and the plain build of the scoring loads (the default
+    asks L2 for 256 B around each); each checked for the two launches' pages and counts."""
     from sparseengine.kernels import quest_pick_cuda, quest_scores_cuda, quest_select_cuda
 
     args, fold = _decode_step_inputs(B, P, n)
@@ -114,8 +114,8 @@ def bench_quest_pick_cuda(out_path, B=6, P=8320, n=131072, total=2048):
             launches[f"pick_{ctas}cta{'_pdl' if pdl else ''}"] = (
                 lambda ctas=ctas, pdl=pdl: quest_pick_cuda.quest_pick_cuda(*args, *choice, **fold, counters=counters,
                                                                             pdl=pdl, ctas_per_sm=ctas))
-    launches["pick_2cta_pdl_l2_256"] = lambda: quest_pick_cuda.quest_pick_cuda(  # noqa: E731
-        *args, *choice, **fold, counters=counters, pdl=True, l2_prefetch=256)
+    launches["pick_2cta_pdl_l2_0"] = lambda: quest_pick_cuda.quest_pick_cuda(  # noqa: E731 (the default: 256 B)
+        *args, *choice, **fold, counters=counters, pdl=True, l2_prefetch=0)
     want = two(True)
     for impl, fn in launches.items():
         same = all(torch.equal(g, w) for g, w in zip(fn(), want))

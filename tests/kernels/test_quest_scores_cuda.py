@@ -211,8 +211,8 @@ def test_launches_agree_bit_for_bit_and_replay_in_a_graph(gen):
             assert torch.equal(bounds[0], want_hi) and torch.equal(bounds[1], want_lo), (pdl, ctas)
     bounds = (hi.clone(), lo.clone())
     torch.cuda.synchronize()
-    runs["l2_256"] = QS.quest_page_scores_cuda(q, *bounds, table, lens, ps, k_cache=k_cache, new_slots=slots,
-                                               l2_prefetch=256)
+    runs["l2_0"] = QS.quest_page_scores_cuda(q, *bounds, table, lens, ps, k_cache=k_cache, new_slots=slots,
+                                             l2_prefetch=0)  # the plain build (the default asks L2 for 256 B)
     assert torch.equal(bounds[0], want_hi) and torch.equal(bounds[1], want_lo)
     first = runs[True, 2]
     for key, got in runs.items():
