@@ -49,7 +49,7 @@ CTAS_PER_SM = 2
 MAX_CTAS_PER_SM = 64
 # The build (read at each call; `quest_scores.cu`'s SE_L2_PREFETCH): 0 plain streaming loads of the bounds; 64, 128
 # or 256 the same loads asking L2 to fetch that many bytes around each (256: a page row's whole 256 B from DRAM at
-# its first touch). 256 since session 52: Quest's b=3 graph step 0.7% shorter on an H100 (8.171 against 8.226 ms, two
+# its first touch). 256 since session 52: Quest's b=3 graph step 0.7% shorter on an H100 (8.170 against 8.226 ms, two
 # rounds each, s52-5 in results/README.md; 128: 8.183, CTAS_PER_SM=24: 8.187).
 BUILD_L2_PREFETCH = 256
 L2_PREFETCH_SIZES = (0, 64, 128, 256)
