@@ -11,7 +11,6 @@
 #   VARIANTS='default;M.NAME=V ...;overlay=DIR' [BENCH='--flag'] bash scripts/gpu_session.sh variants  # A/B profiles
 #   COMMIT=<sha> DIRTY=0 bash scripts/gpu_session.sh quest_select  # Quest's CUDA page choice: tests, bench, A/B, lanes
 #   COMMIT=<sha> DIRTY=0 bash scripts/gpu_session.sh quest_scores_cuda  # Quest's CUDA page scores: tests, bench, A/Bs
-#   COMMIT=<sha> DIRTY=0 bash scripts/gpu_session.sh quest_pick  # Quest's scores + choice as one launch: tests, A/B
 #   bash scripts/gpu_session.sh quest_scores # Quest's score tests, its scoring launches swept, the fastest A/B in b6 profiles
 #   bash scripts/gpu_session.sh pick         # GPU tests (kernels, methods), OmniKV's pick side by side, OmniKV b6 profile
 #   bash scripts/gpu_session.sh balanced     # split-K decode tests (all, compiled), the balanced plan beside the per-row one
@@ -273,19 +272,6 @@ quest_scores_cuda.quest_page_scores_cuda(*args, **fold, pdl=False)
 PY
   grep -E "scores_kernel|Duration|DRAM Throughput|Memory Throughput|L2 Hit|Achieved Occupancy|Registers Per" \
     "$OUT/ncu_scores.txt" | head -40
-  ;;
-quest_pick)
-  # Quest's page scores and choice in one CUDA launch (quest_pick_cuda, session 51, off by default; never run on a GPU
-  # before): its GPU tests (SKIP_TESTS=1 skips them), the bench beside the two launches it joins, then Quest b=6 in
-  # alternating profiles, two rounds: default (the two launches; since session 51 the choice reads the CUDA scores'
-  # 8321-page rows as float4), the choice reading them score by score (as before session 51), it on, it on with the
-  # plain build of the scoring loads (the default asks L2 for 256 B around each, since session 52).
-  install_wheels .whl/hydra
-  [ -n "${SKIP_TESTS:-}" ] || timeout 240 python -m pytest -q -m gpu tests/kernels/test_quest_pick_cuda.py \
-    -p no:cacheprovider -rs 2>&1 | tail -8 | tee "$OUT/gpu_tests.log"
-  timeout 150 python -m sparseengine.kernels.bench_gpu --quest-pick-cuda --out "$OUT/bench.jsonl" 2>&1 | tail -3
-  METHOD=quest BATCH=6 ROUNDS=2 VARIANTS="default;quest_select_cuda.VEC=False;quest_pick_cuda.ENGINE=True;\
-quest_pick_cuda.ENGINE=True quest_scores_cuda.BUILD_L2_PREFETCH=0" bash "$0" variants
   ;;
 variants)
   # BENCH (bench_gpu flags, optional) into $OUT/bench.jsonl, then one method's graph step with each of VARIANTS

@@ -135,8 +135,6 @@ PARTS = {
                           ("bench_quest_select_cuda",)),
     "quest-scores-cuda": ("Quest's page scores in CUDA beside the Triton launch, the step's keys folded in",
                           "bench_quest_cuda", ("bench_quest_scores_cuda",)),
-    "quest-pick-cuda": ("Quest's page scores and choice in one CUDA launch beside the two launches",
-                        "bench_quest_cuda", ("bench_quest_pick_cuda",)),
     "prefill-launches": ("the chunked prefill's launches (tile rows, key block, warps, stages, unmasked blocks "
                          "first) at 32K and 128K", "bench_prefill", ("bench_prefill_launches",)),
     "mixed-steps": ("a mixed step's attention (decode rows beside a prefill chunk) with the decode rows routed "

@@ -1,6 +1,6 @@
 """Quest's CUDA kernels at the 128K decode benchmark's shape beside the launches they replace
-(`python -m sparseengine.kernels.bench_gpu --quest-select-cuda | --quest-scores-cuda |
---quest-pick-cuda --out FILE`): the page choice, the page scores, and both in one launch.
+(`python -m sparseengine.kernels.bench_gpu --quest-select-cuda | --quest-scores-cuda --out
+FILE`): the page choice and the page scores (the two in one launch: tag quest-pick-experiment).
 Each is timed per launch inside a CUDA graph of 30 launches, so launch overhead does not
 count; each is checked against the launch it replaces."""
 from __future__ import annotations
@@ -90,35 +90,3 @@ def bench_quest_scores_cuda(out_path, B=6, P=8320, n=131072):
         emit(out_path, {"kind": "quest_scores_cuda", "impl": impl, "batch": B, "hkv": HKV, "pages": P, "kv_len": n,
                         "us_per_launch": us, "GBps": nbytes / us / 1e3, "rel_err_vs_triton": err})
 
-
-def bench_quest_pick_cuda(out_path, B=6, P=8320, n=131072, total=2048):
-    """Quest's page scores and choice in one launch (`quest_pick_cuda`) beside the two launches
-    the engine makes (the CUDA scores, then the CUDA choice), folding a decode step's keys in,
-    per step's pair in a CUDA graph of 30 at the 128K shape (sink 64, recent 512): with and
-    without PDL, one or two CTAs an SM, and the plain build of the scoring loads (the default
-    asks L2 for 256 B around each); each checked for the two launches' pages and counts."""
-    from sparseengine.kernels import quest_pick_cuda, quest_scores_cuda, quest_select_cuda
-
-    args, fold = _decode_step_inputs(B, P, n)
-    kv_lens = args[4]
-    choice = (64, 512, total - 576)
-    counters = quest_pick_cuda.workspace(B, "cuda")
-
-    def two(pdl):
-        return quest_select_cuda.quest_select_pages_cuda(quest_scores_cuda.quest_page_scores_cuda(
-            *args, **fold, pdl=pdl), kv_lens, PS, *choice)
-
-    launches = {"two_launches": lambda: two(False), "two_launches_pdl": lambda: two(True)}  # noqa: E731
-    for ctas in (1, 2):
-        for pdl in (False, True):
-            launches[f"pick_{ctas}cta{'_pdl' if pdl else ''}"] = (
-                lambda ctas=ctas, pdl=pdl: quest_pick_cuda.quest_pick_cuda(*args, *choice, **fold, counters=counters,
-                                                                            pdl=pdl, ctas_per_sm=ctas))
-    launches["pick_2cta_pdl_l2_0"] = lambda: quest_pick_cuda.quest_pick_cuda(  # noqa: E731 (the default: 256 B)
-        *args, *choice, **fold, counters=counters, pdl=True, l2_prefetch=0)
-    want = two(True)
-    for impl, fn in launches.items():
-        same = all(torch.equal(g, w) for g, w in zip(fn(), want))
-        emit(out_path, {"kind": "quest_pick_cuda", "impl": impl, "batch": B, "hkv": HKV, "pages": P, "kv_len": n,
-                        "total": total, "us_per_launch": per_launch_us(fn), "equals_two_launches": same,
-                        "counters_zero": not bool(counters.any())})

@@ -1,6 +1,6 @@
 // Quest's page scores by a CTA of 8 warps over a run of work items: the device code of
-// quest_scores.cu's kernel, shared with quest_pick.cu (the page scores and the choice in one
-// launch). Everything is in namespace qscore (quest_pick.cu includes quest_select.cuh beside it).
+// quest_scores.cu's kernel, in a header of its own so that another launch can score with it (tag
+// quest-pick-experiment: the scores and the choice in one launch, measured slower). Everything is in namespace qscore.
 //
 // Layout: CTAs of 8 warps, 2 an SM, each taking a contiguous run of work items; an item is
 // (request b, 16 * 8 / Hkv pages), and warp w scores head w % Hkv of its 16-page tile

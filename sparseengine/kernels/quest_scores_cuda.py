@@ -70,8 +70,7 @@ def library(l2_prefetch: int | None = None) -> ctypes.CDLL:
 
 
 def build_prefetch(l2_prefetch: int | None) -> int:
-    """The build `l2_prefetch` names, checked (None: `BUILD_L2_PREFETCH`); also the build
-    of `quest_pick_cuda`, which scores with the same code."""
+    """The build `l2_prefetch` names, checked (None: `BUILD_L2_PREFETCH`)."""
     prefetch = BUILD_L2_PREFETCH if l2_prefetch is None else l2_prefetch
     if prefetch not in L2_PREFETCH_SIZES or isinstance(prefetch, bool):
         raise ValueError(f"l2_prefetch must be one of {L2_PREFETCH_SIZES}, got {prefetch!r}")
@@ -105,7 +104,7 @@ def takes(q: torch.Tensor, kmax: torch.Tensor) -> bool:
 
 def runs(q: torch.Tensor, kmax: torch.Tensor) -> bool:
     """Whether the kernel runs on these inputs: a GPU it runs on, shapes it takes
-    (`shape_reason`); `quest_pick_cuda` scores with the same code."""
+    (`shape_reason`)."""
     return (q.device.type == "cuda" and q.dtype == kmax.dtype
             and shape_reason(q.shape[1], kmax.shape[1], q.shape[2], q.dtype) is None
             and unavailable(q.device) is None)
@@ -193,7 +192,7 @@ def score_launch(q, kmax, kmin, page_table, kv_lens, page_size, k_cache, new_slo
 
 def scores_buffer(B: int, hkv: int, P: int, device) -> torch.Tensor:
     """`[B, Hkv, P]` float32, a view of rows of P rounded up to 4 floats: the kernels' layout
-    (`se_quest_scores`, `se_quest_pick`), whose rows the CUDA choice reads whole as float4
+    (`se_quest_scores`), whose rows the CUDA choice reads whole as float4
     (`quest_select_cuda.whole_rows`)."""
     return torch.empty((B, hkv, -(-P // 4) * 4), dtype=torch.float32, device=device)[..., :P]
 

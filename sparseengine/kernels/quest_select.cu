@@ -25,7 +25,7 @@ __global__ void __launch_bounds__(THREADS) select_kernel(const Args a) {
   if (a.pdl) asm volatile("griddepcontrol.wait;" ::: "memory");
   __shared__ Shared s;
   extern __shared__ float4 staged[];
-  select_row<KPT, VEC, false>(a, blockIdx.x, s, staged);
+  select_row<KPT, VEC>(a, blockIdx.x, s, staged);
 }
 
 template <int KPT, bool VEC>

@@ -1,6 +1,6 @@
 // Quest's page choice for one (request, KV head) row by a CTA of 256 threads: the device code of
-// quest_select.cu's kernel, shared with quest_pick.cu (the page scores and the choice in one launch).
-// Everything is in namespace qsel (quest_pick.cu includes quest_scores.cuh beside it).
+// quest_select.cu's kernel, in a header of its own so that another launch can choose with it (tag
+// quest-pick-experiment). Everything is in namespace qsel.
 //
 // A row: thread t holds the keys of pages [t * KPT, t * KPT + KPT) in registers (0 where a
 // page is not a middle page: a key of a real score is never 0 but for one NaN pattern).
@@ -194,17 +194,16 @@ __device__ __forceinline__ void warp_choose(const Shared& s, int n_cand, int m, 
 // each thread takes its KPT keys from there (16-byte reads, threads KPT * 4 bytes apart: conflict-free
 // where KPT / 4 is odd, as at the 128K table's KPT 36; 2-way at KPT 8 and 24, 4-way at 16 and 48, 8-way at 64);
 // otherwise each thread loads its KPT scores itself.
-// CG: the scores are read through L2 only (ld.global.cg), as where this launch wrote them itself
-// (quest_pick.cu). Every thread of the CTA returns at the same point (the caller may go on to
-// another row after a barrier).
-template <int KPT, bool VEC, bool CG>
+// Every thread of the CTA returns at the same point (the caller may go on to another row after a
+// barrier).
+template <int KPT, bool VEC>
 __device__ __forceinline__ void select_row(const Args& a, int row, Shared& s, float4* staged) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int b = row / a.H, h = row % a.H;
   const float* scores = a.scores + b * a.sb + h * a.sh;
   if (VEC) {  // the whole row, its loads in flight while kv_len is read (pages past the request's are masked below)
     const float4* src = reinterpret_cast<const float4*>(scores);
-    for (int i = tid; i < (a.P + 3) / 4; i += THREADS) staged[i] = CG ? __ldcg(src + i) : src[i];
+    for (int i = tid; i < (a.P + 3) / 4; i += THREADS) staged[i] = src[i];
   }
   const long long n = a.lens64 ? static_cast<const long long*>(a.kv_lens)[b] : static_cast<const int*>(a.kv_lens)[b];
   const int ps = a.page_size, sink = a.sink_pages;
@@ -244,7 +243,7 @@ __device__ __forceinline__ void select_row(const Args& a, int row, Shared& s, fl
 #pragma unroll
     for (int j = 0; j < KPT; ++j) {
       const int p = page0 + j;
-      k[j] = p >= sink && p < mid_end ? key_of(CG ? __ldcg(scores + p) : scores[p]) : 0u;
+      k[j] = p >= sink && p < mid_end ? key_of(scores[p]) : 0u;
     }
   }
 #pragma unroll

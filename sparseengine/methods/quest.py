@@ -13,9 +13,8 @@ resets it, so a freed page needs no cleanup). Every step is batched, with no per
 Python and no host sync on the decode path: one scoring call over every request's page
 table (Triton, or ``kernels.quest_scores_cuda`` where that runs and is switched on), one page
 choice (:func:`select_pages_batched`, or its Triton twin ``kernels.quest_select_pages_triton``
-on a Triton provider, or its CUDA twin ``kernels.quest_select_cuda`` where that runs; or the
-scores and the choice in one CUDA launch, ``kernels.quest_pick_cuda``, where it runs and is
-switched on), a page-mode ``Selection`` of fixed width.
+on a Triton provider, or its CUDA twin ``kernels.quest_select_cuda`` where that runs), a
+page-mode ``Selection`` of fixed width.
 The CUDA decode graph captures it.
 """
 
@@ -26,8 +25,7 @@ import torch
 from sparseengine import kernels
 from sparseengine.config import ConfigError
 from sparseengine.engine.step_context import Selection
-from sparseengine.kernels import pdl, quest_pick_cuda, quest_scores, quest_scores_cuda, quest_select, quest_select_cuda
-from sparseengine.kernels.nvcc_build import unavailable
+from sparseengine.kernels import pdl, quest_scores, quest_scores_cuda, quest_select, quest_select_cuda
 from sparseengine.kernels.quest import update_page_minmax_torch
 from sparseengine.kernels.quest_scores import quest_page_scores_torch
 from sparseengine.method_registry import MethodSpec
@@ -88,12 +86,8 @@ class Quest(SparseMethodRuntime):
                               "its page bounds per KV-cache page; set both to the same value (default 16)")
         self._bounds: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (kmax, kmin)
         self._rows_of, self._rows = None, ()  # the step context _prefill_rows last saw, its answer
-        self._counters = None  # quest_pick_cuda's workspace (`_pick_counters`)
         for layer in range(self.skip, model.num_layers if cache is not None else 0):
             self._page_bounds(layer, cache.kv.layer(layer)[0])  # allocated now: the pool was sized for them
-        kmax = next(iter(self._bounds.values()), (None,))[0]
-        if kmax is not None and kmax.is_cuda:  # made now, not inside a graph's capture
-            self._pick_counters(kmax.device, 1)
 
     def graph_capturable(self) -> bool:
         return True
@@ -125,11 +119,6 @@ class Quest(SparseMethodRuntime):
         if not triton:
             return Selection(*select_pages_batched(quest_page_scores_torch(*args), *choice), dense,
                              page_size=self.page)
-        if quest_pick_cuda.takes(q_last, kmax, view.page_table.shape[1]):  # the scores and the choice in one launch
-            counters = self._pick_counters(q.device, q_last.shape[0])
-            pages, counts = quest_pick_cuda.quest_pick_cuda(*args, cfg.sink_tokens, cfg.recent_tokens, cfg.budget,
-                                                            **new_keys, counters=counters)
-            return Selection(pages, counts, dense, page_size=self.page)
         if quest_select_cuda.takes(q.device, view.page_table.shape[1]):  # the CUDA choice needs no group maxima
             cuda = quest_scores_cuda.takes(q_last, kmax)
             score = quest_scores_cuda.quest_page_scores_cuda if cuda else kernels.quest_page_scores_triton
@@ -149,27 +138,14 @@ class Quest(SparseMethodRuntime):
     def kernels(self, device, provider) -> dict[str, str]:
         if not provider.triton_kernels:
             return {"quest_select": "torch"}
-        dtype = next(iter(self._bounds.values()))[0].dtype if self._bounds else None
-        shape = (self.model.num_heads, self.model.num_kv_heads, self.model.head_dim, dtype)
-        shapes = quest_scores_cuda.shape_reason(*shape) is None
-        if quest_pick_cuda.ENGINE and shapes and unavailable(device) is None:
-            return {"quest_select": f"cuda in the scores' launch (rows of up to {quest_select_cuda.max_pages()} "
-                                    "pages, two triton launches past them)", "quest_scores": "cuda pick"}
         if not quest_select_cuda.takes(device, 1):
             return {"quest_select": "triton"}
-        scores = quest_scores_cuda.ENGINE and shapes
+        dtype = next(iter(self._bounds.values()))[0].dtype if self._bounds else None
+        shape = (self.model.num_heads, self.model.num_kv_heads, self.model.head_dim, dtype)
+        scores = quest_scores_cuda.ENGINE and quest_scores_cuda.shape_reason(*shape) is None
         triton = "triton pdl" if quest_scores.SCORE_PDL and pdl.available(device) else "triton"
         return {"quest_select": f"cuda (rows of up to {quest_select_cuda.max_pages()} pages, triton past them)",
                 "quest_scores": "cuda" if scores else triton}
-
-    def _pick_counters(self, device: torch.device, batch: int) -> torch.Tensor:
-        """`quest_pick_cuda`'s counters (zero between launches), one workspace for every layer
-        and step (they run one after another on one stream), made for `max_num_seqs` requests
-        with the runtime and remade only for a larger batch."""
-        have = self._counters
-        if have is None or have.device != device or have.numel() < 2 * batch:
-            have = self._counters = quest_pick_cuda.workspace(max(batch, self.config.max_num_seqs), device)
-        return have
 
     def _prefill_rows(self, ctx) -> tuple[bool, ...]:
         """Which rows of the step are prefill rows (read densely): once per step, not per
