@@ -66,24 +66,16 @@ SIGNATURES = {  # in the order of the source's `extern "C"` declarations (a CPU 
 def library(l2_prefetch: int | None = None) -> ctypes.CDLL:
     """The built library of the build `l2_prefetch` names (default `BUILD_L2_PREFETCH`;
     nvcc, once a build)."""
-    return _library(build_prefetch(l2_prefetch))
-
-
-def build_prefetch(l2_prefetch: int | None) -> int:
-    """The build `l2_prefetch` names, checked (None: `BUILD_L2_PREFETCH`)."""
     prefetch = BUILD_L2_PREFETCH if l2_prefetch is None else l2_prefetch
     if prefetch not in L2_PREFETCH_SIZES or isinstance(prefetch, bool):
         raise ValueError(f"l2_prefetch must be one of {L2_PREFETCH_SIZES}, got {prefetch!r}")
-    return prefetch
-
-
-def build_flags(prefetch: int) -> list[str]:
-    return [f"-DSE_L2_PREFETCH={prefetch}"] if prefetch else []  # the default build's key as before
+    return _library(prefetch)
 
 
 @functools.lru_cache(maxsize=None)
 def _library(prefetch: int) -> ctypes.CDLL:
-    return load_library(SOURCE, build_flags(prefetch), "libse_quest_scores.so", SIGNATURES, "quest_scores_cuda")
+    flags = [f"-DSE_L2_PREFETCH={prefetch}"] if prefetch else []  # the plain build's key as before the flag
+    return load_library(SOURCE, flags, "libse_quest_scores.so", SIGNATURES, "quest_scores_cuda")
 
 
 def shape_reason(hq: int, hkv: int, head_dim: int, dtype: torch.dtype) -> str | None:
@@ -98,14 +90,9 @@ def shape_reason(hq: int, hkv: int, head_dim: int, dtype: torch.dtype) -> str | 
 
 
 def takes(q: torch.Tensor, kmax: torch.Tensor) -> bool:
-    """Whether Quest's decode step scores with this kernel: `ENGINE` on and `runs`."""
-    return ENGINE and runs(q, kmax)
-
-
-def runs(q: torch.Tensor, kmax: torch.Tensor) -> bool:
-    """Whether the kernel runs on these inputs: a GPU it runs on, shapes it takes
-    (`shape_reason`)."""
-    return (q.device.type == "cuda" and q.dtype == kmax.dtype
+    """Whether Quest's decode step scores with this kernel: `ENGINE` on, a GPU it runs on,
+    shapes it takes (`shape_reason`)."""
+    return (ENGINE and q.device.type == "cuda" and q.dtype == kmax.dtype
             and shape_reason(q.shape[1], kmax.shape[1], q.shape[2], q.dtype) is None
             and unavailable(q.device) is None)
 
@@ -145,7 +132,7 @@ class ScoreLaunch:
 def score_launch(q, kmax, kmin, page_table, kv_lens, page_size, k_cache, new_slots, pdl, what) -> ScoreLaunch:
     """The inputs checked (errors name `what`) and made as the kernel reads them; `pdl` (None:
     `PDL`) applies with the fold only (`quest_page_scores_cuda`). Not whether the device runs
-    it (`check_device`)."""
+    it."""
     if q.dim() != 3 or kmax.dim() != 3:
         raise ValueError(f"q must be [B, Hq, d] and kmax [num_pages, Hkv, d], got {tuple(q.shape)} and "
                          f"{tuple(kmax.shape)}")
@@ -197,12 +184,6 @@ def scores_buffer(B: int, hkv: int, P: int, device) -> torch.Tensor:
     return torch.empty((B, hkv, -(-P // 4) * 4), dtype=torch.float32, device=device)[..., :P]
 
 
-def check_device(device: torch.device, what: str) -> None:
-    reason = unavailable(device)
-    if reason is not None:
-        raise RuntimeError(f"{what} cannot run: {reason}")
-
-
 def quest_page_scores_cuda(q, kmax, kmin, page_table, kv_lens, page_size, *, k_cache=None, new_slots=None, pdl=None,
                            ctas_per_sm=None, l2_prefetch=None):
     """Quest's page scores (the module's docstring). `pdl` (default `PDL`) applies with the
@@ -216,7 +197,9 @@ def quest_page_scores_cuda(q, kmax, kmin, page_table, kv_lens, page_size, *, k_c
         raise ValueError(f"ctas_per_sm must be an int from 1 to {MAX_CTAS_PER_SM}, got {ctas!r}")
     launch = score_launch(q, kmax, kmin, page_table, kv_lens, page_size, k_cache, new_slots, pdl,
                           "quest_page_scores_cuda")
-    check_device(q.device, "quest_page_scores_cuda")
+    reason = unavailable(q.device)
+    if reason is not None:
+        raise RuntimeError(f"quest_page_scores_cuda cannot run: {reason}")
     B, hkv, _, P = launch.shape
     scores = scores_buffer(B, hkv, P, q.device)
     if B == 0 or P == 0:
