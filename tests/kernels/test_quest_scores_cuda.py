@@ -195,8 +195,8 @@ def test_launches_agree_bit_for_bit_and_replay_in_a_graph(gen):
     """At the 128K benchmark's shape (6 requests, 8320-page tables, 8 KV heads of 32 query
     heads), a decode step's fold and scores: the same bits with and without PDL and with
     one, two or 24 CTAs an SM (24: a CTA an item, most queued), from the default build (L2
-    asked for 256 B around each load) and the plain one, in a CUDA graph too, and the Triton kernel's within rounding (the
-    sums run in another order) with the same folded bounds."""
+    asked for 256 B around each load) and the plain one, in a CUDA graph too, and the Triton
+    kernel's within rounding (the sums run in another order) with the same folded bounds."""
     q, hi, lo, table, lens, fold, (want_hi, want_lo) = decode_step_128k(gen)
     k_cache, slots, ps = fold["k_cache"], fold["new_slots"], 16
     runs = {}
