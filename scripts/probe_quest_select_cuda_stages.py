@@ -1,0 +1,154 @@
+"""Where does Quest's CUDA page choice (`quest_select.cu`) spend its ~10 us a launch?
+(128K benchmark shape: B=6, Hkv=8, 8320 pages, the top 92 middle pages, KPT 36.)
+
+Times per launch in a CUDA graph of 30 launches (`bench_common.per_launch_us`), on the
+page scores of random bounds and on random scores, from patched copies of the kernel's
+source (built with nvcc in a temporary folder), each stopping `select_row` at a later stage:
+- `entry`: returns at once (the launch's floor);
+- `fixed`: + the row staged in shared memory, kv_len, the sink / recent slots;
+- `keys`: + the keys from shared memory and the threads' maxima;
+- `bound`: + L, warp 0's 8 passes over the maxima;
+- `count`: + the block scan counting the candidates (>= L);
+- `cands`: + the candidates into shared memory;
+- `full`: the kernel as it is (+ warp 0's 16-pass search and the writes).
+And whole variants, each checked against the kernel's choice:
+- `load_unrolled`: the row's float4 loads all issued before any is stored to shared memory;
+- `load_direct`: each thread loads its own KPT keys as float4 straight from global memory
+  (no staging, no barrier);
+- `bound_8bits`: L settled to its top 8 bits (4 passes) where it takes 16 (8 passes);
+- `vec_off`: `quest_select_cuda.VEC = False` (each thread loads its KPT scores one by one).
+Also, per row, the candidates' count (keys >= L, computed here in torch from the definition
+of L with all 32 bits: an upper bound of the kernel's) and the candidates' cap per warp lane.
+
+    python scripts/probe_quest_select_cuda_stages.py OUT.jsonl
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from sparseengine.kernels import nvcc_build, quest_select_cuda  # noqa: E402
+
+KERNELS = Path(quest_select_cuda.__file__).parent
+HEADER = "quest_select.cuh"
+STOP = "    if (a.P > 0) return;  // probe\n"
+ROW0 = "  const float* scores = a.scores + b * a.sb + h * a.sh;\n"
+FIXED = "  if (everything) return;\n"
+KEYS = "  s.maxima[tid] = mx;\n  __syncthreads();\n"
+BOUND = "  const unsigned bound = s.bound;\n"
+COUNT = "  const int n_cand = total.x;\n"
+CANDS = "    __syncthreads();\n    if (warp == 0) {  // 3."
+STAGED = "    for (int i = tid; i < (a.P + 3) / 4; i += THREADS) staged[i] = src[i];\n"
+UNROLLED = """    float4 v[KPT / 4];
+    const int n4 = (a.P + 3) / 4;
+#pragma unroll
+    for (int j = 0; j < KPT / 4; ++j) if (tid + j * THREADS < n4) v[j] = src[tid + j * THREADS];
+#pragma unroll
+    for (int j = 0; j < KPT / 4; ++j) if (tid + j * THREADS < n4) staged[tid + j * THREADS] = v[j];
+"""
+BOUND_PASSES = "warp_kth<GROUPS_PER_LANE, 8>(g, m)"
+DIRECT_SYNC = "    __syncthreads();  // the row staged\n"
+DIRECT_READ = "      const float4 v = staged[page0 / 4 + j / 4];"
+DIRECT_NEW = ("      const float4 v = page0 + j < a.P ? reinterpret_cast<const float4*>(scores)[page0 / 4 + j / 4]"
+              " : make_float4(0.f, 0.f, 0.f, 0.f);")
+
+
+def _replace(text: str, old: str, new: str) -> str:
+    if text.count(old) != 1:
+        raise SystemExit(f"probe patch does not match {HEADER} once: {old[:60]!r}")
+    return text.replace(old, new)
+
+
+def variants() -> dict[str, str]:
+    src = (KERNELS / HEADER).read_text()
+    direct = _replace(_replace(_replace(src, STAGED, ""), DIRECT_SYNC, ""), DIRECT_READ, DIRECT_NEW)
+    return {
+        "entry": _replace(src, ROW0, ROW0 + STOP[2:]),
+        "fixed": _replace(src, FIXED, "  if (everything || a.P > 0) return;  // probe\n"),
+        "keys": _replace(src, KEYS, KEYS + STOP[2:]),
+        "bound": _replace(src, BOUND, BOUND + STOP[2:]),
+        "count": _replace(src, COUNT, COUNT + "  if (a.P > 0) { if (n_cand < 0) out[0] = 0; return; }  // probe\n"),
+        "cands": _replace(src, CANDS, "    __syncthreads();\n" + STOP + "    if (warp == 0) {  // 3."),
+        "full": src,
+        "load_unrolled": _replace(src, STAGED, UNROLLED),
+        "load_direct": direct,
+        "bound_8bits": _replace(src, BOUND_PASSES, BOUND_PASSES.replace(", 8>", ", 4>")),
+    }
+
+
+def build(name: str, header: str, tmp: Path):
+    folder = tmp / name
+    folder.mkdir()
+    for f in ("quest_select.cu", "launch_pdl.cuh"):
+        shutil.copy(KERNELS / f, folder / f)
+    (folder / HEADER).write_text(header)
+    return nvcc_build.load_library(folder / "quest_select.cu", [], f"libprobe_{name}.so", quest_select_cuda.SIGNATURES,
+                                   f"probe {name}")
+
+
+def candidates(scores, n, sink_pages, recent, m, kpt=36):
+    """Per row, the keys >= L (L: the m-th largest of the threads' KPT-page maxima) by the
+    definition, in float order."""
+    P = scores.shape[-1]
+    recent_first = (n - recent) // 16
+    mid = torch.full((*scores.shape[:2], 256 * kpt), float("-inf"), device=scores.device)
+    mid[..., sink_pages:recent_first] = scores[..., sink_pages:min(recent_first, P)]
+    maxima = mid.view(*scores.shape[:2], 256, kpt).amax(-1)
+    bound = maxima.topk(m, dim=-1).values[..., -1:]
+    return (mid >= bound).sum(-1)
+
+
+def main(out_path: str) -> None:
+    from sparseengine.kernels import quest_scores
+    from sparseengine.kernels.bench_common import PS, per_launch_us
+    from sparseengine.kernels.bench_quest import _score_inputs
+
+    B, P, n = 6, 8320, 131072
+    sink, recent, budget = 64, 512, 1472
+    q, kmax, kmin, table, kv_lens = _score_inputs(B, P, n)
+    real = quest_scores.quest_page_scores_triton(q, kmax, kmin, table, kv_lens, PS)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    noise = torch.randn(B, 8, P, generator=gen, device="cuda")
+    meta = {"batch": B, "hkv": 8, "pages": P, "kv_len": n, "device": torch.cuda.get_device_name(),
+            "commit": os.environ.get("SPARSEENGINE_GIT_COMMIT", "unknown")}
+    default = quest_select_cuda.library
+    with tempfile.TemporaryDirectory() as tmp, open(out_path, "a") as f:
+        with ThreadPoolExecutor(8) as pool:  # nvcc runs as a subprocess: the builds run side by side
+            built = {name: pool.submit(build, name, text, Path(tmp)) for name, text in variants().items()}
+        libs = {name: job.result() for name, job in built.items()}
+        libs["vec_off"] = default()
+        for scores_name, scores in (("page_scores", real), ("randn", noise)):
+            args = (scores, kv_lens, PS, sink, recent, budget)
+            want = quest_select_cuda.quest_select_pages_cuda(*args)
+            cand = candidates(scores, n, sink // PS, recent, budget // PS)
+            rec = {"kind": "quest_select_cuda_candidates", "scores": scores_name, **meta,
+                   "n_cand_max": int(cand.max()), "n_cand_mean": float(cand.float().mean())}
+            print(json.dumps(rec), flush=True)
+            f.write(json.dumps(rec) + "\n")
+            for rnd in range(2):
+                for name, lib in libs.items():
+                    quest_select_cuda.library = lambda lib=lib: lib  # noqa: E731
+                    quest_select_cuda.VEC = name != "vec_off"
+                    try:
+                        fn = lambda: quest_select_cuda.quest_select_pages_cuda(*args)  # noqa: E731
+                        got = fn()
+                        whole = name in ("full", "load_unrolled", "load_direct", "bound_8bits", "vec_off")
+                        rec = {"kind": "quest_select_cuda_stage", "scores": scores_name, "stage": name, "round": rnd,
+                               **meta, "us_per_launch": per_launch_us(fn),
+                               "equals_kernel": all(torch.equal(g, w) for g, w in zip(got, want)) if whole else None}
+                    finally:
+                        quest_select_cuda.library, quest_select_cuda.VEC = default, True
+                    print(json.dumps(rec), flush=True)
+                    f.write(json.dumps(rec) + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
