@@ -2,25 +2,29 @@
 (128K benchmark shape: B=6, Hkv=8, 8320 pages, the top 92 middle pages, KPT 36.)
 
 Times per launch in a CUDA graph of 30 launches (`bench_common.per_launch_us`), on the
-page scores of random bounds and on random scores, from patched copies of the kernel's
-source (built with nvcc in a temporary folder), each stopping `select_row` at a later stage:
+page scores of random bounds, on random scores and on those rounded to 1 decimal (ties),
+from patched copies of the kernel's source (built with nvcc in a temporary folder), each
+stopping `select_row` at a later stage:
 - `entry`: returns at once (the launch's floor);
 - `fixed`: + the row staged in shared memory, kv_len, the sink / recent slots;
 - `keys`: + the keys from shared memory and the threads' maxima;
 - `bound`: + L, warp 0's 8 passes over the maxima;
 - `count`: + the block scan counting the candidates (>= L);
 - `cands`: + the candidates into shared memory;
-- `full`: the kernel as it is (+ warp 0's 16-pass search and the writes).
-And whole variants, each checked against the kernel's choice:
+- `full`: the kernel as it is (+ the candidates' ranks and the writes);
+- `baseline` (with a second argument, another version of the header, as a commit's): that kernel whole.
+And whole variants, each checked against the Triton kernel's choice:
 - `load_unrolled`: the row's float4 loads all issued before any is stored to shared memory;
 - `load_direct`: each thread loads its own KPT keys as float4 straight from global memory
   (no staging, no barrier);
-- `bound_8bits`: L settled to its top 8 bits (4 passes) where it takes 16 (8 passes);
 - `vec_off`: `quest_select_cuda.VEC = False` (each thread loads its KPT scores one by one).
-Also, per row, the candidates' count (keys >= L, computed here in torch from the definition
-of L with all 32 bits: an upper bound of the kernel's) and the candidates' cap per warp lane.
+Also the rows' candidate counts (keys >= L, computed here in torch with L's 32 bits: a
+lower bound of the kernel's count, whose L keeps 16), largest and mean.
 
-    python scripts/probe_quest_select_cuda_stages.py OUT.jsonl
+    python scripts/probe_quest_select_cuda_stages.py OUT.jsonl [BASELINE.cuh]
+
+At cc4169a (an H100, the kernel then picking by warp 0's 16-pass search) it also ran
+`bound_8bits` (L settled to 8 bits: on the page scores many more candidates, 21.4 us).
 """
 from __future__ import annotations
 
@@ -45,7 +49,7 @@ FIXED = "  if (everything) return;\n"
 KEYS = "  s.maxima[tid] = mx;\n  __syncthreads();\n"
 BOUND = "  const unsigned bound = s.bound;\n"
 COUNT = "  const int n_cand = total.x;\n"
-CANDS = "    __syncthreads();\n    if (warp == 0) {  // 3."
+CANDS = "    __syncthreads();\n    if (n_cand <= THREADS) block_pick"
 STAGED = "    for (int i = tid; i < (a.P + 3) / 4; i += THREADS) staged[i] = src[i];\n"
 UNROLLED = """    float4 v[KPT / 4];
     const int n4 = (a.P + 3) / 4;
@@ -54,7 +58,6 @@ UNROLLED = """    float4 v[KPT / 4];
 #pragma unroll
     for (int j = 0; j < KPT / 4; ++j) if (tid + j * THREADS < n4) staged[tid + j * THREADS] = v[j];
 """
-BOUND_PASSES = "warp_kth<GROUPS_PER_LANE, 8>(g, m)"
 DIRECT_SYNC = "    __syncthreads();  // the row staged\n"
 DIRECT_READ = "      const float4 v = staged[page0 / 4 + j / 4];"
 DIRECT_NEW = ("      const float4 v = page0 + j < a.P ? reinterpret_cast<const float4*>(scores)[page0 / 4 + j / 4]"
@@ -76,11 +79,10 @@ def variants() -> dict[str, str]:
         "keys": _replace(src, KEYS, KEYS + STOP[2:]),
         "bound": _replace(src, BOUND, BOUND + STOP[2:]),
         "count": _replace(src, COUNT, COUNT + "  if (a.P > 0) { if (n_cand < 0) out[0] = 0; return; }  // probe\n"),
-        "cands": _replace(src, CANDS, "    __syncthreads();\n" + STOP + "    if (warp == 0) {  // 3."),
+        "cands": _replace(src, CANDS, "    __syncthreads();\n" + STOP + CANDS[len("    __syncthreads();\n"):]),
         "full": src,
         "load_unrolled": _replace(src, STAGED, UNROLLED),
         "load_direct": direct,
-        "bound_8bits": _replace(src, BOUND_PASSES, BOUND_PASSES.replace(", 8>", ", 4>")),
     }
 
 
@@ -106,8 +108,8 @@ def candidates(scores, n, sink_pages, recent, m, kpt=36):
     return (mid >= bound).sum(-1)
 
 
-def main(out_path: str) -> None:
-    from sparseengine.kernels import quest_scores
+def main(out_path: str, baseline: str | None = None) -> None:
+    from sparseengine.kernels import quest_scores, quest_select
     from sparseengine.kernels.bench_common import PS, per_launch_us
     from sparseengine.kernels.bench_quest import _score_inputs
 
@@ -122,12 +124,13 @@ def main(out_path: str) -> None:
     default = quest_select_cuda.library
     with tempfile.TemporaryDirectory() as tmp, open(out_path, "a") as f:
         with ThreadPoolExecutor(8) as pool:  # nvcc runs as a subprocess: the builds run side by side
-            built = {name: pool.submit(build, name, text, Path(tmp)) for name, text in variants().items()}
+            texts = {**variants(), **({"baseline": Path(baseline).read_text()} if baseline else {})}
+            built = {name: pool.submit(build, name, text, Path(tmp)) for name, text in texts.items()}
         libs = {name: job.result() for name, job in built.items()}
         libs["vec_off"] = default()
-        for scores_name, scores in (("page_scores", real), ("randn", noise)):
+        for scores_name, scores in (("page_scores", real), ("randn", noise), ("randn_1dp", noise.round(decimals=1))):
             args = (scores, kv_lens, PS, sink, recent, budget)
-            want = quest_select_cuda.quest_select_pages_cuda(*args)
+            want = quest_select.quest_select_pages_triton(*args)
             cand = candidates(scores, n, sink // PS, recent, budget // PS)
             rec = {"kind": "quest_select_cuda_candidates", "scores": scores_name, **meta,
                    "n_cand_max": int(cand.max()), "n_cand_mean": float(cand.float().mean())}
@@ -140,7 +143,7 @@ def main(out_path: str) -> None:
                     try:
                         fn = lambda: quest_select_cuda.quest_select_pages_cuda(*args)  # noqa: E731
                         got = fn()
-                        whole = name in ("full", "load_unrolled", "load_direct", "bound_8bits", "vec_off")
+                        whole = name in ("full", "load_unrolled", "load_direct", "baseline", "vec_off")
                         rec = {"kind": "quest_select_cuda_stage", "scores": scores_name, "stage": name, "round": rnd,
                                **meta, "us_per_launch": per_launch_us(fn),
                                "equals_kernel": all(torch.equal(g, w) for g, w in zip(got, want)) if whole else None}
@@ -151,4 +154,4 @@ def main(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])

@@ -4,7 +4,8 @@
 //
 // Why CUDA: the Triton kernel's searches are chains of block-wide reductions, a barrier
 // each (~14 us a launch at the 128K benchmark's shape, 30 launches a step). Here the
-// searches that decide the choice run in one warp with `__reduce_add_sync`, no barrier.
+// bound runs in one warp with `__reduce_add_sync`, no barrier, and the pick ranks the candidates
+// against each other, a thread each.
 //
 // The row's work: quest_select.cuh.
 // `pdl`: launched as a programmatic dependent launch, the CTA waits (griddepcontrol.wait)

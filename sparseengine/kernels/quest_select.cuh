@@ -8,10 +8,12 @@
 // 1. L, a lower bound of the m-th largest of the threads' maxima (its top 16 bits, by warp
 //    0): at least m middle keys are >= L, so every key the choice takes is >= L.
 // 2. The candidates (keys >= L), in page order, into shared memory (one block scan).
-// 3. With at most WARP_CAP of them, warp 0 finds the m-th largest key t among them (16
-//    passes of 2 bits), then takes the keys > t and the earliest keys == t until m are
-//    taken, each at its rank (a warp scan): ascending pages, no sort. With more (many
-//    equal scores), the whole block runs the same search over the registers.
+// 3. With at most CAND_CAP of them, each thread ranks one or two candidates against all of
+//    them (the keys above it plus the earlier keys equal to it: ranks 0..n-1, each once); the
+//    ranks below m are the choice, each written at its place among them (a block scan):
+//    ascending pages, no sort. With more (many equal scores), the whole block finds the m-th
+//    largest key t (16 passes of 2 bits over the registers) and takes the keys > t and the
+//    earliest keys == t until m are taken.
 // Sink and recent slots are written by arithmetic, as in the Triton kernel.
 #pragma once
 #include <cuda_runtime.h>
@@ -23,8 +25,7 @@ namespace qsel {
 
 constexpr int THREADS = 256;
 constexpr int WARPS = THREADS / 32;
-constexpr int WARP_CAP = 512;             // candidates warp 0 searches (16 a lane)
-constexpr int PER_LANE = WARP_CAP / 32;
+constexpr int CAND_CAP = 2 * THREADS;     // candidates the block ranks (2 a thread)
 constexpr int GROUPS_PER_LANE = THREADS / 32;  // the threads' maxima warp 0 holds a lane
 constexpr unsigned FULL = 0xffffffffu;
 
@@ -42,8 +43,8 @@ struct Shared {
   int2 scan[2][WARPS];    // the block scans' warp totals (two scans in a row)
   unsigned maxima[THREADS];
   unsigned bound;
-  unsigned cand_key[WARP_CAP];
-  int cand_page[WARP_CAP];
+  alignas(16) unsigned cand_key[CAND_CAP + 4];  // + 0s up to a multiple of 4 (rank_of reads them as uint4)
+  int cand_page[CAND_CAP];
 };
 
 // The float's order as an unsigned int: negative floats flipped whole, others with the
@@ -169,24 +170,37 @@ __device__ __forceinline__ int2 gt_eq(const unsigned (&k)[N], unsigned t) {
   return make_int2(gt, eq);
 }
 
-// Warp 0's search and pick over the n_cand candidates in shared memory, PER lanes' worth a
-// lane (lane l holds [l * PER, (l + 1) * PER)).
-template <int PER>
-__device__ __forceinline__ void warp_choose(const Shared& s, int n_cand, int m, long long* out) {
-  const int lane = threadIdx.x & 31;
-  unsigned c[PER];
-  int cp[PER];
-#pragma unroll
-  for (int i = 0; i < PER; ++i) {
-    const int idx = lane * PER + i;
-    c[i] = idx < n_cand ? s.cand_key[idx] : 0u;
-    cp[i] = idx < n_cand ? s.cand_page[idx] : 0;
+// The rank of key k (>= 1), the i-th of the n candidates in page order in `keys`, among them: the keys above it
+// plus the earlier keys equal to it (ties to the earlier page). The ranks of n keys are 0..n-1, each once.
+// Entries [n, n rounded up to 4) must hold 0, which never counts.
+__device__ __forceinline__ int rank_of(const unsigned* keys, int n, int i, unsigned k) {
+  const uint4* k4 = reinterpret_cast<const uint4*>(keys);
+  int r = 0;
+#pragma unroll 4
+  for (int j = 0; j < (n + 3) / 4; ++j) {  // an earlier key counts from k on (k - 1 < it), a later one above k
+    const uint4 v = k4[j];
+    const int j0 = 4 * j;
+    r += (v.x > k - (j0 < i)) + (v.y > k - (j0 + 1 < i)) + (v.z > k - (j0 + 2 < i)) + (v.w > k - (j0 + 3 < i));
   }
-  const unsigned t = warp_kth<PER, 16>(c, m);
-  const int2 ge = gt_eq(c, t);
-  int2 tot;
-  const int2 pre = warp_scan2(ge.x, ge.y, tot);
-  write_chosen(c, [&](int j) { return cp[j]; }, t, m, pre, tot, out);
+  return r;
+}
+
+// The pick from the n_cand candidates in shared memory (at most CAND_CAP, in page order): each thread ranks
+// PER of them (candidate c * THREADS + tid) against all; those ranked below m are the choice, written in page
+// order (a block scan of the chosen).
+template <int PER>
+__device__ __forceinline__ void block_pick(Shared& s, int n_cand, int m, long long* out) {
+  const int tid = threadIdx.x;
+  bool chosen[PER];
+#pragma unroll
+  for (int c = 0; c < PER; ++c) {
+    const int i = c * THREADS + tid;
+    chosen[c] = i < n_cand && rank_of(s.cand_key, n_cand, i, s.cand_key[i]) < m;
+  }
+  int2 total;
+  const int2 pre = block_scan2(chosen[0], PER > 1 && chosen[PER - 1], s.scan[1], total);
+  if (chosen[0]) out[pre.x] = s.cand_page[tid];
+  if (PER > 1 && chosen[PER - 1]) out[total.x + pre.y] = s.cand_page[THREADS + tid];
 }
 
 // VEC: the row, 16-byte aligned, is read as float4 into shared memory at once (P rounded up to 4 floats: the
@@ -265,20 +279,18 @@ __device__ __forceinline__ void select_row(const Args& a, int row, Shared& s, fl
   int2 total;
   int slot = block_scan2(mine, 0, s.scan[0], total).x;
   const int n_cand = total.x;
-  if (n_cand <= WARP_CAP) {
+  if (n_cand <= CAND_CAP) {
 #pragma unroll
     for (int j = 0; j < KPT; ++j) {
       if (k[j] != 0u && k[j] >= bound) s.cand_key[slot] = k[j], s.cand_page[slot++] = page0 + j;
     }
+    if (tid < 4) s.cand_key[n_cand + tid] = 0u;
     __syncthreads();
-    if (warp == 0) {  // 3. in warp 0, as many candidates a lane as it takes
-      if (n_cand <= 32 * 4) warp_choose<4>(s, n_cand, m, out + sink);
-      else if (n_cand <= 32 * 8) warp_choose<8>(s, n_cand, m, out + sink);
-      else warp_choose<PER_LANE>(s, n_cand, m, out + sink);
-    }
+    if (n_cand <= THREADS) block_pick<1>(s, n_cand, m, out + sink);  // 3. the candidates ranked
+    else block_pick<2>(s, n_cand, m, out + sink);
     return;
   }
-  const unsigned t = block_kth(k, m, s);  // more candidates than warp 0 holds: the block over every key
+  const unsigned t = block_kth(k, m, s);  // more candidates than the block ranks: its search over every key
   const int2 ge = gt_eq(k, t);
   const int2 pre = block_scan2(ge.x, ge.y, s.scan[1], total);
   write_chosen(k, [&](int j) { return page0 + j; }, t, m, pre, total, out + sink);

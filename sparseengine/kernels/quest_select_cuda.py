@@ -1,7 +1,7 @@
 """Quest's page selection in CUDA (`quest_select.cu`): the contract of
 `quest_select.quest_select_pages_triton` (the same pages in the same slots, ties to the
-earlier page), with the searches that decide the choice in one warp instead of chains of
-block-wide reductions.
+earlier page), with the bound's search in one warp and the pick by ranks (a thread a
+candidate) instead of chains of block-wide reductions.
 
 `quest_select_pages_cuda(scores, kv_lens, page_size, sink_tokens, recent_tokens, budget)`:
 `scores [B, Hkv, P]` float32 (pages contiguous; entries past a request's pages never read),

@@ -1,7 +1,7 @@
 """`quest_select_pages_cuda` (Quest's page choice in CUDA) against the torch path
 (`select_pages_batched`) on distinct scores and against the per-request definition
-(`quest_select_pages`, ties to the earlier page) on scores full of ties; through its warp
-path (at most 512 candidates) and its block path (more: many equal scores); equal to the
+(`quest_select_pages`, ties to the earlier page) on scores full of ties; through its rank
+path (at most 512 candidates, one or two a thread) and its block search (more: many equal scores); equal to the
 Triton kernel at the 128K benchmark's shape, in a CUDA graph and as a programmatic
 dependent launch; rows read as float4 where their storage holds P rounded up to 4 (the
 engine's 8321-page rows as the CUDA scores store them). On the CPU: the errors for bad input,
@@ -80,7 +80,7 @@ def _check_definition(pages, counts, scores, lens, ps, sink, recent, budget, whe
 def test_ties_go_to_the_earlier_page(gen):
     """Scores from a handful of values (with -inf, +inf and both zeros): each row is the
     definition's choice. Few distinct values put hundreds of pages at the threshold, so
-    both the warp path and the block path run."""
+    both the rank path and the block search run."""
     lens, hkv, P, ps, sink, budget, recent = [16 * 90 + 3, 300, 1000, 40, 0], 3, 95, 16, 20, 160, 30
     palette = torch.tensor([-1.5, -0.0, 0.0, 0.25, 0.25, 2.0, float("-inf"), float("inf")])
     values = palette[torch.randint(0, 6, (len(lens), hkv, P), generator=gen)]
@@ -211,9 +211,10 @@ def test_tied_candidates_construction():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n_cand", [93, 128, 129, 256, 257, 512, 513, 2000])
-def test_candidate_counts_across_the_warp_and_block_paths(n_cand):
-    """Exactly `n_cand` candidates tied at the threshold (the warp's widths and the block path's
-    edge: 128, 256, 512): the earliest m, as the definition and the Triton kernel take them."""
+def test_candidate_counts_across_the_rank_and_block_paths(n_cand):
+    """Exactly `n_cand` candidates tied at the threshold (the rank path's edges, one and two a
+    thread: 256, 512; past 512 the block search): the earliest m, as the definition and the
+    Triton kernel take them."""
     scores, want = _tied_candidates(n_cand)
     args = (scores.cuda(), torch.tensor([131072], dtype=torch.int32, device="cuda"), 16, 64, 512, 1472)
     pages, counts = QC.quest_select_pages_cuda(*args)
