@@ -17,6 +17,8 @@ And whole variants, each checked against the Triton kernel's choice:
 - `load_unrolled`: the row's float4 loads all issued before any is stored to shared memory;
 - `load_direct`: each thread loads its own KPT keys as float4 straight from global memory
   (no staging, no barrier);
+- `bound_ranks`: L the exact m-th largest of the threads' maxima, each thread ranking its own
+  against all (`rank_of`), where warp 0 settles its top 16 bits in 8 passes;
 - `vec_off`: `quest_select_cuda.VEC = False` (each thread loads its KPT scores one by one).
 Also the rows' candidate counts (keys >= L, computed here in torch with L's 32 bits: a
 lower bound of the kernel's count, whose L keeps 16), largest and mean.
@@ -58,6 +60,15 @@ UNROLLED = """    float4 v[KPT / 4];
 #pragma unroll
     for (int j = 0; j < KPT / 4; ++j) if (tid + j * THREADS < n4) staged[tid + j * THREADS] = v[j];
 """
+WARP_BOUND = """  if (warp == 0) {  // 1. L from the threads' maxima (a lane holds GROUPS_PER_LANE)
+    unsigned g[GROUPS_PER_LANE];
+#pragma unroll
+    for (int i = 0; i < GROUPS_PER_LANE; ++i) g[i] = s.maxima[lane * GROUPS_PER_LANE + i];
+    const unsigned bound = warp_kth<GROUPS_PER_LANE, 8>(g, m);
+    if (lane == 0) s.bound = bound;
+  }
+"""
+RANK_BOUND = "  if (mx != 0u && rank_of(s.maxima, THREADS, tid, mx) == m - 1) s.bound = mx;  // probe\n"
 DIRECT_SYNC = "    __syncthreads();  // the row staged\n"
 DIRECT_READ = "      const float4 v = staged[page0 / 4 + j / 4];"
 DIRECT_NEW = ("      const float4 v = page0 + j < a.P ? reinterpret_cast<const float4*>(scores)[page0 / 4 + j / 4]"
@@ -83,6 +94,9 @@ def variants() -> dict[str, str]:
         "full": src,
         "load_unrolled": _replace(src, STAGED, UNROLLED),
         "load_direct": direct,
+        "bound_ranks": _replace(_replace(_replace(src, WARP_BOUND, RANK_BOUND), "  unsigned maxima[THREADS];",
+                                         "  alignas(16) unsigned maxima[THREADS];"),
+                                KEYS, "  if (tid == 0) s.bound = 0u;\n" + KEYS),
     }
 
 
@@ -143,7 +157,7 @@ def main(out_path: str, baseline: str | None = None) -> None:
                     try:
                         fn = lambda: quest_select_cuda.quest_select_pages_cuda(*args)  # noqa: E731
                         got = fn()
-                        whole = name in ("full", "load_unrolled", "load_direct", "baseline", "vec_off")
+                        whole = name in ("full", "load_unrolled", "load_direct", "bound_ranks", "baseline", "vec_off")
                         rec = {"kind": "quest_select_cuda_stage", "scores": scores_name, "stage": name, "round": rnd,
                                **meta, "us_per_launch": per_launch_us(fn),
                                "equals_kernel": all(torch.equal(g, w) for g, w in zip(got, want)) if whole else None}
