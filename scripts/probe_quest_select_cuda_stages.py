@@ -17,6 +17,8 @@ And whole variants, each checked against the Triton kernel's choice:
 - `load_unrolled`: the row's float4 loads all issued before any is stored to shared memory;
 - `load_direct`: each thread loads its own KPT keys as float4 straight from global memory
   (no staging, no barrier);
+- `rank_split`: the ranks' loop in three warp-uniform ranges, comparing j with i only over
+  the warp's own candidates;
 - `bound_ranks`: L the exact m-th largest of the threads' maxima, each thread ranking its own
   against all (`rank_of`), where warp 0 settles its top 16 bits in 8 passes;
 - `vec_off`: `quest_select_cuda.VEC = False` (each thread loads its KPT scores one by one).
@@ -69,6 +71,33 @@ WARP_BOUND = """  if (warp == 0) {  // 1. L from the threads' maxima (a lane hol
   }
 """
 RANK_BOUND = "  if (mx != 0u && rank_of(s.maxima, THREADS, tid, mx) == m - 1) s.bound = mx;  // probe\n"
+RANK_LOOP = """  int r = 0;
+#pragma unroll 4
+  for (int j = 0; j < (n + 3) / 4; ++j) {  // an earlier key counts from k on (k - 1 < it), a later one above k
+    const uint4 v = k4[j];
+    const int j0 = 4 * j;
+    r += (v.x > k - (j0 < i)) + (v.y > k - (j0 + 1 < i)) + (v.z > k - (j0 + 2 < i)) + (v.w > k - (j0 + 3 < i));
+  }
+"""
+RANK_SPLIT = """  int r = 0;  // probe: warp-uniform ranges, only the warp's own 8 uint4s compare j with i
+  const int lo = (i & ~31) >> 2, hi = min(lo + 8, (n + 3) >> 2), end = (n + 3) >> 2;
+  const unsigned km1 = k - 1;
+#pragma unroll 4
+  for (int j = 0; j < lo; ++j) {
+    const uint4 v = k4[j];
+    r += (v.x > km1) + (v.y > km1) + (v.z > km1) + (v.w > km1);
+  }
+  for (int j = lo; j < hi; ++j) {
+    const uint4 v = k4[j];
+    const int j0 = 4 * j;
+    r += (v.x > k - (j0 < i)) + (v.y > k - (j0 + 1 < i)) + (v.z > k - (j0 + 2 < i)) + (v.w > k - (j0 + 3 < i));
+  }
+#pragma unroll 4
+  for (int j = hi; j < end; ++j) {
+    const uint4 v = k4[j];
+    r += (v.x > k) + (v.y > k) + (v.z > k) + (v.w > k);
+  }
+"""
 DIRECT_SYNC = "    __syncthreads();  // the row staged\n"
 DIRECT_READ = "      const float4 v = staged[page0 / 4 + j / 4];"
 DIRECT_NEW = ("      const float4 v = page0 + j < a.P ? reinterpret_cast<const float4*>(scores)[page0 / 4 + j / 4]"
@@ -94,6 +123,7 @@ def variants() -> dict[str, str]:
         "full": src,
         "load_unrolled": _replace(src, STAGED, UNROLLED),
         "load_direct": direct,
+        "rank_split": _replace(src, RANK_LOOP, RANK_SPLIT),
         "bound_ranks": _replace(_replace(_replace(src, WARP_BOUND, RANK_BOUND), "  unsigned maxima[THREADS];",
                                          "  alignas(16) unsigned maxima[THREADS];"),
                                 KEYS, "  if (tid == 0) s.bound = 0u;\n" + KEYS),
@@ -157,7 +187,7 @@ def main(out_path: str, baseline: str | None = None) -> None:
                     try:
                         fn = lambda: quest_select_cuda.quest_select_pages_cuda(*args)  # noqa: E731
                         got = fn()
-                        whole = name in ("full", "load_unrolled", "load_direct", "bound_ranks", "baseline", "vec_off")
+                        whole = name in ("full", "load_unrolled", "load_direct", "rank_split", "bound_ranks", "baseline", "vec_off")
                         rec = {"kind": "quest_select_cuda_stage", "scores": scores_name, "stage": name, "round": rnd,
                                **meta, "us_per_launch": per_launch_us(fn),
                                "equals_kernel": all(torch.equal(g, w) for g, w in zip(got, want)) if whole else None}
