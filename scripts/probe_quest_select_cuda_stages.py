@@ -123,7 +123,7 @@ def variants() -> dict[str, str]:
         "full": src,
         "load_unrolled": _replace(src, STAGED, UNROLLED),
         "load_direct": direct,
-        "rank_split": _replace(src, RANK_LOOP, RANK_SPLIT),
+        **({"rank_split": _replace(src, RANK_LOOP, RANK_SPLIT)} if RANK_LOOP in src else {}),  # a header without it
         "bound_ranks": _replace(_replace(_replace(src, WARP_BOUND, RANK_BOUND), "  unsigned maxima[THREADS];",
                                          "  alignas(16) unsigned maxima[THREADS];"),
                                 KEYS, "  if (tid == 0) s.bound = 0u;\n" + KEYS),
