@@ -25,7 +25,11 @@ And whole variants, each checked against the Triton kernel's choice:
 Also the rows' candidate counts (keys >= L, computed here in torch with L's 32 bits: a
 lower bound of the kernel's count, whose L keeps 16), largest and mean.
 
-    python scripts/probe_quest_select_cuda_stages.py OUT.jsonl [BASELINE.cuh]
+    python scripts/probe_quest_select_cuda_stages.py OUT.jsonl [BASELINE.cuh] [--engine-batch B]
+
+`--engine-batch B` first runs an eager Quest engine of B 128K requests (the benchmark's shape) and
+adds the page scores it handed the choice at its last step (layers 2, 16, 31) as score sets: the
+rows the kernel meets in the engine, in the engine's row layout (B=3 fits an H100's 80 GB).
 
 At cc4169a (an H100, the kernel then picking by warp 0's 16-pass search) it also ran
 `bound_8bits` (L settled to 8 bits: on the page scores many more candidates, 21.4 us).
@@ -104,6 +108,9 @@ DIRECT_NEW = ("      const float4 v = page0 + j < a.P ? reinterpret_cast<const f
               " : make_float4(0.f, 0.f, 0.f, 0.f);")
 
 
+STAGES = ("entry", "fixed", "keys", "bound", "count", "cands")  # cut short: no whole choice to check
+
+
 def _replace(text: str, old: str, new: str) -> str:
     if text.count(old) != 1:
         raise SystemExit(f"probe patch does not match {HEADER} once: {old[:60]!r}")
@@ -152,50 +159,101 @@ def candidates(scores, n, sink_pages, recent, m, kpt=36):
     return (mid >= bound).sum(-1)
 
 
-def main(out_path: str, baseline: str | None = None) -> None:
+def _copy_rows(scores: torch.Tensor) -> torch.Tensor:
+    """A copy of `scores [B, H, P]` in the same strides, its storage holding the last row's P
+    rounded up to 4 floats as the engine's does (so `whole_rows` says of it what it says there)."""
+    B, H, P = scores.shape
+    sb, sh, _ = scores.stride()
+    buf = torch.zeros((B - 1) * sb + (H - 1) * sh + -(-P // 4) * 4, device=scores.device, dtype=scores.dtype)
+    return buf.as_strided((B, H, P), (sb, sh, 1)).copy_(scores)
+
+
+def engine_rows(batch: int, layers=(2, 16, 31)) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """The page scores Quest's engine hands the choice at its last decode step, for `layers`, with that step's
+    kv_lens: an eager engine at the 128K benchmark's shape (dummy bf16 weights, `batch` synthesised 128K prompts,
+    total 2048), the choice wrapped to keep copies of its rows (its 30 sparse layers call it in order)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from profile_decode_step import engine_kwargs, prompts_of
+
+    from sparseengine import LLM, SamplingParams
+
+    kept, calls, choose = {}, [0], quest_select_cuda.quest_select_pages_cuda
+
+    def keep(scores, kv_lens, *rest, **kw):
+        layer = 2 + calls[0] % 30
+        calls[0] += 1
+        if layer in layers:
+            kept[layer] = (_copy_rows(scores), kv_lens.clone())
+        return choose(scores, kv_lens, *rest, **kw)
+
+    quest_select_cuda.quest_select_pages_cuda = keep
+    try:
+        with LLM(**engine_kwargs("quest", batch, 131072 + 2048, enforce_eager=True)) as llm:
+            llm.generate(prompts_of([131072] * batch), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                         prefill="synthesized")
+    finally:
+        quest_select_cuda.quest_select_pages_cuda = choose
+    if calls[0] % 30 or set(kept) != set(layers):
+        raise SystemExit(f"the engine's choice ran {calls[0]} times (not a multiple of 30 sparse layers)")
+    return [(f"engine_b{batch}_layer{layer}", *kept[layer]) for layer in layers]
+
+
+def main() -> None:
+    import argparse
+
     from sparseengine.kernels import quest_scores, quest_select
     from sparseengine.kernels.bench_common import PS, per_launch_us
     from sparseengine.kernels.bench_quest import _score_inputs
 
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out")
+    ap.add_argument("baseline", nargs="?", help="another version of quest_select.cuh, timed whole")
+    ap.add_argument("--engine-batch", type=int, help="also the rows of an eager Quest engine of this batch")
+    args = ap.parse_args()
+    sets = engine_rows(args.engine_batch) if args.engine_batch else []
     B, P, n = 6, 8320, 131072
     sink, recent, budget = 64, 512, 1472
     q, kmax, kmin, table, kv_lens = _score_inputs(B, P, n)
     real = quest_scores.quest_page_scores_triton(q, kmax, kmin, table, kv_lens, PS)
     gen = torch.Generator(device="cuda").manual_seed(0)
     noise = torch.randn(B, 8, P, generator=gen, device="cuda")
-    meta = {"batch": B, "hkv": 8, "pages": P, "kv_len": n, "device": torch.cuda.get_device_name(),
+    sets += [("page_scores", real, kv_lens), ("randn", noise, kv_lens), ("randn_1dp", noise.round(decimals=1), kv_lens)]
+    meta = {"hkv": 8, "device": torch.cuda.get_device_name(),
             "commit": os.environ.get("SPARSEENGINE_GIT_COMMIT", "unknown")}
     default = quest_select_cuda.library
-    with tempfile.TemporaryDirectory() as tmp, open(out_path, "a") as f:
+    with tempfile.TemporaryDirectory() as tmp, open(args.out, "a") as f:
         with ThreadPoolExecutor(8) as pool:  # nvcc runs as a subprocess: the builds run side by side
-            texts = {**variants(), **({"baseline": Path(baseline).read_text()} if baseline else {})}
+            texts = {**variants(), **({"baseline": Path(args.baseline).read_text()} if args.baseline else {})}
             built = {name: pool.submit(build, name, text, Path(tmp)) for name, text in texts.items()}
         libs = {name: job.result() for name, job in built.items()}
         libs["vec_off"] = default()
-        for scores_name, scores in (("page_scores", real), ("randn", noise), ("randn_1dp", noise.round(decimals=1))):
-            args = (scores, kv_lens, PS, sink, recent, budget)
-            want = quest_select.quest_select_pages_triton(*args)
-            cand = candidates(scores, n, sink // PS, recent, budget // PS)
-            rec = {"kind": "quest_select_cuda_candidates", "scores": scores_name, **meta,
-                   "n_cand_max": int(cand.max()), "n_cand_mean": float(cand.float().mean())}
+
+        def emit(rec):
             print(json.dumps(rec), flush=True)
             f.write(json.dumps(rec) + "\n")
+
+        for scores_name, scores, lens in sets:
+            shape = {"batch": scores.shape[0], "pages": scores.shape[-1], "kv_len": int(lens.max()),
+                     "whole_rows": quest_select_cuda.whole_rows(scores), **meta}
+            choice = (scores, lens, PS, sink, recent, budget)
+            want = quest_select.quest_select_pages_triton(*choice)
+            cand = candidates(scores, int(lens.max()), sink // PS, recent, budget // PS)
+            emit({"kind": "quest_select_cuda_candidates", "scores": scores_name, **shape,
+                  "n_cand_max": int(cand.max()), "n_cand_mean": float(cand.float().mean())})
             for rnd in range(2):
                 for name, lib in libs.items():
                     quest_select_cuda.library = lambda lib=lib: lib  # noqa: E731
                     quest_select_cuda.VEC = name != "vec_off"
                     try:
-                        fn = lambda: quest_select_cuda.quest_select_pages_cuda(*args)  # noqa: E731
+                        fn = lambda: quest_select_cuda.quest_select_pages_cuda(*choice)  # noqa: E731
                         got = fn()
-                        whole = name in ("full", "load_unrolled", "load_direct", "rank_split", "bound_ranks", "baseline", "vec_off")
-                        rec = {"kind": "quest_select_cuda_stage", "scores": scores_name, "stage": name, "round": rnd,
-                               **meta, "us_per_launch": per_launch_us(fn),
-                               "equals_kernel": all(torch.equal(g, w) for g, w in zip(got, want)) if whole else None}
+                        same = all(torch.equal(g, w) for g, w in zip(got, want))
+                        emit({"kind": "quest_select_cuda_stage", "scores": scores_name, "stage": name, "round": rnd,
+                              **shape, "us_per_launch": per_launch_us(fn),
+                              "equals_kernel": None if name in STAGES else same})
                     finally:
                         quest_select_cuda.library, quest_select_cuda.VEC = default, True
-                    print(json.dumps(rec), flush=True)
-                    f.write(json.dumps(rec) + "\n")
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main()
