@@ -5,8 +5,11 @@ path (at most 512 candidates, one or two a thread) and its block search (more: m
 Triton kernel at the 128K benchmark's shape, in a CUDA graph and as a programmatic
 dependent launch; rows read as float4 where their storage holds P rounded up to 4 (the
 engine's 8321-page rows as the CUDA scores store them). On the CPU: the errors for bad input,
-which rows are read whole (`whole_rows`) and the build (where nvcc is); its ctypes table:
+which rows are read whole (`whole_rows`), the build (where nvcc is) and the stage probe's patches; its ctypes table:
 test_nvcc_build.py. The engine with it: tests/methods/test_graph_vs_eager_gpu.py."""
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -28,6 +31,19 @@ def test_builds_and_reports_its_widest_row(monkeypatch, tmp_path):
     finally:
         QC.library.cache_clear()
     assert list(tmp_path.glob("cuda/*/libse_quest_select.so"))
+
+
+def test_stage_probe_patches_the_header():
+    """scripts/probe_quest_select_cuda_stages.py times patched copies of quest_select.cuh: each
+    patch must find its line once (else the probe stops), and every variant but `full` differs."""
+    path = Path(__file__).resolve().parents[2] / "scripts" / "probe_quest_select_cuda_stages.py"
+    spec = importlib.util.spec_from_file_location("probe_quest_select_cuda_stages", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    header = (probe.KERNELS / probe.HEADER).read_text()
+    variants = probe.variants()
+    assert set(probe.STAGES) < set(variants) and variants["full"] == header
+    assert all(text != header for name, text in variants.items() if name != "full")
 
 
 def test_bad_input():
