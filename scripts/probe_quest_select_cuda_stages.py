@@ -51,13 +51,14 @@ from sparseengine.kernels import nvcc_build, quest_select_cuda  # noqa: E402
 
 KERNELS = Path(quest_select_cuda.__file__).parent
 HEADER = "quest_select.cuh"
-STOP = "    if (a.P > 0) return;  // probe\n"
+STOP = "  if (a.P > 0) return;  // probe\n"
 ROW0 = "  const float* scores = a.scores + b * a.sb + h * a.sh;\n"
 FIXED = "  if (everything) return;\n"
 KEYS = "  s.maxima[tid] = mx;\n  __syncthreads();\n"
 BOUND = "  const unsigned bound = s.bound;\n"
 COUNT = "  const int n_cand = total.x;\n"
-CANDS = "    __syncthreads();\n    if (n_cand <= THREADS) block_pick"
+CANDS = "    __syncthreads();\n"  # the candidates stored; then the pick
+PICK = "    if (n_cand <= THREADS) block_pick"
 STAGED = "    for (int i = tid; i < (a.P + 3) / 4; i += THREADS) staged[i] = src[i];\n"
 UNROLLED = """    float4 v[KPT / 4];
     const int n4 = (a.P + 3) / 4;
@@ -121,12 +122,12 @@ def variants() -> dict[str, str]:
     src = (KERNELS / HEADER).read_text()
     direct = _replace(_replace(_replace(src, STAGED, ""), DIRECT_SYNC, ""), DIRECT_READ, DIRECT_NEW)
     return {
-        "entry": _replace(src, ROW0, ROW0 + STOP[2:]),
+        "entry": _replace(src, ROW0, ROW0 + STOP),
         "fixed": _replace(src, FIXED, "  if (everything || a.P > 0) return;  // probe\n"),
-        "keys": _replace(src, KEYS, KEYS + STOP[2:]),
-        "bound": _replace(src, BOUND, BOUND + STOP[2:]),
+        "keys": _replace(src, KEYS, KEYS + STOP),
+        "bound": _replace(src, BOUND, BOUND + STOP),
         "count": _replace(src, COUNT, COUNT + "  if (a.P > 0) { if (n_cand < 0) out[0] = 0; return; }  // probe\n"),
-        "cands": _replace(src, CANDS, "    __syncthreads();\n" + STOP + CANDS[len("    __syncthreads();\n"):]),
+        "cands": _replace(src, CANDS + PICK, CANDS + "  " + STOP + PICK),
         "full": src,
         "load_unrolled": _replace(src, STAGED, UNROLLED),
         "load_direct": direct,
