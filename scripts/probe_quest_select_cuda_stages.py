@@ -21,9 +21,12 @@ And whole variants, each checked against the Triton kernel's choice:
   the warp's own candidates;
 - `bound_ranks`: L the exact m-th largest of the threads' maxima, each thread ranking its own
   against all (`rank_of`), where warp 0 settles its top 16 bits in 8 passes;
+- `bound_bits24`, `bound_bits32`: warp 0's search settles L to 24 or 32 bits (12 or 16 passes):
+  closer to the m-th largest maximum, fewer candidates to rank;
 - `vec_off`: `quest_select_cuda.VEC = False` (each thread loads its KPT scores one by one).
-Also the rows' candidate counts (keys >= L, computed here in torch with L's 32 bits: a
-lower bound of the kernel's count, whose L keeps 16), largest and mean.
+Also the rows' candidate counts (keys >= L, computed here in torch as the kernel does: `n_cand_*` with L
+settled to 32 bits, `n_cand_bits16_*` to the 16 the kernel keeps, `n_cand_bits24_*`), largest and mean.
+The launch's time is its slowest row's: a row past 256 candidates ranks two a thread.
 
     python scripts/probe_quest_select_cuda_stages.py OUT.jsonl [BASELINE.cuh] [--engine-batch B]
 
@@ -132,6 +135,8 @@ def variants() -> dict[str, str]:
         "load_unrolled": _replace(src, STAGED, UNROLLED),
         "load_direct": direct,
         **({"rank_split": _replace(src, RANK_LOOP, RANK_SPLIT)} if RANK_LOOP in src else {}),  # a header without it
+        **{f"bound_bits{2 * n}": _replace(src, WARP_BOUND, WARP_BOUND.replace(", 8>(g, m)", f", {n}>(g, m)"))
+           for n in (12, 16)},
         "bound_ranks": _replace(_replace(_replace(src, WARP_BOUND, RANK_BOUND), "  unsigned maxima[THREADS];",
                                          "  alignas(16) unsigned maxima[THREADS];"),
                                 KEYS, "  if (tid == 0) s.bound = 0u;\n" + KEYS),
@@ -148,16 +153,22 @@ def build(name: str, header: str, tmp: Path):
                                    f"probe {name}")
 
 
-def candidates(scores, n, sink_pages, recent, m, kpt=36):
-    """Per row, the keys >= L (L: the m-th largest of the threads' KPT-page maxima) by the
-    definition, in float order."""
+def keys_of(scores: torch.Tensor) -> torch.Tensor:
+    """`qsel::key_of` in int64: the float's order as an unsigned int (-0.0 as +0.0)."""
+    bits = torch.where(scores == 0, torch.zeros_like(scores), scores).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return torch.where(bits >= 1 << 31, bits ^ 0xFFFFFFFF, bits | 1 << 31)
+
+
+def candidates(scores, n, sink_pages, recent, m, kpt=36, bits=32):
+    """Per row, the count of keys >= L, L the m-th largest of the threads' KPT-page maxima (keys, 0 off the middle
+    pages) settled to its top `bits` bits as warp 0's search does (a lower bound of it: more candidates)."""
     P = scores.shape[-1]
     recent_first = (n - recent) // 16
-    mid = torch.full((*scores.shape[:2], 256 * kpt), float("-inf"), device=scores.device)
-    mid[..., sink_pages:recent_first] = scores[..., sink_pages:min(recent_first, P)]
-    maxima = mid.view(*scores.shape[:2], 256, kpt).amax(-1)
-    bound = maxima.topk(m, dim=-1).values[..., -1:]
-    return (mid >= bound).sum(-1)
+    keys = torch.zeros((*scores.shape[:2], 256 * kpt), dtype=torch.int64, device=scores.device)
+    keys[..., sink_pages:recent_first] = keys_of(scores[..., sink_pages:min(recent_first, P)].float())
+    maxima = keys.view(*scores.shape[:2], 256, kpt).amax(-1)
+    bound = maxima.topk(m, dim=-1).values[..., -1:] & (0xFFFFFFFF ^ ((1 << (32 - bits)) - 1))
+    return ((keys >= bound) & (keys != 0)).sum(-1)
 
 
 def _copy_rows(scores: torch.Tensor) -> torch.Tensor:
@@ -238,9 +249,13 @@ def main() -> None:
                      "whole_rows": quest_select_cuda.whole_rows(scores), **meta}
             choice = (scores, lens, PS, sink, recent, budget)
             want = quest_select.quest_select_pages_triton(*choice)
-            cand = candidates(scores, int(lens.max()), sink // PS, recent, budget // PS)
-            emit({"kind": "quest_select_cuda_candidates", "scores": scores_name, **shape,
-                  "n_cand_max": int(cand.max()), "n_cand_mean": float(cand.float().mean())})
+            counts = {}
+            for bits in (32, 16, 24):
+                cand = candidates(scores, int(lens.max()), sink // PS, recent, budget // PS, bits=bits)
+                tag = "n_cand" if bits == 32 else f"n_cand_bits{bits}"
+                counts |= {f"{tag}_max": int(cand.max()), f"{tag}_mean": float(cand.float().mean()),
+                           f"{tag}_rows_past_256": int((cand > 256).sum())}
+            emit({"kind": "quest_select_cuda_candidates", "scores": scores_name, **shape, **counts})
             for rnd in range(2):
                 for name, lib in libs.items():
                     quest_select_cuda.library = lambda lib=lib: lib  # noqa: E731

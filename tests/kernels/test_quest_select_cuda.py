@@ -8,6 +8,7 @@ engine's 8321-page rows as the CUDA scores store them). On the CPU: the errors f
 which rows are read whole (`whole_rows`), the build (where nvcc is) and the stage probe's patches; its ctypes table:
 test_nvcc_build.py. The engine with it: tests/methods/test_graph_vs_eager_gpu.py."""
 import importlib.util
+import struct
 from pathlib import Path
 
 import pytest
@@ -33,17 +34,47 @@ def test_builds_and_reports_its_widest_row(monkeypatch, tmp_path):
     assert list(tmp_path.glob("cuda/*/libse_quest_select.so"))
 
 
-def test_stage_probe_patches_the_header():
-    """scripts/probe_quest_select_cuda_stages.py times patched copies of quest_select.cuh: each
-    patch must find its line once (else the probe stops), and every variant but `full` differs."""
+def _probe():
     path = Path(__file__).resolve().parents[2] / "scripts" / "probe_quest_select_cuda_stages.py"
     spec = importlib.util.spec_from_file_location("probe_quest_select_cuda_stages", path)
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
+    return probe
+
+
+def _key(f: float) -> int:  # qsel::key_of by the float's bits, one value at a time
+    (bits,) = struct.unpack("<I", struct.pack("<f", 0.0 if f == 0 else f))
+    return bits ^ 0xFFFFFFFF if bits >> 31 else bits | 1 << 31
+
+
+def test_stage_probe_patches_the_header():
+    """scripts/probe_quest_select_cuda_stages.py times patched copies of quest_select.cuh: each
+    patch must find its line once (else the probe stops), and every variant but `full` differs."""
+    probe = _probe()
     header = (probe.KERNELS / probe.HEADER).read_text()
     variants = probe.variants()
     assert set(probe.STAGES) < set(variants) and variants["full"] == header
     assert all(text != header for name, text in variants.items() if name != "full")
+
+
+@pytest.mark.parametrize("bits", [16, 24, 32])
+def test_stage_probe_counts_the_kernels_candidates(bits, gen):
+    """The probe's candidate counts are the kernel's: L the m-th largest of the 256 threads' 36-key maxima (0 off
+    the middle pages), settled to its top `bits` bits; the candidates the middle keys >= L. On scores that share
+    their top bits (1000 + small noise) 16 bits take many more than 32."""
+    probe = _probe()
+    n, sink, recent, m = 131072 - 4096, 4, 512, 92
+    scores = torch.cat([1000 + torch.rand(1, 1, 7936, generator=gen), torch.randn(1, 1, 7936, generator=gen)], 1)
+    got = probe.candidates(scores, n, sink, recent, m, bits=bits)
+    first = (n - recent) // 16
+    for r in range(2):
+        keys = [_key(f) if sink <= p < first else 0 for p, f in enumerate(scores[0, r].tolist())]
+        keys += [0] * (256 * 36 - len(keys))
+        L = sorted((max(keys[t * 36:t * 36 + 36]) for t in range(256)), reverse=True)[m - 1]
+        L &= 0xFFFFFFFF ^ ((1 << (32 - bits)) - 1)
+        assert int(got[0, r]) == sum(k != 0 and k >= L for k in keys)
+    if bits == 16:
+        assert int(got[0, 0]) > 4 * int(probe.candidates(scores, n, sink, recent, m)[0, 0])
 
 
 def test_bad_input():
