@@ -8,7 +8,7 @@ stopping `select_row` at a later stage:
 - `entry`: returns at once (the launch's floor);
 - `fixed`: + the row staged in shared memory, kv_len, the sink / recent slots;
 - `keys`: + the keys from shared memory and the threads' maxima;
-- `bound`: + L, warp 0's 8 passes over the maxima;
+- `bound`: + L, warp 0's passes over the maxima (`qsel::BOUND_PASSES`, 8 before session 54, now 12);
 - `count`: + the block scan counting the candidates (>= L);
 - `cands`: + the candidates into shared memory;
 - `full`: the kernel as it is (+ the candidates' ranks and the writes);
@@ -20,12 +20,12 @@ And whole variants, each checked against the Triton kernel's choice:
 - `rank_split`: the ranks' loop in three warp-uniform ranges, comparing j with i only over
   the warp's own candidates;
 - `bound_ranks`: L the exact m-th largest of the threads' maxima, each thread ranking its own
-  against all (`rank_of`), where warp 0 settles its top 16 bits in 8 passes;
-- `bound_bits24`, `bound_bits32`: warp 0's search settles L to 24 or 32 bits (12 or 16 passes):
-  closer to the m-th largest maximum, fewer candidates to rank;
+  against all (`rank_of`), where warp 0 settles its top bits by passes;
+- `bound_bits16`, `bound_bits24`, `bound_bits32` (those the header does not build): warp 0's search settles L to
+  16, 24 or 32 bits (8, 12 or 16 passes): the closer to the m-th largest maximum, the fewer candidates to rank;
 - `vec_off`: `quest_select_cuda.VEC = False` (each thread loads its KPT scores one by one).
 Also the rows' candidate counts (keys >= L, computed here in torch as the kernel does: `n_cand_*` with L
-settled to 32 bits, `n_cand_bits16_*` to the 16 the kernel keeps, `n_cand_bits24_*`), largest and mean.
+settled to 32 bits, `n_cand_bits16_*` and `n_cand_bits24_*` to 16 and 24, the kernel's 8 and 12 passes), largest and mean.
 The launch's time is its slowest row's: a row past 256 candidates ranks two a thread.
 
     python scripts/probe_quest_select_cuda_stages.py OUT.jsonl [BASELINE.cuh] [--engine-batch B]
@@ -74,7 +74,7 @@ WARP_BOUND = """  if (warp == 0) {  // 1. L from the threads' maxima (a lane hol
     unsigned g[GROUPS_PER_LANE];
 #pragma unroll
     for (int i = 0; i < GROUPS_PER_LANE; ++i) g[i] = s.maxima[lane * GROUPS_PER_LANE + i];
-    const unsigned bound = warp_kth<GROUPS_PER_LANE, 8>(g, m);
+    const unsigned bound = warp_kth<GROUPS_PER_LANE, BOUND_PASSES>(g, m);
     if (lane == 0) s.bound = bound;
   }
 """
@@ -135,8 +135,8 @@ def variants() -> dict[str, str]:
         "load_unrolled": _replace(src, STAGED, UNROLLED),
         "load_direct": direct,
         **({"rank_split": _replace(src, RANK_LOOP, RANK_SPLIT)} if RANK_LOOP in src else {}),  # a header without it
-        **{f"bound_bits{2 * n}": _replace(src, WARP_BOUND, WARP_BOUND.replace(", 8>(g, m)", f", {n}>(g, m)"))
-           for n in (12, 16)},
+        **{f"bound_bits{2 * n}": _replace(src, WARP_BOUND, WARP_BOUND.replace("BOUND_PASSES>", f"{n}>"))
+           for n in (8, 12, 16) if f"constexpr int BOUND_PASSES = {n};" not in src},
         "bound_ranks": _replace(_replace(_replace(src, WARP_BOUND, RANK_BOUND), "  unsigned maxima[THREADS];",
                                          "  alignas(16) unsigned maxima[THREADS];"),
                                 KEYS, "  if (tid == 0) s.bound = 0u;\n" + KEYS),

@@ -5,8 +5,8 @@
 // A row: thread t holds the keys of pages [t * KPT, t * KPT + KPT) in registers (0 where a
 // page is not a middle page: a key of a real score is never 0 but for one NaN pattern).
 // A score's key is an unsigned int in the float's order (-0.0 as +0.0).
-// 1. L, a lower bound of the m-th largest of the threads' maxima (its top 16 bits, by warp
-//    0): at least m middle keys are >= L, so every key the choice takes is >= L.
+// 1. L, a lower bound of the m-th largest of the threads' maxima (its top 2 * BOUND_PASSES
+//    bits, by warp 0): at least m middle keys are >= L, so every key the choice takes is >= L.
 // 2. The candidates (keys >= L), in page order, into shared memory (one block scan).
 // 3. With at most CAND_CAP of them, each thread ranks one or two candidates against all of
 //    them (the keys above it plus the earlier keys equal to it: ranks 0..n-1, each once); the
@@ -27,6 +27,10 @@ constexpr int THREADS = 256;
 constexpr int WARPS = THREADS / 32;
 constexpr int CAND_CAP = 2 * THREADS;     // candidates the block ranks (2 a thread)
 constexpr int GROUPS_PER_LANE = THREADS / 32;  // the threads' maxima warp 0 holds a lane
+// Warp 0's passes for L (2 bits each). At 8 (16 bits) the engine's rows at the 128K shape had up to 249 candidates
+// (157 on average) against 135 (117) for the exact m-th maximum; at 12 (24 bits) 135 (118): the choice took
+// 224 us a Quest b=6 step against 249 (session 54, H200), where 4 more passes cost ~0.45 us a launch.
+constexpr int BOUND_PASSES = 12;
 constexpr unsigned FULL = 0xffffffffu;
 
 struct Args {
@@ -268,7 +272,7 @@ __device__ __forceinline__ void select_row(const Args& a, int row, Shared& s, fl
     unsigned g[GROUPS_PER_LANE];
 #pragma unroll
     for (int i = 0; i < GROUPS_PER_LANE; ++i) g[i] = s.maxima[lane * GROUPS_PER_LANE + i];
-    const unsigned bound = warp_kth<GROUPS_PER_LANE, 8>(g, m);
+    const unsigned bound = warp_kth<GROUPS_PER_LANE, BOUND_PASSES>(g, m);
     if (lane == 0) s.bound = bound;
   }
   __syncthreads();
