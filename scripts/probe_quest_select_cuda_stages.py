@@ -25,7 +25,8 @@ And whole variants, each checked against the Triton kernel's choice:
   16, 24 or 32 bits (8, 12 or 16 passes): the closer to the m-th largest maximum, the fewer candidates to rank;
 - `vec_off`: `quest_select_cuda.VEC = False` (each thread loads its KPT scores one by one).
 Also the rows' candidate counts (keys >= L, computed here in torch as the kernel does: `n_cand_*` with L
-settled to 32 bits, `n_cand_bits16_*` and `n_cand_bits24_*` to 16 and 24, the kernel's 8 and 12 passes), largest and mean.
+settled to 32 bits, `n_cand_bits16_*` and `n_cand_bits24_*` to 16 and 24, the kernel's 8 and 12 passes), largest
+and mean.
 The launch's time is its slowest row's: a row past 256 candidates ranks two a thread.
 
     python scripts/probe_quest_select_cuda_stages.py OUT.jsonl [BASELINE.cuh] [--engine-batch B]
