@@ -11,6 +11,7 @@
 #   VARIANTS='default;M.NAME=V ...;overlay=DIR' [BENCH='--flag'] bash scripts/gpu_session.sh variants  # A/B profiles
 #   COMMIT=<sha> DIRTY=0 bash scripts/gpu_session.sh quest_select  # Quest's CUDA page choice: tests, bench, A/B, lanes
 #   COMMIT=<sha> DIRTY=0 bash scripts/gpu_session.sh quest_scores_cuda  # Quest's CUDA page scores: tests, bench, A/Bs
+#   bash scripts/gpu_session.sh quest_scores_ncu  # Nsight Compute over each page-scores kernel at the bench shape
 #   bash scripts/gpu_session.sh quest_scores # Quest's score tests, its scoring launches swept, the fastest A/B in b6 profiles
 #   bash scripts/gpu_session.sh pick         # GPU tests (kernels, methods), OmniKV's pick side by side, OmniKV b6 profile
 #   bash scripts/gpu_session.sh balanced     # split-K decode tests (all, compiled), the balanced plan beside the per-row one
@@ -260,18 +261,26 @@ quest_scores_cuda)
 quest_scores_cuda.ENGINE=False quest_scores.SCORE_PDL=True;\
 quest_scores_cuda.ENGINE=False quest_scores.SCORE_PDL=True quest_scores.SCORE_ITERS=1;\
 quest_scores_cuda.CTAS_PER_SM=24;quest_scores_cuda.BUILD_L2_PREFETCH=0" bash "$0" variants
-  # last (s50-2, a call with it, hung and lost its machine; the cause is unknown): Nsight Compute over one launch of
-  # each at the bench's shape (the Triton kernel, it with PDL, the CUDA kernel)
-  timeout 150 ncu -k regex:scores_kernel --section SpeedOfLight --section MemoryWorkloadAnalysis \
-    --section WarpStateStats --section Occupancy --section LaunchStats python - > "$OUT/ncu_scores.txt" 2>&1 <<'PY'
+  # last (s50-2, a call with it, hung and lost its machine; the cause is unknown)
+  bash "$0" quest_scores_ncu
+  ;;
+quest_scores_ncu)
+  # Nsight Compute over one launch of each page-scores kernel at the bench's shape (B=6, Hkv=8, 8320 pages, the fold):
+  # the Triton kernel, it with PDL, the CUDA kernel at 2 CTAs an SM with the 256 B L2 build (the engine's), the plain
+  # build, and 24 CTAs an SM. --clock-control none: the device notes ask to leave the clocks alone.
+  timeout "${NCU_TIMEOUT:-150}" ncu --clock-control none -k regex:scores_kernel --section SpeedOfLight \
+    --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section WarpStateStats \
+    --section Occupancy --section LaunchStats --section SchedulerStats python - > "$OUT/ncu_scores.txt" 2>&1 <<'PY'
 from sparseengine.kernels import bench_quest_cuda, quest_page_scores_triton, quest_scores_cuda
 args, fold = bench_quest_cuda._decode_step_inputs(6, 8320, 131072)
 for pdl in (False, True):
     quest_page_scores_triton(*args, **fold, pdl=pdl)
-quest_scores_cuda.quest_page_scores_cuda(*args, **fold, pdl=False)
+for ctas, l2 in ((2, 256), (2, 0), (24, 256)):
+    quest_scores_cuda.quest_page_scores_cuda(*args, **fold, pdl=False, ctas_per_sm=ctas, l2_prefetch=l2)
 PY
-  grep -E "scores_kernel|Duration|DRAM Throughput|Memory Throughput|L2 Hit|Achieved Occupancy|Registers Per" \
-    "$OUT/ncu_scores.txt" | head -40
+  echo "ncu rc=$?"
+  grep -E "scores_kernel|Duration|DRAM Throughput|Memory Throughput|L2 Hit|L1/TEX Hit|Achieved Occupancy|Registers Per|Stall|Issued Warp" \
+    "$OUT/ncu_scores.txt" | head -80
   ;;
 variants)
   # BENCH (bench_gpu flags, optional) into $OUT/bench.jsonl, then one method's graph step with each of VARIANTS
