@@ -267,7 +267,7 @@ quest_scores_cuda.CTAS_PER_SM=24;quest_scores_cuda.BUILD_L2_PREFETCH=0" bash "$0
 quest_scores_ncu)
   # Nsight Compute over one launch of each page-scores kernel at the bench's shape (B=6, Hkv=8, 8320 pages, the fold):
   # the Triton kernel, it with PDL, the CUDA kernel at 2 CTAs an SM with the 256 B L2 build (the engine's), the plain
-  # build, 24 CTAs an SM, and the builds asking L2 for the next item's bounds (quest_scores_cuda.BUILD_PREFETCH_AHEAD). --clock-control none: the device notes ask to leave the clocks alone.
+  # build, and 24 CTAs an SM. --clock-control none: the device notes ask to leave the clocks alone.
   timeout "${NCU_TIMEOUT:-150}" ncu --clock-control none -k regex:scores_kernel --section SpeedOfLight \
     --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section WarpStateStats \
     --section Occupancy --section LaunchStats --section SchedulerStats python - > "$OUT/ncu_scores.txt" 2>&1 <<'PY'
@@ -275,9 +275,8 @@ from sparseengine.kernels import bench_quest_cuda, quest_page_scores_triton, que
 args, fold = bench_quest_cuda._decode_step_inputs(6, 8320, 131072)
 for pdl in (False, True):
     quest_page_scores_triton(*args, **fold, pdl=pdl)
-for ctas, l2, ahead in ((2, 256, 0), (2, 0, 0), (24, 256, 0), (2, 256, 1), (2, 256, 2)):
-    quest_scores_cuda.quest_page_scores_cuda(*args, **fold, pdl=False, ctas_per_sm=ctas, l2_prefetch=l2,
-                                             prefetch_ahead=ahead)
+for ctas, l2 in ((2, 256), (2, 0), (24, 256)):
+    quest_scores_cuda.quest_page_scores_cuda(*args, **fold, pdl=False, ctas_per_sm=ctas, l2_prefetch=l2)
 PY
   echo "ncu rc=$?"
   grep -E "scores_kernel|Duration|DRAM Throughput|Memory Throughput|L2 Hit|L1/TEX Hit|Achieved Occupancy|Registers Per|Stall|Issued Warp" \

@@ -64,9 +64,7 @@ def bench_quest_scores_cuda(out_path, B=6, P=8320, n=131072):
     of them queued, each a shorter run), with and without
     PDL (30 PDL launches in a row let each prefetch its first bounds under the one before:
     the engine's PDL launch follows the qkv linear instead), and the Triton launch with PDL
-    (`quest_scores.SCORE_PDL`; also at one tile a program, whose loads go to registers), the
-    builds asking L2 for 256 B around each load (the default), 128 or none, and for the next
-    item's bounds (`prefetch_ahead`), each
+    (`quest_scores.SCORE_PDL`; also at one tile a program, whose loads go to registers), each
     checked against the Triton kernel's scores (within rounding: the sums run in another
     order)."""
     from sparseengine.kernels import quest_page_scores_triton, quest_scores_cuda
@@ -86,9 +84,6 @@ def bench_quest_scores_cuda(out_path, B=6, P=8320, n=131072):
     for prefetch in (0, 128):  # the plain build; one asking L2 for 128 B around each load (the default: 256)
         launches[f"cuda_2cta_pdl_l2_{prefetch}"] = lambda prefetch=prefetch: quest_scores_cuda.quest_page_scores_cuda(
             *args, **fold, pdl=True, l2_prefetch=prefetch)
-    for ahead in (1, 2):  # the next item's bounds asked of L2 (a bulk prefetch or two line prefetches a lane)
-        launches[f"cuda_2cta_pdl_ahead_{ahead}"] = lambda ahead=ahead: quest_scores_cuda.quest_page_scores_cuda(
-            *args, **fold, pdl=True, prefetch_ahead=ahead)
     for impl, fn in launches.items():
         err = rel_err(fn()[..., : n // PS].float().cpu(), want.float().cpu())
         us = per_launch_us(fn)

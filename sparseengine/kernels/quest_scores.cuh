@@ -47,12 +47,6 @@ constexpr unsigned FULL = 0xffffffffu;
 #ifndef SE_L2_PREFETCH
 #define SE_L2_PREFETCH 0
 #endif
-// SE_PREFETCH_AHEAD (the build's): 0 none; 1 each warp asks L2 for the next item's bounds (a bulk prefetch of 256 B a
-// lane: its page row of kmax or kmin) as it loads this item's, so that a warp has two items' bytes in flight, not one
-// (its registers hold only one); 2 the same by two line prefetches a lane.
-#ifndef SE_PREFETCH_AHEAD
-#define SE_PREFETCH_AHEAD 0
-#endif
 #define SE_STR2(x) #x
 #define SE_STR(x) SE_STR2(x)
 
@@ -131,19 +125,6 @@ __device__ __forceinline__ void load_bounds(const Args& a, const Tile& t, int h,
       m.lo[i][s] = ok ? load_stream(lo + s * 4) : make_uint4(0u, 0u, 0u, 0u);
     }
   }
-}
-
-// The tile's rows of head h asked of L2 (SE_PREFETCH_AHEAD): lane (g, t) takes the 256 B row of page g (t even) or
-// g + 8 (t odd) in kmax (t < 2) or kmin; rows of no page of the request are skipped.
-__device__ __forceinline__ void prefetch_bounds(const Args& a, const Tile& t, int h, int lane4) {
-  const int id = lane4 & 1 ? t.id[1] : t.id[0];  // not t.id[lane4 & 1]: a dynamic index puts the tile on the stack
-  if (id < 0) return;
-  const __nv_bfloat16* row = (lane4 < 2 ? a.kmax : a.kmin) + ((size_t)id * a.hkv + h) * D;
-#if SE_PREFETCH_AHEAD == 1
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], 256;" ::"l"(row) : "memory");
-#elif SE_PREFETCH_AHEAD == 2
-  asm volatile("prefetch.global.L2 [%0]; prefetch.global.L2 [%1];" ::"l"(row), "l"(row + 64) : "memory");
-#endif
 }
 
 // The lane's 16 B of each step of its query column (head h * group + g; zeros past the
@@ -238,21 +219,12 @@ __device__ __forceinline__ void score_items(const Args& a, int first, int last, 
   Tile t = tile_of(a, first, warp, g);
   Bounds m;
   if (t.p0 < t.n_pages) load_bounds(a, t, h, lane4, m);  // before the wait: the bounds and page ids are not the
-#if SE_PREFETCH_AHEAD                                      // kernel before's (the header)
-  Tile ahead;  // the item after the one whose bounds load: its page ids, then its rows asked of L2
-  if (first + 1 < last) ahead = tile_of(a, first + 1, warp, g), prefetch_bounds(a, ahead, h, lane4);
-#endif
-  if (a.pdl) asm volatile("griddepcontrol.wait;" ::: "memory");
+  if (a.pdl) asm volatile("griddepcontrol.wait;" ::: "memory");  // kernel before's (the header)
   uint4 (*q)[32] = q_smem[warp];
   int q_of = -1;  // the request whose query column q holds
   for (int item = first; item < last; ++item) {
     Tile next;
-#if SE_PREFETCH_AHEAD
-    next = ahead;
-    if (item + 2 < last) ahead = tile_of(a, item + 2, warp, g);  // its page ids in flight while this tile scores
-#else
     if (item + 1 < last) next = tile_of(a, item + 1, warp, g);  // its page ids in flight while this tile scores
-#endif
     if (t.p0 < t.n_pages) {  // else the tile is past the request's pages: nothing to score, nothing written
       if (t.b != q_of) load_query(a, t.b, h, g, lane4, q), q_of = t.b;
       fold(a, t, h, lane4, m);
@@ -262,9 +234,6 @@ __device__ __forceinline__ void score_items(const Args& a, int first, int last, 
       t = next;
       if (t.p0 < t.n_pages) load_bounds(a, t, h, lane4, m);
     }
-#if SE_PREFETCH_AHEAD
-    if (item + 2 < last) prefetch_bounds(a, ahead, h, lane4);
-#endif
   }
 }
 

@@ -53,13 +53,6 @@ MAX_CTAS_PER_SM = 64
 # rounds each, s52-5 in results/README.md; 128: 8.183, CTAS_PER_SM=24: 8.187).
 BUILD_L2_PREFETCH = 256
 L2_PREFETCH_SIZES = (0, 64, 128, 256)
-# The build (read at each call; `quest_scores.cu`'s SE_PREFETCH_AHEAD): 0 none; 1 each warp asks L2 for the next
-# item's bounds (a bulk prefetch of 256 B a lane) as it loads this item's, 2 the same by two line prefetches a lane.
-# Why: Nsight Compute (session 55, H100, `gpu_session.sh quest_scores_ncu`) shows the default build at 79% of DRAM
-# peak with 74% of its warps' cycles waiting on their loads, its occupancy capped by registers (2 CTAs an SM), so a
-# warp has one item's bytes in flight; a prefetch holds no register.
-BUILD_PREFETCH_AHEAD = 0
-PREFETCH_AHEAD_MODES = (0, 1, 2)
 HEAD_DIM = 128
 MAX_GROUP = 8
 
@@ -70,22 +63,18 @@ SIGNATURES = {  # in the order of the source's `extern "C"` declarations (a CPU 
 }
 
 
-def library(l2_prefetch: int | None = None, prefetch_ahead: int | None = None) -> ctypes.CDLL:
-    """The built library of the build `l2_prefetch` and `prefetch_ahead` name (defaults
-    `BUILD_L2_PREFETCH`, `BUILD_PREFETCH_AHEAD`; nvcc, once a build)."""
+def library(l2_prefetch: int | None = None) -> ctypes.CDLL:
+    """The built library of the build `l2_prefetch` names (default `BUILD_L2_PREFETCH`;
+    nvcc, once a build)."""
     prefetch = BUILD_L2_PREFETCH if l2_prefetch is None else l2_prefetch
     if prefetch not in L2_PREFETCH_SIZES or isinstance(prefetch, bool):
         raise ValueError(f"l2_prefetch must be one of {L2_PREFETCH_SIZES}, got {prefetch!r}")
-    ahead = BUILD_PREFETCH_AHEAD if prefetch_ahead is None else prefetch_ahead
-    if ahead not in PREFETCH_AHEAD_MODES or isinstance(ahead, bool):
-        raise ValueError(f"prefetch_ahead must be one of {PREFETCH_AHEAD_MODES}, got {ahead!r}")
-    return _library(prefetch, ahead)
+    return _library(prefetch)
 
 
 @functools.lru_cache(maxsize=None)
-def _library(prefetch: int, ahead: int) -> ctypes.CDLL:
-    flags = [f"-DSE_L2_PREFETCH={prefetch}"] if prefetch else []  # the plain build's key as before the flags
-    flags += [f"-DSE_PREFETCH_AHEAD={ahead}"] if ahead else []
+def _library(prefetch: int) -> ctypes.CDLL:
+    flags = [f"-DSE_L2_PREFETCH={prefetch}"] if prefetch else []  # the plain build's key as before the flag
     return load_library(SOURCE, flags, "libse_quest_scores.so", SIGNATURES, "quest_scores_cuda")
 
 
@@ -196,13 +185,13 @@ def scores_buffer(B: int, hkv: int, P: int, device) -> torch.Tensor:
 
 
 def quest_page_scores_cuda(q, kmax, kmin, page_table, kv_lens, page_size, *, k_cache=None, new_slots=None, pdl=None,
-                           ctas_per_sm=None, l2_prefetch=None, prefetch_ahead=None):
+                           ctas_per_sm=None, l2_prefetch=None):
     """Quest's page scores (the module's docstring). `pdl` (default `PDL`) applies with the
     fold only: the kernel then loads bounds, page table and lengths before it waits for the
     kernel just before it on the stream, which must not write them (in a decode step that is
     the qkv linear; without the fold the minmax update runs just before and writes the
     bounds). `ctas_per_sm` (default `CTAS_PER_SM`, 1 to `MAX_CTAS_PER_SM`): the grid;
-    `l2_prefetch`, `prefetch_ahead` (defaults `BUILD_L2_PREFETCH`, `BUILD_PREFETCH_AHEAD`): the build."""
+    `l2_prefetch` (default `BUILD_L2_PREFETCH`): the build."""
     ctas = CTAS_PER_SM if ctas_per_sm is None else ctas_per_sm
     if not isinstance(ctas, int) or isinstance(ctas, bool) or not 1 <= ctas <= MAX_CTAS_PER_SM:
         raise ValueError(f"ctas_per_sm must be an int from 1 to {MAX_CTAS_PER_SM}, got {ctas!r}")
@@ -215,7 +204,7 @@ def quest_page_scores_cuda(q, kmax, kmin, page_table, kv_lens, page_size, *, k_c
     scores = scores_buffer(B, hkv, P, q.device)
     if B == 0 or P == 0:
         return scores
-    err = on_device(q, library(l2_prefetch, prefetch_ahead).se_quest_scores, *launch.c_args(scores), ctas, int(launch.pdl),
+    err = on_device(q, library(l2_prefetch).se_quest_scores, *launch.c_args(scores), ctas, int(launch.pdl),
                     torch.cuda.current_stream(q.device).cuda_stream)
     if err:
         raise RuntimeError(f"quest_page_scores_cuda's launch failed: error {err} (B={B}, Hq={q.shape[1]}, Hkv={hkv}, "

@@ -51,17 +51,16 @@ def _id(case):
 
 @pytest.mark.skipif(find_nvcc() is None, reason="needs nvcc (no GPU needed: the library loads without one)")
 def test_builds_and_reports_its_head_dim(monkeypatch, tmp_path):
-    """The plain build, the one asking L2 for 256 B around each load of the bounds, and that
-    one asking L2 for the next item's bounds (both ways), one directory a build."""
+    """The default build and the one asking L2 for 256 B around each load of the bounds
+    (two libraries, one directory a build)."""
     monkeypatch.setenv("SPARSEENGINE_CACHE", str(tmp_path))
     QS._library.cache_clear()
-    builds = ((0, 0), (256, 0), (256, 1), (256, 2))
     try:
-        for prefetch, ahead in builds:
-            assert QS.library(prefetch, ahead).se_quest_scores_head_dim() == QS.HEAD_DIM
+        for prefetch in (0, 256):
+            assert QS.library(prefetch).se_quest_scores_head_dim() == QS.HEAD_DIM
     finally:
         QS._library.cache_clear()
-    assert len(list(tmp_path.glob("cuda/*/libse_quest_scores.so"))) == len(builds)
+    assert len(list(tmp_path.glob("cuda/*/libse_quest_scores.so"))) == 2
 
 
 def test_bad_build(monkeypatch):
@@ -71,9 +70,6 @@ def test_bad_build(monkeypatch):
     monkeypatch.setattr(QS, "BUILD_L2_PREFETCH", 100)  # the module's default, checked the same way
     with pytest.raises(ValueError, match="l2_prefetch must be one of .*, got 100"):
         QS.library()
-    for ahead in (3, True, -1):
-        with pytest.raises(ValueError, match=r"prefetch_ahead must be one of \(0, 1, 2\), got"):
-            QS.library(256, ahead)
 
 
 def test_shapes_it_takes():
@@ -199,8 +195,7 @@ def test_launches_agree_bit_for_bit_and_replay_in_a_graph(gen):
     """At the 128K benchmark's shape (6 requests, 8320-page tables, 8 KV heads of 32 query
     heads), a decode step's fold and scores: the same bits with and without PDL and with
     one, two or 24 CTAs an SM (24: a CTA an item, most queued), from the default build (L2
-    asked for 256 B around each load), the plain one and the ones asking L2 for the next
-    item's bounds, in a CUDA graph too, and the Triton
+    asked for 256 B around each load) and the plain one, in a CUDA graph too, and the Triton
     kernel's within rounding (the sums run in another order) with the same folded bounds."""
     q, hi, lo, table, lens, fold, (want_hi, want_lo) = decode_step_128k(gen)
     k_cache, slots, ps = fold["k_cache"], fold["new_slots"], 16
@@ -214,13 +209,11 @@ def test_launches_agree_bit_for_bit_and_replay_in_a_graph(gen):
             runs[pdl, ctas] = QS.quest_page_scores_cuda(q, *bounds, table, lens, ps, k_cache=k_cache, new_slots=slots,
                                                         pdl=pdl, ctas_per_sm=ctas)
             assert torch.equal(bounds[0], want_hi) and torch.equal(bounds[1], want_lo), (pdl, ctas)
-    # the plain build (the default asks L2 for 256 B), and the builds asking L2 for the next item's bounds
-    for key, build in (("l2_0", {"l2_prefetch": 0}), *((f"ahead_{m}_{p}", {"prefetch_ahead": m, "pdl": p})
-                                                      for m in (1, 2) for p in (True, False))):
-        bounds = (hi.clone(), lo.clone())
-        torch.cuda.synchronize()
-        runs[key] = QS.quest_page_scores_cuda(q, *bounds, table, lens, ps, k_cache=k_cache, new_slots=slots, **build)
-        assert torch.equal(bounds[0], want_hi) and torch.equal(bounds[1], want_lo), key
+    bounds = (hi.clone(), lo.clone())
+    torch.cuda.synchronize()
+    runs["l2_0"] = QS.quest_page_scores_cuda(q, *bounds, table, lens, ps, k_cache=k_cache, new_slots=slots,
+                                             l2_prefetch=0)  # the plain build (the default asks L2 for 256 B)
+    assert torch.equal(bounds[0], want_hi) and torch.equal(bounds[1], want_lo)
     first = runs[True, 2]
     for key, got in runs.items():
         assert torch.equal(_read(got, lens, ps), _read(first, lens, ps)), key
@@ -242,12 +235,11 @@ def test_launches_agree_bit_for_bit_and_replay_in_a_graph(gen):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ahead", [0, 1])
-def test_many_ragged_requests(gen, ahead):
+def test_many_ragged_requests(gen):
     """40 requests of 1 to 32000 tokens in a 2000-page table (5000 work items, ~19 a CTA):
     each CTA's loop over items, its query reused across items of one request and reloaded
     at the next, the tiles past a short request skipped; the step's keys folded at every
-    offset (0 included); also the build asking L2 for the next item's bounds (`ahead` 1)."""
+    offset (0 included)."""
     B, P, hq, hkv, d, ps = 40, 2000, 32, 8, 128, 16
     cuda_gen = torch.Generator("cuda").manual_seed(int(torch.randint(2 ** 31, (1,), generator=gen)))
     lens = torch.randint(1, P * ps + 1, (B,), generator=gen)
@@ -264,8 +256,7 @@ def test_many_ragged_requests(gen, ahead):
     q = torch.randn(B, hq, d, generator=cuda_gen, device="cuda").bfloat16()
     want_hi, want_lo = hi.clone(), lo.clone()
     update_page_minmax_ref(k_cache, slots, want_hi, want_lo)
-    got = QS.quest_page_scores_cuda(q, hi, lo, table, lens, ps, k_cache=k_cache, new_slots=slots,
-                                    prefetch_ahead=ahead)
+    got = QS.quest_page_scores_cuda(q, hi, lo, table, lens, ps, k_cache=k_cache, new_slots=slots)
     assert torch.equal(hi, want_hi) and torch.equal(lo, want_lo)
     want = quest_page_scores_torch(q, want_hi, want_lo, table, lens, ps)
     assert_close(_read(got, lens, ps), want, 1e-3)
