@@ -107,7 +107,7 @@ def paged_decode_triton(q, k_cache, v_cache, page_table, kv_lens, scale=None, re
 def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, sel=None, num_sel=None,
                    scale=None, return_lse=False, kv_chunk=None, logits=None, logits_group_max=False, block_n=64,
                    num_warps=None, num_stages=2, fused_combine=None, row_splits=None, fine_splits=None,
-                   min_chunk=None, balanced=None, plan_out=None, counters=None, pdl_launch=False):
+                   min_chunk=None, balanced=None, plan_out=None, counters=None):
     """Launch the split kernel (+ merge). `capacity` = static upper bound of items per row.
 
     mode DENSE: items are tokens 0..kv_len-1. TOKENS: `sel [B, Hkv, K]` token ids, `num_sel
@@ -137,11 +137,6 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
     (`balanced_plan.py`: one chunk length for the batch, so a row far longer than the
     others takes more chunks, not longer ones); None (auto): where the auto plan cuts each
     row by its own length; False never.
-    `pdl_launch`: where the GPU takes it (`pdl.available`), the split kernel (and the merge
-    after it) launch as programmatic dependent launches: each waits for the kernel before
-    before it reads anything, and the split kernel lets the merge start at once; the kernel
-    before should let it start early (`griddepcontrol.launch_dependents`, as Quest's CUDA
-    choice does), else the launch only waits as before.
     """
     B, Hq, d = q.shape
     page_size, Hkv = check_cache(k_cache, Hq, d)
@@ -181,8 +176,6 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
     merge_args = dict(HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_S=min(64, next_pow2(num_splits)),
                       STORE_LSE=return_lse)
     grid = (rows * (num_splits + 1),) if balanced else (rows, num_splits)
-    early = bool(pdl_launch) and pdl.available(device)
-    launch_pdl = {"launch_pdl": True} if early else {}
     _decode_split_kernel[grid](
         q, k_cache, v_cache, page_table, kv_lens, sel_t, num_sel_t, part_out, part_lse, logits_t,
         out, lse, counters, meta, _common.default_scale(d, scale) * LOG2E,
@@ -200,14 +193,14 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
         COMBINE=combine, FINE=fine > 0, BALANCED=balanced,
         BLOCK_R=min(next_pow2(rows), balanced_plan.BALANCED_ROW_BLOCK) if balanced else 1, SLACK=balanced_plan.BALANCED_SLACK,
         **_maxima_tiles(store_logits, chunk, block_n, balanced),
-        **merge_args, PDL=early, num_warps=num_warps, num_stages=num_stages, **launch_pdl,
+        **merge_args, num_warps=num_warps, num_stages=num_stages,
     )
     if combine == _PARTIALS:  # a program per (query row, COMBINE_D_TILE channels): more programs than rows
         tile = min(merge_args["BLOCK_D"], COMBINE_D_TILE or merge_args["BLOCK_D"])
         _combine_splits_kernel[(B * Hq, merge_args["BLOCK_D"] // tile)](
             part_out, part_lse, out, lse, meta, num_splits, out.stride(0), out.stride(1), Hq,
             **dict(merge_args, BLOCK_D=tile, BLOCK_S=_merge_block_s(tile, num_splits, balanced)), GROUP=g,
-            BALANCED=balanced, TRIGGER=pdl.trigger_arg(device), WAIT=early, num_warps=4, **launch_pdl,
+            BALANCED=balanced, TRIGGER=pdl.trigger_arg(device), num_warps=4,
         )
     return (out, lse) if return_lse else out
 

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 from ._common import lazy_jit
 from .balanced_plan import balanced_chunk
 from .online_softmax import softmax_step
-from .pdl import pdl_trigger, pdl_wait
 from .split_merge import merge_splits
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
@@ -33,22 +32,8 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
     STORE_LOGITS: tl.constexpr, DOT_PREC: tl.constexpr, COMBINE: tl.constexpr, BLOCK_S: tl.constexpr,
     STORE_LSE: tl.constexpr, FINE: tl.constexpr, BALANCED: tl.constexpr, BLOCK_R: tl.constexpr,
-    SLACK: tl.constexpr, LOGIT_TILES: tl.constexpr, PDL: tl.constexpr,
+    SLACK: tl.constexpr, LOGIT_TILES: tl.constexpr,
 ):
-    # PDL: launched as a programmatic dependent launch, wait for the kernel before (its writes: the selection, and
-    # through it everything before) before reading anything, every address offset by the wait's zero so that no load
-    # is issued above it; then let a merge launched with PDL after this kernel start (it waits for this one's end).
-    zero = pdl_wait(PDL)
-    pdl_trigger(PDL)
-    q_ptr += zero
-    k_ptr += zero
-    v_ptr += zero
-    page_table_ptr += zero
-    kv_lens_ptr += zero
-    sel_ptr += zero
-    num_sel_ptr += zero
-    meta_ptr += zero
-    counter_ptr += zero
     if BALANCED:  # a flat grid over the batch's chunks (`balanced_plan.py`): one a program, the rest idle
         r, split, first, n_active, chunk, n_items = balanced_chunk(
             kv_lens_ptr, num_sel_ptr, stride_ns_b, stride_ns_h, rows, num_splits, min_chunk, HKV, tl.program_id(0),

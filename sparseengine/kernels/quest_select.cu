@@ -9,10 +9,7 @@
 //
 // The row's work: quest_select.cuh.
 // `pdl`: launched as a programmatic dependent launch, the CTA waits (griddepcontrol.wait)
-// for the kernel before it (the page scores) before it reads anything. Every CTA first lets a
-// kernel launched after it with PDL start (griddepcontrol.launch_dependents): Quest's sparse
-// attention (`sparse_decode.PAGE_PDL`) then waits, resident, for this kernel's end instead of
-// launching after it; a kernel launched without PDL starts after it as before.
+// for the kernel before it (the page scores) before it reads anything.
 #include <cuda_runtime.h>
 #include <stdint.h>
 
@@ -26,7 +23,6 @@ using namespace qsel;
 // One row a CTA (VEC: the row staged in dynamic shared memory; quest_select.cuh).
 template <int KPT, bool VEC>
 __global__ void __launch_bounds__(THREADS) select_kernel(const Args a) {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   if (a.pdl) asm volatile("griddepcontrol.wait;" ::: "memory");
   __shared__ Shared s;
   extern __shared__ float4 staged[];

@@ -52,10 +52,6 @@ TOKEN_STAGES = 3
 # 4157); Quest's pages at 2 warps 8.247 / 8.232 against 8.175 / 8.182. DeltaKV's token ids
 # keep 4 (not measured at 2).
 PAGE_WARPS: int | None = None
-# Whether the page variant's split kernel and merge launch as programmatic dependent launches (read at each call;
-# `split_k_decode`'s `pdl_launch`): in Quest's step the CUDA choice just before lets them start at once, so they are
-# resident and waiting when it ends, instead of launching after it (two kernel boundaries a sparse layer).
-PAGE_PDL = False
 TOKEN_WARPS: int | None = None
 ROWS_WARPS: int | None = 2
 
@@ -164,7 +160,6 @@ def sparse_page_decode_triton(q, k_cache, v_cache, page_table, kv_lens, page_ind
         tuning.setdefault("block_n", PAGE_BLOCK_N)
         tuning.setdefault("fused_combine", PAGE_MERGE_IN_SPLIT)
         tuning.setdefault("num_warps", PAGE_WARPS)
-        tuning.setdefault("pdl_launch", PAGE_PDL)
         if PAGE_STAGES:
             tuning.setdefault("num_stages", PAGE_STAGES)
     tuning.setdefault("num_stages", 2 if kv_chunk == 128 else 3)

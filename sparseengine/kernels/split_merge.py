@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ._common import lazy_jit, shared_helper
-from .pdl import pdl_trigger, pdl_wait
+from .pdl import pdl_trigger
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
@@ -20,14 +20,9 @@ if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing need
 def _combine_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, meta_ptr, num_splits, stride_ob, stride_oh, HQ,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, STORE_LSE: tl.constexpr,
-    GROUP: tl.constexpr, BALANCED: tl.constexpr, TRIGGER: tl.constexpr, WAIT: tl.constexpr,
+    GROUP: tl.constexpr, BALANCED: tl.constexpr, TRIGGER: tl.constexpr,
 ):
     pdl_trigger(TRIGGER)  # the o projection after it may start loading its weights (pdl.py)
-    # WAIT: launched with PDL after the split kernel, wait for its partials (addresses offset by the wait's zero)
-    zero = pdl_wait(WAIT)
-    part_out_ptr += zero
-    part_lse_ptr += zero
-    meta_ptr += zero
     row = tl.program_id(0)
     if BALANCED:  # the row's chunks are numbered in `meta`; a row of one chunk wrote its output
         kv_row = (row // HQ) * (HQ // GROUP) + (row % HQ) // GROUP

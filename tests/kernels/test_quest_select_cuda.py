@@ -234,49 +234,6 @@ def test_128k_batch6_equals_triton_in_a_cuda_graph(pdl, gen):
     _check_definition(pages, counts, scores, lens, ps, sink, recent, budget)
 
 
-@pytest.mark.gpu
-def test_page_attention_launched_with_pdl_after_the_choice(gen):
-    """The choice lets a programmatic dependent launch after it start at once; the page
-    attention and its merge launched so (`pdl_launch`, as `sparse_decode.PAGE_PDL` makes
-    Quest's step do), captured after the choice in a CUDA graph and replayed on fresh scores:
-    the output and lse of plain launches bit for bit, and the reference's within bf16."""
-    from sparseengine.kernels import pdl, sparse_page_decode_ref, sparse_page_decode_triton
-
-    assert pdl.available("cuda")  # an sm_90 GPU: the launches below are PDL launches there
-    lens, hq, hkv, d, ps, P, sink, recent, budget = [16384, 9000, 4097, 2100, 16000, 700], 32, 8, 128, 16, 1024, 64, \
-        512, 1472
-    cuda_gen = torch.Generator("cuda").manual_seed(int(torch.randint(2 ** 31, (1,), generator=gen)))
-    pool = len(lens) * P
-    k_cache, v_cache = (torch.randn(pool, ps, hkv, d, generator=cuda_gen, device="cuda").bfloat16() for _ in "kv")
-    table = torch.randperm(pool, generator=cuda_gen, device="cuda").view(len(lens), P).int()
-    kv_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    q = torch.randn(len(lens), hq, d, generator=cuda_gen, device="cuda").bfloat16()
-    source = torch.empty(len(lens), hkv, P, device="cuda")
-    scores = torch.empty_like(source)
-    choice = (kv_lens, ps, sink, recent, budget)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        scores.copy_(source)
-        pages, counts = QC.quest_select_pages_cuda(scores, *choice)
-        out, lse = sparse_page_decode_triton(q, k_cache, v_cache, table, kv_lens, pages, counts, return_lse=True,
-                                             pdl_launch=True)
-    assert pages.shape[2] * ps > 128  # more than one 128-token split a row: the merge launch runs
-    for fresh in (torch.randn(len(lens), hkv, P, generator=gen), torch.rand(len(lens), hkv, P, generator=gen)):
-        source.copy_(_scores(fresh, lens, ps))
-        graph.replay()
-        torch.cuda.synchronize()
-        plain_pages, plain_counts = QC.quest_select_pages_cuda(scores, *choice)
-        assert torch.equal(pages, plain_pages) and torch.equal(counts, plain_counts)
-        args = (q, k_cache, v_cache, table, kv_lens, pages, counts)
-        want, want_lse = sparse_page_decode_triton(*args, return_lse=True, pdl_launch=False)
-        assert torch.equal(out, want) and torch.equal(lse, want_lse)
-        eager, eager_lse = sparse_page_decode_triton(*args, return_lse=True, pdl_launch=True)
-        assert torch.equal(eager, want) and torch.equal(eager_lse, want_lse)
-    ref = sparse_page_decode_ref(*args).float()
-    assert (out.float() - ref).abs().max() < 2e-2 * ref.abs().max()
-
-
 def _tied_candidates(n_cand: int, P: int = 8320, n: int = 131072, ps: int = 16, sink: int = 64, recent: int = 512,
                      budget: int = 1472) -> tuple[torch.Tensor, list[int]]:
     """One row whose middle pages score -1 but `n_cand` of them, spread evenly, which score 1:
