@@ -47,20 +47,14 @@ int launch_kpt(const Args& a, int rows, bool vec, void* stream) {
 // -> 0 when launched, a cudaError_t, -1 (P outside 1..se_quest_select_max_pages(), or
 // another argument out of range). `vec_ok`: each row's storage extends to P rounded up to 4
 // floats (then aligned rows are read as float4). scores fp32, row (b, h) at b * sb + h * sh elements, its
-// pages contiguous; pages [B, H, K] int64 and counts [B, H] int32 contiguous. `table` null: no KV prefetch; else
-// the page table (int32, row b at b * tb) and the caches whose K and V rows of the chosen pages the CTAs ask L2 for
-// (byte strides: physical page, token, head; a head's row of `row_bytes`).
+// pages contiguous; pages [B, H, K] int64 and counts [B, H] int32 contiguous.
 extern "C" int se_quest_select(const void* scores, long long sb, long long sh, const void* kv_lens, int lens64,
                                void* pages, void* counts, int B, int H, int P, int K, int page_size, int sink_pages,
-                               int recent, int total, int top, int pdl, int vec_ok, const void* table, long long tb,
-                               const void* k_cache, const void* v_cache, long long kp, long long ko, long long kh,
-                               long long vp, long long vo, long long vh, int row_bytes, void* stream) {
+                               int recent, int total, int top, int pdl, int vec_ok, void* stream) {
   if (B < 0 || H < 1 || P < 1 || K < 1 || page_size < 1 || sink_pages < 0 || recent < 0 || top < 1) return -1;
-  if (table != nullptr && (k_cache == nullptr || v_cache == nullptr || row_bytes < 1)) return -1;
   if (B == 0) return 0;
   const Args a = {(const float*)scores, sb, sh, kv_lens, (long long*)pages, (int*)counts, lens64, H, P, K,
-                  page_size, sink_pages, recent, total, top, pdl, (const int*)table, (const char*)k_cache,
-                  (const char*)v_cache, tb, kp, ko, kh, vp, vo, vh, row_bytes};
+                  page_size, sink_pages, recent, total, top, pdl};
   const int rows = B * H;
   // float4 reads of whole rows: 16-byte aligned rows (the row's last float4 may pass P, not the allocation's end:
   // the wrapper passes vec only where the rows' storage holds P rounded up to 4 floats)

@@ -15,10 +15,6 @@
 //    largest key t (16 passes of 2 bits over the registers) and takes the keys > t and the
 //    earliest keys == t until m are taken.
 // Sink and recent slots are written by arithmetic, as in the Triton kernel.
-// With a page table and the KV cache (Args::table non-null), the CTA also asks L2 for the K and V rows of its head on
-// every page it chooses (`prefetch_page`): the sink and recent pages' while warp 0 finds L, the chosen middle pages'
-// as they are written, so that the page attention after it finds them in L2 (the rows its pages name,
-// not the rows of every page; the block search and the rows that take every page prefetch nothing).
 #pragma once
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -44,11 +40,6 @@ struct Args {
   long long* pages;     // [B, H, K]
   int* counts;          // [B, H]
   int lens64, H, P, K, page_size, sink_pages, recent, total, top, pdl;
-  const int* table;     // null: no prefetch; else the page table, row b at b * tb
-  const char* k_cache;  // head h of token t of physical page p at p * kp + t * ko + h * kh bytes, row_bytes long
-  const char* v_cache;
-  long long tb, kp, ko, kh, vp, vo, vh;
-  int row_bytes;
 };
 
 struct Shared {
@@ -59,20 +50,6 @@ struct Shared {
   alignas(16) unsigned cand_key[CAND_CAP + 4];  // + 0s up to a multiple of 4 (rank_of reads them as uint4)
   int cand_page[CAND_CAP];
 };
-
-// Logical page lp of request b: its K and V rows of head h asked of L2 (a line prefetch each 128 B), by this thread.
-__device__ __forceinline__ void prefetch_page(const Args& a, int b, int h, int lp) {
-  const long long page = a.table[b * a.tb + lp];
-  const char* k = a.k_cache + page * a.kp + h * a.kh;
-  const char* v = a.v_cache + page * a.vp + h * a.vh;
-#pragma unroll 4
-  for (int t = 0; t < a.page_size; ++t) {
-    for (int off = 0; off < a.row_bytes; off += 128) {
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(k + t * a.ko + off));
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(v + t * a.vo + off));
-    }
-  }
-}
 
 // The float's order as an unsigned int: negative floats flipped whole, others with the
 // sign bit set; -0.0 counts as +0.0.
@@ -214,9 +191,9 @@ __device__ __forceinline__ int rank_of(const unsigned* keys, int n, int i, unsig
 
 // The pick from the n_cand candidates in shared memory (at most CAND_CAP, in page order): each thread ranks
 // PER of them (candidate c * THREADS + tid) against all; those ranked below m are the choice, written in page
-// order (a block scan of the chosen); each chosen page's K and V asked of L2 where `a.table` is given.
+// order (a block scan of the chosen).
 template <int PER>
-__device__ __forceinline__ void block_pick(Shared& s, int n_cand, int m, long long* out, const Args& a, int b, int h) {
+__device__ __forceinline__ void block_pick(Shared& s, int n_cand, int m, long long* out) {
   const int tid = threadIdx.x;
   bool chosen[PER];
 #pragma unroll
@@ -228,10 +205,6 @@ __device__ __forceinline__ void block_pick(Shared& s, int n_cand, int m, long lo
   const int2 pre = block_scan2(chosen[0], PER > 1 && chosen[PER - 1], s.scan[1], total);
   if (chosen[0]) out[pre.x] = s.cand_page[tid];
   if (PER > 1 && chosen[PER - 1]) out[total.x + pre.y] = s.cand_page[THREADS + tid];
-  if (a.table != nullptr) {
-    if (chosen[0]) prefetch_page(a, b, h, s.cand_page[tid]);
-    if (PER > 1 && chosen[PER - 1]) prefetch_page(a, b, h, s.cand_page[THREADS + tid]);
-  }
 }
 
 // VEC: the row, 16-byte aligned, is read as float4 into shared memory at once (P rounded up to 4 floats: the
@@ -302,10 +275,6 @@ __device__ __forceinline__ void select_row(const Args& a, int row, Shared& s, fl
     const unsigned bound = warp_kth<GROUPS_PER_LANE, BOUND_PASSES>(g, m);
     if (lane == 0) s.bound = bound;
   }
-  if (warp > 0 && a.table != nullptr) {  // meanwhile the other warps ask L2 for the sink and recent pages' K and V
-    for (int i = tid - 32; i < sink + n_pages - recent_first; i += THREADS - 32)
-      prefetch_page(a, b, h, i < sink ? i : recent_first + (i - sink));
-  }
   __syncthreads();
   const unsigned bound = s.bound;
   int mine = 0;  // 2. the candidates
@@ -321,8 +290,8 @@ __device__ __forceinline__ void select_row(const Args& a, int row, Shared& s, fl
     }
     if (tid < 4) s.cand_key[n_cand + tid] = 0u;
     __syncthreads();
-    if (n_cand <= THREADS) block_pick<1>(s, n_cand, m, out + sink, a, b, h);  // 3. the candidates ranked
-    else block_pick<2>(s, n_cand, m, out + sink, a, b, h);
+    if (n_cand <= THREADS) block_pick<1>(s, n_cand, m, out + sink);  // 3. the candidates ranked
+    else block_pick<2>(s, n_cand, m, out + sink);
     return;
   }
   const unsigned t = block_kth(k, m, s);  // more candidates than the block ranks: its search over every key

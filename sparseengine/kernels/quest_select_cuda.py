@@ -29,17 +29,10 @@ PDL = False  # launched as a programmatic dependent launch of the page scores (r
 # `whole_rows`; the CUDA scores' rows do, the engine's 8321-page table included), read at each call. Before session 51
 # it took rows of a multiple of 4 pages only, so the engine's choice at the 128K shape (8321 pages) never took it.
 VEC = True
-# Given the page table and the KV cache (`kv`), each CTA asks L2 for the K and V rows of its head on the pages it
-# chooses, the sink and recent ones while one warp finds the bound, the chosen middle ones as it writes them, so that
-# the page attention after it, whose programs chain loads (the choice, the page table, then K and V), finds them there
-# (read at each call). Why: in Quest's b=3 step on an H100 (session 55, results/quest_s55_h100.jsonl) the choice, the
-# page attention and its merge took 25.8 us a sparse layer from the choice's start to the o projection's, for 25 MB
-# that the copy bandwidth moves in 8.4.
-KV_PREFETCH = False
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
 SIGNATURES = {  # in the order of the source's `extern "C"` declarations (a CPU test holds them together)
-    "se_quest_select": (_I, [_P, _L, _L, _P, _I, _P, _P] + [_I] * 11 + [_P, _L, _P, _P] + [_L] * 6 + [_I, _P]),
+    "se_quest_select": (_I, [_P, _L, _L, _P, _I, _P, _P] + [_I] * 11 + [_P]),
     "se_quest_select_max_pages": (_I, []),
 }
 
@@ -71,13 +64,9 @@ def whole_rows(scores: torch.Tensor) -> bool:
     return last + -(-P // 4) * 4 <= scores.untyped_storage().nbytes() // scores.element_size()
 
 
-def quest_select_pages_cuda(scores, kv_lens, page_size, sink_tokens, recent_tokens, budget, *, pdl=None, kv=None,
-                            kv_prefetch=None):
+def quest_select_pages_cuda(scores, kv_lens, page_size, sink_tokens, recent_tokens, budget, *, pdl=None):
     """Quest's choice per (request, KV head) (the module's docstring); `pdl`: a programmatic
-    dependent launch (default `PDL`). `kv`: `(page_table [B, W] int32, k_cache, v_cache)`, the
-    caches `[num_pages, page_size, Hkv, d]` with contiguous rows; with `kv_prefetch` (default
-    `KV_PREFETCH`) the CTAs ask L2 for the chosen pages' K and V rows (a hint: the pages and
-    counts do not change)."""
+    dependent launch (default `PDL`)."""
     from sparseengine.methods.quest import selection_width  # methods.quest imports this package
     from .quest_select import choice_args, top_pages
 
@@ -90,8 +79,6 @@ def quest_select_pages_cuda(scores, kv_lens, page_size, sink_tokens, recent_toke
         raise ValueError(f"kv_lens must be int32 or int64, got {kv_lens.dtype}")
     if kv_lens.device != scores.device:
         raise ValueError(f"scores and kv_lens must share a device, got {scores.device} and {kv_lens.device}")
-    prefetch = _prefetch_args(kv, B, H, ps, scores.device) if (KV_PREFETCH if kv_prefetch is None else kv_prefetch) \
-        else [None, 0, None, None] + [0] * 7
     reason = unavailable(scores.device)
     if reason is not None:
         raise RuntimeError(f"quest_select_pages_cuda cannot run: {reason}")
@@ -106,29 +93,8 @@ def quest_select_pages_cuda(scores, kv_lens, page_size, sink_tokens, recent_toke
     err = on_device(scores, library().se_quest_select, scores.data_ptr(), scores.stride(0), scores.stride(1),
                     kv_lens.data_ptr(), int(kv_lens.dtype == torch.int64), pages.data_ptr(), counts.data_ptr(), B, H,
                     P, K, ps, -(-sink // ps), recent, sink + budget + recent, top_pages(budget, ps),
-                    int(PDL if pdl is None else pdl), int(VEC and whole_rows(scores)), *prefetch,
+                    int(PDL if pdl is None else pdl), int(VEC and whole_rows(scores)),
                     torch.cuda.current_stream(scores.device).cuda_stream)
     if err:
         raise RuntimeError(f"quest_select_pages_cuda's launch failed: error {err} (B={B}, Hkv={H}, P={P}, K={K})")
     return pages, counts
-
-
-def _prefetch_args(kv, B: int, H: int, page_size: int, device) -> list:
-    """The entry point's KV-prefetch arguments (table, tb, k, v, their byte strides, a head's row bytes) from `kv`,
-    checked."""
-    if kv is None:
-        raise ValueError("kv_prefetch needs kv=(page_table, k_cache, v_cache)")
-    table, k_cache, v_cache = kv
-    if table.dim() != 2 or table.shape[0] != B or table.dtype != torch.int32 or table.stride(1) != 1:
-        raise ValueError(f"page_table must be an int32 [B={B}, W] tensor with contiguous rows, got "
-                         f"{tuple(table.shape)} {table.dtype}")
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.dim() != 4 or c.shape[1] != page_size or c.shape[2] != H or c.stride(3) != 1:
-            raise ValueError(f"{name} must be [num_pages, page_size={page_size}, Hkv={H}, d] with contiguous rows, "
-                             f"got {tuple(c.shape)} strides {tuple(c.stride())}")
-    if any(t.device != device for t in kv):
-        raise ValueError(f"page_table and the caches must be on the scores' device {device}")
-    e = k_cache.element_size()
-    strides = [s * e for s in k_cache.stride()[:3]] + [s * e for s in v_cache.stride()[:3]]
-    return [table.data_ptr(), table.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), *strides,
-            k_cache.shape[3] * e]

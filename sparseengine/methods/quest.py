@@ -101,7 +101,7 @@ class Quest(SparseMethodRuntime):
         if layer < self.skip:
             return None
         cfg, view = self.config, ctx.views[layer]
-        k_cache, v_cache = ctx.kv_cache.layer(layer)
+        k_cache, _ = ctx.kv_cache.layer(layer)
         kmax, kmin = self._page_bounds(layer, k_cache)
         triton = ctx.provider.triton_kernels
         dense = self._prefill_rows(ctx)
@@ -123,9 +123,7 @@ class Quest(SparseMethodRuntime):
             cuda = quest_scores_cuda.takes(q_last, kmax)
             score = quest_scores_cuda.quest_page_scores_cuda if cuda else kernels.quest_page_scores_triton
             scores = score(*args, **new_keys)
-            pages, counts = quest_select_cuda.quest_select_pages_cuda(scores, *choice,
-                                                                      kv=(view.page_table, k_cache, v_cache))
-            return Selection(pages, counts, dense, page_size=self.page)
+            return Selection(*quest_select_cuda.quest_select_pages_cuda(scores, *choice), dense, page_size=self.page)
         group = quest_select.maxima_group(view.page_table.shape[1], self.page, cfg.budget,
                                           quest_scores.SCORE_BLOCK_P)
         if group is None:
@@ -146,8 +144,7 @@ class Quest(SparseMethodRuntime):
         shape = (self.model.num_heads, self.model.num_kv_heads, self.model.head_dim, dtype)
         scores = quest_scores_cuda.ENGINE and quest_scores_cuda.shape_reason(*shape) is None
         triton = "triton pdl" if quest_scores.SCORE_PDL and pdl.available(device) else "triton"
-        prefetch = ", its pages' K and V asked of L2" if quest_select_cuda.KV_PREFETCH else ""
-        return {"quest_select": f"cuda (rows of up to {quest_select_cuda.max_pages()} pages, triton past them{prefetch})",
+        return {"quest_select": f"cuda (rows of up to {quest_select_cuda.max_pages()} pages, triton past them)",
                 "quest_scores": "cuda" if scores else triton}
 
     def _prefill_rows(self, ctx) -> tuple[bool, ...]:

@@ -234,50 +234,6 @@ def test_128k_batch6_equals_triton_in_a_cuda_graph(pdl, gen):
     _check_definition(pages, counts, scores, lens, ps, sink, recent, budget)
 
 
-def test_bad_kv_for_the_prefetch():
-    """The KV prefetch's inputs are checked before anything runs (no GPU needed)."""
-    scores, lens = torch.zeros(2, 4, 64), torch.tensor([1000, 900])
-    k = torch.zeros(40, 16, 4, 128, dtype=torch.bfloat16)
-    table = torch.zeros(2, 64, dtype=torch.int32)
-    choice = (scores, lens, 16, 64, 128, 256)
-    with pytest.raises(ValueError, match=r"kv_prefetch needs kv=\(page_table, k_cache, v_cache\)"):
-        QC.quest_select_pages_cuda(*choice, kv_prefetch=True)
-    with pytest.raises(ValueError, match=r"page_table must be an int32 \[B=2, W\] tensor"):
-        QC.quest_select_pages_cuda(*choice, kv=(table.long(), k, k), kv_prefetch=True)
-    with pytest.raises(ValueError, match=r"v_cache must be \[num_pages, page_size=16, Hkv=4, d\]"):
-        QC.quest_select_pages_cuda(*choice, kv=(table, k, k[:, :8]), kv_prefetch=True)
-    with pytest.raises(ValueError, match=r"k_cache must be .* contiguous rows"):
-        QC.quest_select_pages_cuda(*choice, kv=(table, k.transpose(2, 3), k), kv_prefetch=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("ties", [False, True])
-def test_kv_prefetch_keeps_the_choice(ties, gen):
-    """With the page table and the caches given and the prefetch on, at the 128K benchmark's
-    shape (B=6, Hkv=8, an 8320-page table) and in a CUDA graph: the pages and counts of the
-    launch without it (scores rounded to one decimal: thousands of ties, the block search,
-    which prefetches nothing; short requests take every page)."""
-    lens, hkv, P, ps, sink, budget, recent = [131072, 131000, 70000, 4097, 2100, 0], 8, 8320, 16, 64, 1472, 512
-    kv_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    pool = len(lens) * P
-    table = torch.randperm(pool, device="cuda").view(len(lens), P).int()
-    k_cache = torch.zeros(pool, ps, hkv, 128, dtype=torch.bfloat16, device="cuda")
-    v_cache = torch.zeros_like(k_cache)
-    fresh = torch.randn(len(lens), hkv, P, generator=gen)
-    scores = _scores(fresh.round(decimals=1) if ties else fresh, lens, ps).cuda()
-    choice = (scores, kv_lens, ps, sink, recent, budget)
-    want = QC.quest_select_pages_cuda(*choice, kv_prefetch=False)
-    got = QC.quest_select_pages_cuda(*choice, kv=(table, k_cache, v_cache), kv_prefetch=True)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        pages, counts = QC.quest_select_pages_cuda(*choice, kv=(table, k_cache, v_cache), kv_prefetch=True)
-    pages.fill_(-7)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(pages, want[0]) and torch.equal(counts, want[1])
-
-
 def _tied_candidates(n_cand: int, P: int = 8320, n: int = 131072, ps: int = 16, sink: int = 64, recent: int = 512,
                      budget: int = 1472) -> tuple[torch.Tensor, list[int]]:
     """One row whose middle pages score -1 but `n_cand` of them, spread evenly, which score 1:

@@ -112,22 +112,3 @@ def test_quest_cuda_choice_gives_the_triton_choices_tokens(tiny_llama, tiny_meth
     triton = eager_and_graph(tiny_llama[0], "quest", tiny_method_knobs, prompts, params)
     assert cuda[False][1] >= 30 and triton[False][1] >= 30
     assert cuda[True][0] == triton[True][0] and cuda[False][0] == triton[False][0]
-
-
-@pytest.mark.gpu
-def test_quest_kv_prefetch_gives_the_same_tokens(tiny_llama, tiny_method_knobs, monkeypatch):
-    """With `quest_select_cuda.KV_PREFETCH` the CUDA choice asks L2 for its pages' K and V (a
-    hint): eager and replayed tokens equal those without it."""
-    from sparseengine import SamplingParams
-    from sparseengine.kernels import quest_select_cuda
-
-    assert quest_select_cuda.takes("cuda", 64)
-    gen = torch.Generator().manual_seed(13)
-    prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (160, 75, 131, 98)]
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    runs = {}
-    for on in (False, True):
-        monkeypatch.setattr(quest_select_cuda, "KV_PREFETCH", on)
-        runs[on] = eager_and_graph(tiny_llama[0], "quest", tiny_method_knobs, prompts, params)
-    assert runs[True][False][1] >= 30
-    assert runs[True][True][0] == runs[False][True][0] and runs[True][False][0] == runs[False][False][0]
