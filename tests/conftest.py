@@ -1,9 +1,12 @@
-"""Shared fixtures: the embedded SmolLM2 (engine + Hugging Face twin) and tiny random models."""
+"""Shared fixtures: the embedded SmolLM2 (engine + Hugging Face twin), tiny random models, and the
+repository's scripts loaded as modules."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +26,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def load_script():
+    """`load_script(NAME)`: scripts/NAME.py as a module (the scripts are not a package)."""
+    def load(name: str):
+        path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load
 
 
 @pytest.fixture(scope="session")

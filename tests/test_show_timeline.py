@@ -1,18 +1,8 @@
 """scripts/show_timeline.py: a decode step's launch sequence cut into per-layer cycles at the
 anchor kernel, with each position's median start-to-next-start time and duration."""
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-
-def _script():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "show_timeline.py"
-    spec = importlib.util.spec_from_file_location("show_timeline", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _launches(layers: int, choice_us: list[float]) -> list[dict]:
@@ -33,22 +23,22 @@ def _launches(layers: int, choice_us: list[float]) -> list[dict]:
     return out
 
 
-def test_cycles_at_the_anchor():
-    rows = _script().layer_cycles(_launches(3, [7.0, 9.0, 8.0]), "scores_kernel")
+def test_cycles_at_the_anchor(load_script):
+    rows = load_script("show_timeline").layer_cycles(_launches(3, [7.0, 9.0, 8.0]), "scores_kernel")
     assert [r["kernel"] for r in rows] == ["scores", "choice", "split", "linear", "linear#2"]
     assert [r["to_next_us"] for r in rows] == [40.0, 8.0, 16.0, 10.0, 38.0]  # the choice's median over 3 layers
     assert rows[1]["us"] == 9.0 and all(r["cycles"] == 3 for r in rows)
 
 
-def test_cycles_of_another_shape_are_left_out():
+def test_cycles_of_another_shape_are_left_out(load_script):
     launches = _launches(3, [7.0, 7.0, 7.0])
     del launches[-3]  # the last layer without its split: only the first two cycles have the first's shape
-    rows = _script().layer_cycles(launches, "scores_kernel")
+    rows = load_script("show_timeline").layer_cycles(launches, "scores_kernel")
     assert rows[0]["cycles"] == 2 and [r["kernel"] for r in rows][2] == "split"
 
 
-def test_too_few_anchors_and_the_command_line(tmp_path, capsys):
-    st = _script()
+def test_too_few_anchors_and_the_command_line(tmp_path, capsys, load_script):
+    st = load_script("show_timeline")
     assert st.layer_cycles(_launches(0, []), "scores_kernel") == []
     prof = tmp_path / "p.json"
     prof.write_text(json.dumps({"graph_step_ms": 1.5, "bandwidth_gbps": 4000.0,

@@ -7,9 +7,7 @@ dependent launch; rows read as float4 where their storage holds P rounded up to 
 engine's 8321-page rows as the CUDA scores store them). On the CPU: the errors for bad input,
 which rows are read whole (`whole_rows`), the build (where nvcc is) and the stage probe's patches; its ctypes table:
 test_nvcc_build.py. The engine with it: tests/methods/test_graph_vs_eager_gpu.py."""
-import importlib.util
 import struct
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,23 +32,15 @@ def test_builds_and_reports_its_widest_row(monkeypatch, tmp_path):
     assert list(tmp_path.glob("cuda/*/libse_quest_select.so"))
 
 
-def _probe():
-    path = Path(__file__).resolve().parents[2] / "scripts" / "probe_quest_select_cuda_stages.py"
-    spec = importlib.util.spec_from_file_location("probe_quest_select_cuda_stages", path)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
-    return probe
-
-
 def _key(f: float) -> int:  # qsel::key_of by the float's bits, one value at a time
     (bits,) = struct.unpack("<I", struct.pack("<f", 0.0 if f == 0 else f))
     return bits ^ 0xFFFFFFFF if bits >> 31 else bits | 1 << 31
 
 
-def test_stage_probe_patches_the_header():
+def test_stage_probe_patches_the_header(load_script):
     """scripts/probe_quest_select_cuda_stages.py times patched copies of quest_select.cuh: each
     patch must find its line once (else the probe stops), and every variant but `full` differs."""
-    probe = _probe()
+    probe = load_script("probe_quest_select_cuda_stages")
     header = (probe.KERNELS / probe.HEADER).read_text()
     variants = probe.variants()
     assert set(probe.STAGES) < set(variants) and variants["full"] == header
@@ -58,11 +48,11 @@ def test_stage_probe_patches_the_header():
 
 
 @pytest.mark.parametrize("bits", [16, 24, 32])
-def test_stage_probe_counts_the_kernels_candidates(bits, gen):
+def test_stage_probe_counts_the_kernels_candidates(bits, gen, load_script):
     """The probe's candidate counts are the kernel's: L the m-th largest of the 256 threads' 36-key maxima (0 off
     the middle pages), settled to its top `bits` bits; the candidates the middle keys >= L. On scores that share
     their top bits (1000 + small noise) 16 bits take many more than 32."""
-    probe = _probe()
+    probe = load_script("probe_quest_select_cuda_stages")
     n, sink, recent, m = 131072 - 4096, 4, 512, 92
     scores = torch.cat([1000 + torch.rand(1, 1, 7936, generator=gen), torch.randn(1, 1, 7936, generator=gen)], 1)
     got = probe.candidates(scores, n, sink, recent, m, bits=bits)
