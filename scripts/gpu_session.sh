@@ -12,6 +12,7 @@
 #   COMMIT=<sha> DIRTY=0 bash scripts/gpu_session.sh quest_select  # Quest's CUDA page choice: tests, bench, A/B, lanes
 #   COMMIT=<sha> DIRTY=0 bash scripts/gpu_session.sh quest_scores_cuda  # Quest's CUDA page scores: tests, bench, A/Bs
 #   bash scripts/gpu_session.sh quest_scores_ncu  # Nsight Compute over each page-scores kernel at the bench shape
+#   BATCH=3 bash scripts/gpu_session.sh sparse_attention  # the CUDA attention over a selection: tests, bench, A/Bs
 #   bash scripts/gpu_session.sh quest_scores # Quest's score tests, its scoring launches swept, the fastest A/B in b6 profiles
 #   bash scripts/gpu_session.sh pick         # GPU tests (kernels, methods), OmniKV's pick side by side, OmniKV b6 profile
 #   bash scripts/gpu_session.sh balanced     # split-K decode tests (all, compiled), the balanced plan beside the per-row one
@@ -263,6 +264,30 @@ quest_scores_cuda.ENGINE=False quest_scores.SCORE_PDL=True quest_scores.SCORE_IT
 quest_scores_cuda.CTAS_PER_SM=24;quest_scores_cuda.BUILD_L2_PREFETCH=0" bash "$0" variants
   # last (s50-2, a call with it, hung and lost its machine; the cause is unknown)
   bash "$0" quest_scores_ncu
+  ;;
+sparse_attention)
+  # The attention over Quest's pages and OmniKV's rows in one CUDA launch (sparse_attention_cuda): its GPU tests (and
+  # the engine's graph-vs-eager tokens for both methods), the per-launch bench beside the Triton launches, then Quest
+  # and OmniKV at BATCH (default 6; 3 on an H100) with it on and off (the Triton split kernel and merge) in
+  # alternating graph-step profiles, the launches listed one by one (LAUNCH_SEQ=.).
+  install_wheels .whl/hydra
+  [ -n "${SKIP_TESTS:-}" ] || timeout 240 python -m pytest -q -m gpu tests/kernels/test_sparse_attention_cuda.py \
+    tests/methods/test_graph_vs_eager_gpu.py -k "cuda or quest or omnikv" -p no:cacheprovider -rs 2>&1 | tail -8 \
+    | tee "$OUT/gpu_tests.log"
+  timeout 150 python -m sparseengine.kernels.bench_gpu --sparse-attention-cuda --out "$OUT/bench.jsonl" 2>&1 | tail -3
+  python - "$OUT/bench.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if r.get("kind") == "sparse_attention_cuda":
+        print(f"b={r['batch']} {r['impl']:28s} {r['us_per_launch']:7.2f} us {r['GBps']:7.0f} GB/s "
+              f"diff {r['max_abs_diff_vs_triton_pages']:.1e}")
+PY
+  for method in ${METHODS:-quest omnikv}; do
+    METHOD=$method BATCH=${BATCH:-6} ROUNDS=${ROUNDS:-2} VARIANTS='default;sparse_attention_cuda.ENGINE=False' \
+      LAUNCH_SEQ=${LAUNCH_SEQ-.} bash "$0" variants
+    mv "$OUT/variant_profiles.tgz" "$OUT/variant_profiles_$method.tgz"
+  done
   ;;
 quest_scores_ncu)
   # Nsight Compute over one launch of each page-scores kernel at the bench's shape (B=6, Hkv=8, 8320 pages, the fold):

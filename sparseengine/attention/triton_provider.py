@@ -1,6 +1,8 @@
 """The Triton provider: paged KV write, split-K decode, sparse decode over selections,
 decode with column sums, chunked prefill over the paged cache, and SnapKV window column
-sums. CUDA in production; under ``TRITON_INTERPRET=1`` the same kernels run on a CPU."""
+sums. CUDA in production; under ``TRITON_INTERPRET=1`` the same kernels run on a CPU. On an
+sm_90 GPU the attention over Quest's pages and OmniKV's pool rows is one CUDA launch
+(``kernels.sparse_attention_cuda``, where its ``takes`` says so)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import torch
 from sparseengine import kernels
 from sparseengine.attention.provider import AttentionProvider, check_prefill_scores, padded_colsum_width
 from sparseengine.engine.step_context import LayerView, ScoreRows, Selection, StepContext
-from sparseengine.kernels import fused_ops
+from sparseengine.kernels import fused_ops, sparse_attention_cuda
 from sparseengine.kernels._common import ArrivalCounters
 from sparseengine.kernels.paged_decode import MAX_SPLIT_COUNTERS
 
@@ -135,8 +137,12 @@ class TritonAttentionProvider(AttentionProvider):
     def _sparse_decode(self, q, k_cache, v_cache, table, lens, selection: Selection) -> torch.Tensor:
         """Decode rows ``q [B, Hq, d]`` over their selected tokens or pages."""
         split = self.split_kw(q.device)
+        cuda = sparse_attention_cuda  # one launch on an sm_90 GPU where it takes the shapes (its `takes`)
         if not selection.page_size:
             if selection.pool_rows is not None:  # no page-table load a token
+                if cuda.takes(q, k_cache, selection.pool_rows.shape[2], pages=False):
+                    return cuda.sparse_rows_decode_cuda(q, k_cache, v_cache, selection.pool_rows,
+                                                        selection.num_selected)
                 return kernels.sparse_rows_decode_triton(q, k_cache, v_cache, table, lens, selection.pool_rows,
                                                          selection.num_selected, **split)
             return kernels.sparse_decode_triton(q, k_cache, v_cache, table, lens, selection.token_indices,
@@ -144,6 +150,9 @@ class TritonAttentionProvider(AttentionProvider):
         if selection.page_size != k_cache.shape[1]:
             raise ValueError(f"a page selection of page_size={selection.page_size} needs a KV cache of that "
                              f"page size, got {k_cache.shape[1]}")
+        if cuda.takes(q, k_cache, selection.token_indices.shape[2], pages=True):
+            return cuda.sparse_page_decode_cuda(q, k_cache, v_cache, table, lens, selection.token_indices,
+                                                selection.num_selected)
         return kernels.sparse_page_decode_triton(q, k_cache, v_cache, table, lens, selection.token_indices,
                                                  selection.num_selected, **split)
 

@@ -133,6 +133,8 @@ PARTS = {
                            "bench_quest", ("bench_quest_select_warps",)),
     "quest-select-cuda": ("Quest's page choice in CUDA beside the Triton launch", "bench_quest_cuda",
                           ("bench_quest_select_cuda",)),
+    "sparse-attention-cuda": ("the attention over Quest's pages and OmniKV's rows in one CUDA launch beside the "
+                              "Triton launches", "bench_quest_cuda", ("bench_sparse_attention_cuda",)),
     "quest-scores-cuda": ("Quest's page scores in CUDA beside the Triton launch, the step's keys folded in",
                           "bench_quest_cuda", ("bench_quest_scores_cuda",)),
     "prefill-launches": ("the chunked prefill's launches (tile rows, key block, warps, stages, unmasked blocks "

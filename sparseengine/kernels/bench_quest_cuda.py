@@ -1,6 +1,7 @@
 """Quest's CUDA kernels at the 128K decode benchmark's shape beside the launches they replace
-(`python -m sparseengine.kernels.bench_gpu --quest-select-cuda | --quest-scores-cuda --out
-FILE`): the page choice and the page scores (the two in one launch: tag quest-pick-experiment).
+(`python -m sparseengine.kernels.bench_gpu --quest-select-cuda | --quest-scores-cuda |
+--sparse-attention-cuda --out FILE`): the page choice, the page scores (the two in one launch:
+tag quest-pick-experiment), and the attention over Quest's pages and OmniKV's rows.
 Each is timed per launch inside a CUDA graph of 30 launches, so launch overhead does not
 count; each is checked against the launch it replaces."""
 from __future__ import annotations
@@ -90,3 +91,37 @@ def bench_quest_scores_cuda(out_path, B=6, P=8320, n=131072):
         emit(out_path, {"kind": "quest_scores_cuda", "impl": impl, "batch": B, "hkv": HKV, "pages": P, "kv_len": n,
                         "us_per_launch": us, "GBps": nbytes / us / 1e3, "rel_err_vs_triton": err})
 
+
+
+def bench_sparse_attention_cuda(out_path, batches=(3, 6), P=8320, n=131072, width=129):
+    """The attention over a selection in one CUDA launch (`sparse_attention_cuda`) beside the
+    Triton launches it replaces, per launch in a CUDA graph of 30: Quest's 129 chosen pages a
+    (request, KV head) at the 128K shape, and OmniKV's shape, the same 2064 tokens as pool
+    rows; the CUDA launch at its default split count (8 CTAs a row at these batches), 4 and 6,
+    and without its PDL signal. Each checked against the Triton launch (max abs difference;
+    the CUDA launch rounds P to bf16 before P V). Repeated launches over the same 24-48 MB find
+    some of it in L2: the decode step's profile is the measure that counts."""
+    from sparseengine.kernels import sparse_attention_cuda as SA
+    from sparseengine.kernels import sparse_page_decode_triton, sparse_rows_decode_triton
+    from sparseengine.kernels.bench_quest import _chosen_pages_case
+
+    for B in batches:
+        args, want, nbytes = _chosen_pages_case(B, P, n, width)
+        q, k_cache, v_cache, table, kv_lens, pages, counts = args
+        tokens = (pages[..., None] * PS + torch.arange(PS, device="cuda")).flatten(-2)
+        rows = (table.long().gather(1, (tokens // PS).flatten(1)).view_as(tokens) * PS + tokens % PS).int()
+        nrows = counts * PS
+        launches = {"pages_triton": lambda: sparse_page_decode_triton(*args)}  # noqa: E731
+        for splits, trigger in ((None, True), (None, False), (4, True), (6, True)):
+            launches[f"pages_cuda_s{splits or 'default'}{'' if trigger else '_notrigger'}"] = (
+                lambda splits=splits, trigger=trigger: SA.sparse_page_decode_cuda(*args, splits=splits,
+                                                                                  trigger=trigger))
+        launches["rows_triton"] = lambda: sparse_rows_decode_triton(q, k_cache, v_cache, table, kv_lens, rows,  # noqa
+                                                                    nrows)
+        launches["rows_cuda"] = lambda: SA.sparse_rows_decode_cuda(q, k_cache, v_cache, rows, nrows)  # noqa: E731
+        for impl, fn in launches.items():
+            err = (fn().float() - want).abs().max().item()
+            us = per_launch_us(fn)
+            emit(out_path, {"kind": "sparse_attention_cuda", "impl": impl, "batch": B, "hkv": HKV, "pages": width,
+                            "kv_len": n, "us_per_launch": us, "GBps": nbytes / us / 1e3,
+                            "max_abs_diff_vs_triton_pages": err})

@@ -4,11 +4,12 @@ signature fails at the call; a pointer passed as an int is truncated), and a lib
 by the headers beside its source as well as the source."""
 import pytest
 
-from sparseengine.kernels import cuda_linear, quest_scores_cuda, quest_select_cuda
+from sparseengine.kernels import cuda_linear, quest_scores_cuda, quest_select_cuda, sparse_attention_cuda
 from sparseengine.kernels.nvcc_build import declared_signatures, find_nvcc, load_library
 
 
-@pytest.mark.parametrize("wrapper", [cuda_linear, quest_select_cuda, quest_scores_cuda],
+@pytest.mark.parametrize("wrapper", [cuda_linear, quest_select_cuda, quest_scores_cuda,
+                                     sparse_attention_cuda],
                          ids=lambda m: m.__name__)
 def test_ctypes_signatures_match_the_source(wrapper):
     declared = declared_signatures(wrapper.SOURCE)

@@ -1,0 +1,171 @@
+"""Decode attention over a selection of the paged cache in CUDA (`sparse_attention.cu`): the
+contract of `sparse_decode.py`'s page variant (Quest's chosen pages) and rows variant
+(OmniKV's pool rows), in one launch where the Triton path takes a split kernel and a merge.
+
+`sparse_page_decode_cuda(q, k_cache, v_cache, page_table, kv_lens, page_indices,
+num_pages_selected, scale=None, return_lse=False)` and `sparse_rows_decode_cuda(q, k_cache,
+v_cache, rows, num_selected, scale=None, return_lse=False)` take what their `*_triton` twins
+take, restricted to: bf16 q and cache, head dim 128, at most 8 query heads a KV head, a
+contiguous cache, pages of 16 tokens for the page variant, and `page_table` int32. Each
+returns `out [B, Hq, 128]` bf16 (and `lse [B, Hq]` float32, natural log; -inf and a zero
+output for a row with nothing attended).
+
+`takes(q, k_cache, entries, pages)` says whether the decode step attends with it (`ENGINE`,
+an sm_90 GPU with nvcc, the shapes above, a row's chunks within what `splits` CTAs take);
+otherwise the step runs the Triton kernels. The first call builds the library with nvcc
+(`nvcc_build`). Without a GPU it cannot run: its tests are marked `gpu`, with
+`sparse_page_decode_ref` / `sparse_rows_decode_ref` as the oracles.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+from pathlib import Path
+
+import torch
+
+from . import _common
+from .nvcc_build import load_library, on_device, unavailable
+from .sparse_decode import _check_selection
+
+SOURCE = Path(__file__).with_name("sparse_attention.cu")
+# the decode step attends over Quest's pages and OmniKV's rows with it where `takes` says (read at each call)
+ENGINE = True
+# the kernel lets the o projection (a PDL launch) start at once, as the Triton merge does (read at each call)
+TRIGGER = True
+CTAS_PER_SM = 3  # the grid's size: rows x splits about this many CTAs an SM (3 fit at once; read at each call)
+HEAD_DIM = 128
+CHUNK = 16  # tokens a chunk: a page (the page variant's page size) or 16 entries
+MAX_GROUP = 8
+MAX_SPLITS = 8  # CTAs a (request, KV head) row: one cluster
+MAX_CHUNKS_PER_SPLIT = 4 * 16  # 4 warps, each at most 16 chunks
+MAX_ROWS = 65535  # B x Hkv: the grid's y
+
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
+SIGNATURES = {  # in the order of the source's `extern "C"` declarations (a CPU test holds them together)
+    "se_sparse_attention": (_I, [_P, _L, _L, _P, _P, _P, _L, _L, _I, _P, _L, _L, _I, _P, _L, _P, _I, _P, _L, _L, _P]
+                            + [_I] * 6 + [_F, _I, _P]),
+    "se_sparse_attention_max_chunks": (_I, [_I]),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def library() -> ctypes.CDLL:
+    return load_library(SOURCE, [], "libse_sparse_attention.so", SIGNATURES, "sparse_attention_cuda")
+
+
+def chunks_of(entries: int, pages: bool) -> int:
+    """A row's chunks of 16 tokens: one a page, or one per 16 entries."""
+    return entries if pages else -(-entries // CHUNK)
+
+
+def splits_for(rows: int, chunks: int, num_sms: int, ctas_per_sm: int | None = None) -> int | None:
+    """CTAs a row: enough for about `ctas_per_sm` CTAs an SM over the grid, no more than keep
+    every warp a chunk, at least what the row's chunks need (16 a warp); None when they need
+    more than `MAX_SPLITS`."""
+    need = -(-chunks // MAX_CHUNKS_PER_SPLIT)
+    if need > MAX_SPLITS:
+        return None
+    fill = -(-(CTAS_PER_SM if ctas_per_sm is None else ctas_per_sm) * num_sms // max(rows, 1))
+    return max(need, min(fill, MAX_SPLITS, -(-chunks // 4)), 1)
+
+
+def takes(q: torch.Tensor, k_cache: torch.Tensor, entries: int, pages: bool) -> bool:
+    """Whether the decode step attends over a selection of `entries` a row (pages, or pool
+    rows) with this kernel: `ENGINE` on, a GPU it runs on, and the shapes it takes."""
+    if not ENGINE or q.device.type != "cuda" or q.dtype != torch.bfloat16 or k_cache.dtype != torch.bfloat16:
+        return False
+    B, Hq, d = q.shape
+    Hkv = k_cache.shape[2]
+    if d != HEAD_DIM or Hq % Hkv or Hq // Hkv > MAX_GROUP or B * Hkv > MAX_ROWS or not k_cache.is_contiguous():
+        return False
+    if (pages and k_cache.shape[1] != CHUNK) or entries < 1:
+        return False
+    return chunks_of(entries, pages) <= MAX_SPLITS * MAX_CHUNKS_PER_SPLIT and unavailable(q.device) is None
+
+
+def _check(q, k_cache, v_cache, sel, num_sel):
+    if q.dtype != torch.bfloat16 or k_cache.dtype != torch.bfloat16 or v_cache.dtype != torch.bfloat16:
+        raise ValueError(f"the CUDA sparse attention takes bf16 q and cache, got {q.dtype}, {k_cache.dtype}, "
+                         f"{v_cache.dtype}")
+    if q.dim() != 3 or q.shape[-1] != HEAD_DIM or k_cache.shape[-1] != HEAD_DIM:
+        raise ValueError(f"the CUDA sparse attention takes head dim {HEAD_DIM}, got q {tuple(q.shape)}, "
+                         f"cache {tuple(k_cache.shape)}")
+    _common.check_cache(k_cache, q.shape[1], HEAD_DIM)
+    if v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous and of one shape")
+    group = q.shape[1] // k_cache.shape[2]
+    if group > MAX_GROUP:
+        raise ValueError(f"the CUDA sparse attention takes at most {MAX_GROUP} query heads a KV head, got {group}")
+    if q.stride(-1) != 1 or q.stride(0) % 2 or q.stride(1) % 2 or q.data_ptr() % 4:
+        raise ValueError("q's channels must be contiguous, its rows and heads 4-byte aligned")
+    _check_selection(q, k_cache, sel, num_sel)
+    if q.shape[0] * k_cache.shape[2] > MAX_ROWS:
+        raise ValueError(f"B x Hkv must be at most {MAX_ROWS}, got {q.shape[0] * k_cache.shape[2]}")
+    for t in (k_cache, v_cache, sel, num_sel):
+        if t.device != q.device:
+            raise ValueError(f"every tensor must be on q's device {q.device}, got {t.device}")
+
+
+def _launch(pages, q, k_cache, v_cache, sel, num_sel, page_table, kv_lens, scale, return_lse, splits, trigger):
+    reason = unavailable(q.device)  # after every check of the input
+    if reason is not None:
+        raise RuntimeError(f"the CUDA sparse attention cannot run: {reason}")
+    B, Hq, _ = q.shape
+    Hkv = k_cache.shape[2]
+    K = sel.shape[2]
+    chunks = chunks_of(K, pages)
+    if splits is None:
+        splits = splits_for(B * Hkv, chunks, _common.num_sms(q.device))
+        if splits is None:
+            raise ValueError(f"the CUDA sparse attention takes at most {MAX_SPLITS * MAX_CHUNKS_PER_SPLIT} chunks of "
+                             f"{CHUNK} a row, got {chunks}")
+    elif not 1 <= splits <= MAX_SPLITS or chunks > splits * MAX_CHUNKS_PER_SPLIT:
+        raise ValueError(f"splits must be 1 to {MAX_SPLITS} and take the row's {chunks} chunks (at most "
+                         f"{MAX_CHUNKS_PER_SPLIT} each), got {splits}")
+    out = torch.empty(B, Hq, HEAD_DIM, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device) if return_lse else None
+    scale = _common.default_scale(HEAD_DIM, scale)
+    if B:
+        err = on_device(q, library().se_sparse_attention, q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(),
+                        v_cache.data_ptr(), sel.data_ptr(), sel.stride(0), sel.stride(1),
+                        int(sel.dtype == torch.int64), num_sel.data_ptr(), num_sel.stride(0),
+                        num_sel.stride(1), int(num_sel.dtype == torch.int64),
+                        page_table.data_ptr() if pages else None, page_table.stride(0) if pages else 0,
+                        kv_lens.data_ptr() if pages else None, int(pages and kv_lens.dtype == torch.int64),
+                        out.data_ptr(), out.stride(0), out.stride(1), lse.data_ptr() if return_lse else None, B, Hkv,
+                        Hq // Hkv, K, int(pages), splits, scale * math.log2(math.e),
+                        int(TRIGGER if trigger is None else trigger), torch.cuda.current_stream(q.device).cuda_stream)
+        if err:
+            raise RuntimeError(f"the CUDA sparse attention's launch failed: error {err} (B={B}, Hkv={Hkv}, K={K}, "
+                               f"splits={splits})")
+    return (out, lse) if return_lse else out
+
+
+def sparse_page_decode_cuda(q, k_cache, v_cache, page_table, kv_lens, page_indices, num_pages_selected, scale=None,
+                            return_lse=False, *, splits=None, trigger=None):
+    """`sparse_page_decode_ref`'s attention (the module's docstring); `splits`: CTAs a row
+    (default `splits_for`), `trigger`: the PDL signal at the start (default `TRIGGER`)."""
+    _check(q, k_cache, v_cache, page_indices, num_pages_selected)
+    if k_cache.shape[1] != CHUNK:
+        raise ValueError(f"the CUDA page attention takes pages of {CHUNK} tokens, got {k_cache.shape[1]}")
+    if page_table.dtype != torch.int32 or page_table.dim() != 2 or page_table.stride(1) != 1:
+        raise ValueError(f"page_table must be [B, pages] int32 with pages contiguous, got {page_table.dtype} "
+                         f"{tuple(page_table.shape)}")
+    if kv_lens.dtype not in (torch.int32, torch.int64) or kv_lens.shape != (q.shape[0],):
+        raise ValueError(f"kv_lens must be [B] int32 or int64, got {kv_lens.dtype} {tuple(kv_lens.shape)}")
+    if page_table.device != q.device or kv_lens.device != q.device:
+        raise ValueError(f"page_table and kv_lens must be on q's device {q.device}")
+    return _launch(True, q, k_cache, v_cache, page_indices, num_pages_selected, page_table, kv_lens.contiguous(),
+                   scale, return_lse, splits, trigger)
+
+
+def sparse_rows_decode_cuda(q, k_cache, v_cache, rows, num_selected, scale=None, return_lse=False, *, splits=None,
+                            trigger=None):
+    """`sparse_rows_decode_ref`'s attention (the module's docstring); `splits`, `trigger` as
+    `sparse_page_decode_cuda`'s. The rows must name pool rows below 2**31."""
+    _check(q, k_cache, v_cache, rows, num_selected)
+    if k_cache.shape[0] * k_cache.shape[1] >= 2**31:
+        raise ValueError(f"the CUDA rows attention takes pools of under 2**31 rows, got {k_cache.shape[:2]}")
+    return _launch(False, q, k_cache, v_cache, rows, num_selected, None, None, scale, return_lse, splits, trigger)
