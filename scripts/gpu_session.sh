@@ -283,9 +283,9 @@ for line in open(sys.argv[1]):
         print(f"b={r['batch']} {r['impl']:28s} {r['us_per_launch']:7.2f} us {r['GBps']:7.0f} GB/s "
               f"diff {r['max_abs_diff_vs_triton_pages']:.1e}")
 PY
+  ab=${VARIANTS:-'default;sparse_attention_cuda.ENGINE=False'}  # VARIANTS: others to profile
   for method in ${METHODS:-quest omnikv}; do
-    METHOD=$method BATCH=${BATCH:-6} ROUNDS=${ROUNDS:-2} VARIANTS='default;sparse_attention_cuda.ENGINE=False' \
-      LAUNCH_SEQ=${LAUNCH_SEQ-.} bash "$0" variants
+    METHOD=$method BATCH=${BATCH:-6} ROUNDS=${ROUNDS:-2} VARIANTS=$ab LAUNCH_SEQ=${LAUNCH_SEQ-.} bash "$0" variants
     mv "$OUT/variant_profiles.tgz" "$OUT/variant_profiles_$method.tgz"
   done
   ;;

@@ -97,8 +97,8 @@ def bench_sparse_attention_cuda(out_path, batches=(3, 6), P=8320, n=131072, widt
     """The attention over a selection in one CUDA launch (`sparse_attention_cuda`) beside the
     Triton launches it replaces, per launch in a CUDA graph of 30: Quest's 129 chosen pages a
     (request, KV head) at the 128K shape, and OmniKV's shape, the same 2064 tokens as pool
-    rows; the CUDA launch at its default split count (8 CTAs a row at these batches), 4 and 6,
-    and without its PDL signal. Each checked against the Triton launch (max abs difference;
+    rows; the CUDA launch at its default split count (4 CTAs a row at these batches), 2, 3, 6
+    and 8, and with its PDL signal. Each checked against the Triton launch (max abs difference;
     the CUDA launch rounds P to bf16 before P V). Repeated launches over the same 24-48 MB find
     some of it in L2: the decode step's profile is the measure that counts."""
     from sparseengine.kernels import sparse_attention_cuda as SA
@@ -112,7 +112,7 @@ def bench_sparse_attention_cuda(out_path, batches=(3, 6), P=8320, n=131072, widt
         rows = (table.long().gather(1, (tokens // PS).flatten(1)).view_as(tokens) * PS + tokens % PS).int()
         nrows = counts * PS
         launches = {"pages_triton": lambda: sparse_page_decode_triton(*args)}  # noqa: E731
-        for splits, trigger in ((None, True), (None, False), (4, True), (6, True)):
+        for splits, trigger in ((None, False), (None, True), (2, False), (3, False), (6, False), (8, False)):
             launches[f"pages_cuda_s{splits or 'default'}{'' if trigger else '_notrigger'}"] = (
                 lambda splits=splits, trigger=trigger: SA.sparse_page_decode_cuda(*args, splits=splits,
                                                                                   trigger=trigger))

@@ -32,9 +32,16 @@ from .sparse_decode import _check_selection
 SOURCE = Path(__file__).with_name("sparse_attention.cu")
 # the decode step attends over Quest's pages and OmniKV's rows with it where `takes` says (read at each call)
 ENGINE = True
-# the kernel lets the o projection (a PDL launch) start at once, as the Triton merge does (read at each call)
-TRIGGER = True
+# The kernel lets the o projection (a PDL launch) start at once, as the Triton merge does (read at each call). Off:
+# with it on, the o projection's persistent CTAs (one an SM) were placed as this kernel's CTAs left the SMs, unevenly,
+# and every linear of the layer after it ran slower (H100, Quest b=3 graph step 8.828 ms against 7.93 for the Triton
+# launches: o 29.4 us against 14.9, down 104 against 56; s56-1).
+TRIGGER = False
 CTAS_PER_SM = 3  # the grid's size: rows x splits about this many CTAs an SM (3 fit at once; read at each call)
+# At most this many CTAs a row by default (read at each call). H100, 128K shape, 129 pages a row, per launch in a
+# graph (s56-1, results/sparse_attention_s56_h100.jsonl): b=6 22.8 us at 4 CTAs a row against 29.2 at 8 (clusters
+# of 8 at 3 CTAs an SM do not all fit a GPC at once) and 25.6 for the Triton launches; b=3 11.6 against 12.1.
+SPLITS_CAP = 4
 HEAD_DIM = 128
 CHUNK = 16  # tokens a chunk: a page (the page variant's page size) or 16 entries
 MAX_GROUP = 8
@@ -60,15 +67,16 @@ def chunks_of(entries: int, pages: bool) -> int:
     return entries if pages else -(-entries // CHUNK)
 
 
-def splits_for(rows: int, chunks: int, num_sms: int, ctas_per_sm: int | None = None) -> int | None:
-    """CTAs a row: enough for about `ctas_per_sm` CTAs an SM over the grid, no more than keep
-    every warp a chunk, at least what the row's chunks need (16 a warp); None when they need
-    more than `MAX_SPLITS`."""
+def splits_for(rows: int, chunks: int, num_sms: int, ctas_per_sm: int | None = None,
+               cap: int | None = None) -> int | None:
+    """CTAs a row: enough for about `ctas_per_sm` CTAs an SM over the grid, at most `cap`
+    (default `SPLITS_CAP`), no more than keep every warp a chunk, at least what the row's
+    chunks need (64 a CTA; that may pass the cap); None when they need more than `MAX_SPLITS`."""
     need = -(-chunks // MAX_CHUNKS_PER_SPLIT)
     if need > MAX_SPLITS:
         return None
     fill = -(-(CTAS_PER_SM if ctas_per_sm is None else ctas_per_sm) * num_sms // max(rows, 1))
-    return max(need, min(fill, MAX_SPLITS, -(-chunks // 4)), 1)
+    return max(need, min(fill, SPLITS_CAP if cap is None else cap, -(-chunks // 4)), 1)
 
 
 def takes(q: torch.Tensor, k_cache: torch.Tensor, entries: int, pages: bool) -> bool:

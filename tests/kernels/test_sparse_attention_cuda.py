@@ -38,7 +38,7 @@ def test_pages_equal_the_reference(case, gen):
     args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, idx.long(), num)
     out_ref, lse_ref = sparse_page_decode_ref(*args, return_lse=True)
     assert torch.isinf(lse_ref[-1, -1]) and not out_ref[-1, -1].any()
-    for splits in (None, 1, 3, 8):
+    for splits in (None, 1 if case[3] <= 64 else 3, 5, 8):  # one CTA takes at most 64 chunks
         out, lse = SA.sparse_page_decode_cuda(*args, return_lse=True, splits=splits)
         assert_close(out, out_ref, TOL, f"out, splits={splits}")
         assert_close(lse, lse_ref, 1e-4, f"lse, splits={splits}")
@@ -54,7 +54,7 @@ def test_rows_equal_the_reference(case, gen):
     rows[:, :, 1] = -1  # skipped wherever it counts
     base = (q, kv.k_cache, kv.v_cache)
     out_ref, lse_ref = sparse_rows_decode_ref(*base, rows, num, return_lse=True)
-    for splits in (None, 1, 2, 8):
+    for splits in (None, 1 if width <= 64 else 3, 2, 8):  # one CTA takes at most 64 chunks
         out, lse = SA.sparse_rows_decode_cuda(*base, rows.long() if splits == 2 else rows, num, return_lse=True,
                                               splits=splits)
         assert_close(out, out_ref, TOL, f"out, splits={splits}")
@@ -151,13 +151,15 @@ def test_bad_tables_and_selections_are_refused():
 
 
 def test_split_counts():
-    """About 3 CTAs an SM over the grid, at most 8 a row, no more than a chunk a warp, at
-    least what 16 chunks a warp need; none past 8 x 64 chunks."""
-    assert SA.splits_for(48, 129, 132) == 8  # Quest b=6 at 128K
+    """About 3 CTAs an SM over the grid, at most SPLITS_CAP a row, no more than a chunk a
+    warp, at least what 16 chunks a warp need (up to 8 CTAs); none past 8 x 64 chunks."""
+    assert SA.splits_for(48, 129, 132) == 4  # Quest b=6 at 128K: at most SPLITS_CAP unless the chunks need more
+    assert SA.splits_for(48, 129, 132, cap=8) == 8
     assert SA.splits_for(160, 128, 132) == 3
     assert SA.splits_for(1000, 129, 132) == 3  # 129 chunks need 3 CTAs of 64
     assert SA.splits_for(2, 5, 132) == 2  # 4 warps a CTA: a chunk each
     assert SA.splits_for(4000, 512, 132) == 8 and SA.splits_for(1, 513, 132) is None
+    assert SA.splits_for(1, 300, 132) == 5  # past the cap: what 300 chunks need
     assert SA.chunks_of(2048, pages=False) == 128 and SA.chunks_of(129, pages=True) == 129
 
 
