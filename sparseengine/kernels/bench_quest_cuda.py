@@ -98,8 +98,8 @@ def bench_sparse_attention_cuda(out_path, batches=(3, 6), P=8320, n=131072, widt
     Triton launches it replaces, per launch in a CUDA graph of 30: Quest's 129 chosen pages a
     (request, KV head) at the 128K shape, and OmniKV's shape, the same 2064 tokens as pool
     rows; the CUDA launch at its default split count (4 CTAs a row at these batches), 2, 3, 6
-    and 8, and with its PDL signal. Each checked against the Triton launch (max abs difference;
-    the CUDA launch rounds P to bf16 before P V). Repeated launches over the same 24-48 MB find
+    and 8, with its PDL signal, and its builds of 3 and 4 stages. Each checked against the
+    Triton launch (max abs difference; the CUDA launch rounds P to bf16 before P V). Repeated launches over the same 24-48 MB find
     some of it in L2: the decode step's profile is the measure that counts."""
     from sparseengine.kernels import sparse_attention_cuda as SA
     from sparseengine.kernels import sparse_page_decode_triton, sparse_rows_decode_triton
@@ -112,13 +112,16 @@ def bench_sparse_attention_cuda(out_path, batches=(3, 6), P=8320, n=131072, widt
         rows = (table.long().gather(1, (tokens // PS).flatten(1)).view_as(tokens) * PS + tokens % PS).int()
         nrows = counts * PS
         launches = {"pages_triton": lambda: sparse_page_decode_triton(*args)}  # noqa: E731
-        for splits, trigger in ((None, False), (None, True), (2, False), (3, False), (6, False), (8, False)):
-            launches[f"pages_cuda_s{splits or 'default'}{'' if trigger else '_notrigger'}"] = (
-                lambda splits=splits, trigger=trigger: SA.sparse_page_decode_cuda(*args, splits=splits,
-                                                                                  trigger=trigger))
+        for splits, trigger, stages in ((None, False, None), (None, True, None), (2, False, None), (3, False, None),
+                                        (6, False, None), (8, False, None), (None, False, 3), (None, False, 4)):
+            name = f"pages_cuda_s{splits or 'default'}{'_trigger' * trigger}{f'_stages{stages}' * bool(stages)}"
+            launches[name] = (lambda splits=splits, trigger=trigger, stages=stages: SA.sparse_page_decode_cuda(
+                *args, splits=splits, trigger=trigger, stages=stages))
         launches["rows_triton"] = lambda: sparse_rows_decode_triton(q, k_cache, v_cache, table, kv_lens, rows,  # noqa
                                                                     nrows)
-        launches["rows_cuda"] = lambda: SA.sparse_rows_decode_cuda(q, k_cache, v_cache, rows, nrows)  # noqa: E731
+        for stages in (2, 3, 4):
+            launches[f"rows_cuda_stages{stages}"] = lambda stages=stages: SA.sparse_rows_decode_cuda(
+                q, k_cache, v_cache, rows, nrows, stages=stages)
         for impl, fn in launches.items():
             err = (fn().float() - want).abs().max().item()
             us = per_launch_us(fn)

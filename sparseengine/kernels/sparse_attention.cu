@@ -32,7 +32,10 @@ constexpr int D = 128;                // head dim
 constexpr int CHUNK = 16;             // tokens a chunk
 constexpr int WARPS = 4;
 constexpr int THREADS = WARPS * 32;
-constexpr int STAGES = 2;             // chunks a warp keeps in flight
+#ifndef SE_STAGES
+#define SE_STAGES 2
+#endif
+constexpr int STAGES = SE_STAGES;     // chunks a warp keeps in flight (the build's -DSE_STAGES)
 constexpr int MAX_CHUNKS = 16;        // chunks a warp may take (the host sizes `splits` so none takes more)
 constexpr int MAX_SPLITS = 8;         // CTAs a row: a portable cluster
 constexpr int MAX_GROUP = 8;          // query heads a KV head
@@ -149,30 +152,45 @@ __global__ void __launch_bounds__(THREADS) attend_kernel(const Args a) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t4 = lane & 3;  // the mma fragments' row and column pair
 
-  // the row's chunks and this warp's share of them
+  // This warp's share of the row's chunks: chunks first, + stride, ... below the count. Its
+  // entries within the row's capacity K are loaded before the count arrives (the loads overlap).
+  const int stride = a.splits * WARPS, first = split * WARPS + warp;
+  const int cap_chunks = PAGES ? a.K : (a.K + CHUNK - 1) / CHUNK;
+  const int cap_mine = first < cap_chunks ? (cap_chunks - first + stride - 1) / stride : 0;
+  const long long sel_row = b * a.ssb + h * a.ssh;
+  constexpr int PER_LANE = MAX_CHUNKS * CHUNK / 32;  // the rows variant's entries a lane loads
+  long long ent[PAGES ? 1 : PER_LANE];
+  long long len = 0;
+  if constexpr (PAGES) {
+    ent[0] = lane < cap_mine ? load_index(a.sel, sel_row + first + lane * stride, a.sel64) : -1;
+    len = load_index(a.kv_lens, b, a.lens64);
+  } else {
+#pragma unroll
+    for (int j = 0; j < PER_LANE; ++j) {
+      const int e = lane + 32 * j;
+      const long long entry = (long long)(first + (e / CHUNK) * stride) * CHUNK + e % CHUNK;
+      ent[j] = e < cap_mine * CHUNK && entry < a.K ? load_index(a.sel, sel_row + entry, a.sel64) : -1;
+    }
+  }
   long long n = load_index(a.nsel, b * a.snb + h * a.snh, a.nsel64);
   n = n < 0 ? 0 : (n > a.K ? a.K : n);
   const int nchunks = PAGES ? (int)n : (int)((n + CHUNK - 1) / CHUNK);
-  const int stride = a.splits * WARPS, first = split * WARPS + warp;
   const int mine = first < nchunks ? (nchunks - first + stride - 1) / stride : 0;
-  const long long sel_row = b * a.ssb + h * a.ssh;
 
   Chunks<PAGES> chunks{0, 0, (const int*)(smem + PIPE_BYTES) + warp * MAX_CHUNKS * CHUNK};
   if constexpr (PAGES) {
-    if (lane < mine) {
-      const long long page = load_index(a.sel, sel_row + first + lane * stride, a.sel64);
-      const long long len = load_index(a.kv_lens, b, a.lens64);
-      if (page >= 0 && page * CHUNK < len) {
-        chunks.phys = a.page_table[b * a.spt + page];
-        chunks.ntok = (int)min((long long)CHUNK, len - page * CHUNK);
-      }
+    const long long page = ent[0];
+    if (lane < mine && page >= 0 && page * CHUNK < len) {
+      chunks.phys = a.page_table[b * a.spt + page];
+      chunks.ntok = (int)min((long long)CHUNK, len - page * CHUNK);
     }
   } else {
     int* rows = (int*)chunks.rows;
-    for (int e = lane; e < mine * CHUNK; e += 32) {
+#pragma unroll
+    for (int j = 0; j < PER_LANE; ++j) {
+      const int e = lane + 32 * j;
       const long long entry = (long long)(first + (e / CHUNK) * stride) * CHUNK + e % CHUNK;
-      const long long r = entry < n ? load_index(a.sel, sel_row + entry, a.sel64) : -1;
-      rows[e] = r < 0 ? -1 : (int)r;
+      if (e < mine * CHUNK) rows[e] = entry < n && ent[j] >= 0 ? (int)ent[j] : -1;
     }
     __syncwarp();
   }

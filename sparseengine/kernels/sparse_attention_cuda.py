@@ -37,7 +37,12 @@ ENGINE = True
 # and every linear of the layer after it ran slower (H100, Quest b=3 graph step 8.828 ms against 7.93 for the Triton
 # launches: o 29.4 us against 14.9, down 104 against 56; s56-1).
 TRIGGER = False
-CTAS_PER_SM = 3  # the grid's size: rows x splits about this many CTAs an SM (3 fit at once; read at each call)
+# The build (read at each call; `sparse_attention.cu`'s SE_STAGES): chunks of K and V a warp keeps in flight. A
+# CTA takes 4 x stages x 8.5 KB of shared memory (+ 4 KB, rows variant): 3 CTAs fit an SM at 2 stages, 2 at 3, 1 at 4.
+BUILD_STAGES = 2
+STAGE_CHOICES = (2, 3, 4)
+# The grid's size: rows x splits about this many CTAs an SM (None: as many as fit at once; read at each call).
+CTAS_PER_SM: int | None = None
 # At most this many CTAs a row by default (read at each call). H100, 128K shape, 129 pages a row, per launch in a
 # graph (s56-1, results/sparse_attention_s56_h100.jsonl): b=6 22.8 us at 4 CTAs a row against 29.2 at 8 (clusters
 # of 8 at 3 CTAs an SM do not all fit a GPC at once) and 25.6 for the Triton launches; b=3 11.6 against 12.1.
@@ -57,9 +62,23 @@ SIGNATURES = {  # in the order of the source's `extern "C"` declarations (a CPU 
 }
 
 
+def library(stages: int | None = None) -> ctypes.CDLL:
+    """The built library of the build `stages` names (default `BUILD_STAGES`; nvcc, once a build)."""
+    stages = BUILD_STAGES if stages is None else stages
+    if stages not in STAGE_CHOICES or isinstance(stages, bool):
+        raise ValueError(f"stages must be one of {STAGE_CHOICES}, got {stages!r}")
+    return _library(stages)
+
+
 @functools.lru_cache(maxsize=None)
-def library() -> ctypes.CDLL:
-    return load_library(SOURCE, [], "libse_sparse_attention.so", SIGNATURES, "sparse_attention_cuda")
+def _library(stages: int) -> ctypes.CDLL:
+    flags = [] if stages == 2 else [f"-DSE_STAGES={stages}"]
+    return load_library(SOURCE, flags, "libse_sparse_attention.so", SIGNATURES, "sparse_attention_cuda")
+
+
+def ctas_fit(stages: int) -> int:
+    """CTAs of the `stages` build that fit an SM at once (227 KB of shared memory, 1 KB a CTA reserved)."""
+    return 227 * 1024 // (4 * stages * 2 * CHUNK * (2 * HEAD_DIM + 16) + 4096 + 1024)
 
 
 def chunks_of(entries: int, pages: bool) -> int:
@@ -69,13 +88,15 @@ def chunks_of(entries: int, pages: bool) -> int:
 
 def splits_for(rows: int, chunks: int, num_sms: int, ctas_per_sm: int | None = None,
                cap: int | None = None) -> int | None:
-    """CTAs a row: enough for about `ctas_per_sm` CTAs an SM over the grid, at most `cap`
+    """CTAs a row: at most `ctas_per_sm` CTAs an SM over the grid (default: what fit at once), at most `cap`
     (default `SPLITS_CAP`), no more than keep every warp a chunk, at least what the row's
     chunks need (64 a CTA; that may pass the cap); None when they need more than `MAX_SPLITS`."""
     need = -(-chunks // MAX_CHUNKS_PER_SPLIT)
     if need > MAX_SPLITS:
         return None
-    fill = -(-(CTAS_PER_SM if ctas_per_sm is None else ctas_per_sm) * num_sms // max(rows, 1))
+    if ctas_per_sm is None:
+        ctas_per_sm = CTAS_PER_SM if CTAS_PER_SM is not None else ctas_fit(BUILD_STAGES)
+    fill = ctas_per_sm * num_sms // max(rows, 1)  # whole waves: no CTA waits for another's SM
     return max(need, min(fill, SPLITS_CAP if cap is None else cap, -(-chunks // 4)), 1)
 
 
@@ -116,7 +137,8 @@ def _check(q, k_cache, v_cache, sel, num_sel):
             raise ValueError(f"every tensor must be on q's device {q.device}, got {t.device}")
 
 
-def _launch(pages, q, k_cache, v_cache, sel, num_sel, page_table, kv_lens, scale, return_lse, splits, trigger):
+def _launch(pages, q, k_cache, v_cache, sel, num_sel, page_table, kv_lens, scale, return_lse, splits, trigger,
+            stages):
     reason = unavailable(q.device)  # after every check of the input
     if reason is not None:
         raise RuntimeError(f"the CUDA sparse attention cannot run: {reason}")
@@ -124,8 +146,11 @@ def _launch(pages, q, k_cache, v_cache, sel, num_sel, page_table, kv_lens, scale
     Hkv = k_cache.shape[2]
     K = sel.shape[2]
     chunks = chunks_of(K, pages)
+    stages = BUILD_STAGES if stages is None else stages
+    lib = library(stages)
     if splits is None:
-        splits = splits_for(B * Hkv, chunks, _common.num_sms(q.device))
+        splits = splits_for(B * Hkv, chunks, _common.num_sms(q.device),
+                            CTAS_PER_SM if CTAS_PER_SM is not None else ctas_fit(stages))
         if splits is None:
             raise ValueError(f"the CUDA sparse attention takes at most {MAX_SPLITS * MAX_CHUNKS_PER_SPLIT} chunks of "
                              f"{CHUNK} a row, got {chunks}")
@@ -136,7 +161,7 @@ def _launch(pages, q, k_cache, v_cache, sel, num_sel, page_table, kv_lens, scale
     lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device) if return_lse else None
     scale = _common.default_scale(HEAD_DIM, scale)
     if B:
-        err = on_device(q, library().se_sparse_attention, q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(),
+        err = on_device(q, lib.se_sparse_attention, q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(),
                         v_cache.data_ptr(), sel.data_ptr(), sel.stride(0), sel.stride(1),
                         int(sel.dtype == torch.int64), num_sel.data_ptr(), num_sel.stride(0),
                         num_sel.stride(1), int(num_sel.dtype == torch.int64),
@@ -152,9 +177,10 @@ def _launch(pages, q, k_cache, v_cache, sel, num_sel, page_table, kv_lens, scale
 
 
 def sparse_page_decode_cuda(q, k_cache, v_cache, page_table, kv_lens, page_indices, num_pages_selected, scale=None,
-                            return_lse=False, *, splits=None, trigger=None):
+                            return_lse=False, *, splits=None, trigger=None, stages=None):
     """`sparse_page_decode_ref`'s attention (the module's docstring); `splits`: CTAs a row
-    (default `splits_for`), `trigger`: the PDL signal at the start (default `TRIGGER`)."""
+    (default `splits_for`), `trigger`: the PDL signal at the start (default `TRIGGER`),
+    `stages`: the build (default `BUILD_STAGES`)."""
     _check(q, k_cache, v_cache, page_indices, num_pages_selected)
     if k_cache.shape[1] != CHUNK:
         raise ValueError(f"the CUDA page attention takes pages of {CHUNK} tokens, got {k_cache.shape[1]}")
@@ -166,14 +192,15 @@ def sparse_page_decode_cuda(q, k_cache, v_cache, page_table, kv_lens, page_indic
     if page_table.device != q.device or kv_lens.device != q.device:
         raise ValueError(f"page_table and kv_lens must be on q's device {q.device}")
     return _launch(True, q, k_cache, v_cache, page_indices, num_pages_selected, page_table, kv_lens.contiguous(),
-                   scale, return_lse, splits, trigger)
+                   scale, return_lse, splits, trigger, stages)
 
 
 def sparse_rows_decode_cuda(q, k_cache, v_cache, rows, num_selected, scale=None, return_lse=False, *, splits=None,
-                            trigger=None):
-    """`sparse_rows_decode_ref`'s attention (the module's docstring); `splits`, `trigger` as
+                            trigger=None, stages=None):
+    """`sparse_rows_decode_ref`'s attention (the module's docstring); `splits`, `trigger`, `stages` as
     `sparse_page_decode_cuda`'s. The rows must name pool rows below 2**31."""
     _check(q, k_cache, v_cache, rows, num_selected)
     if k_cache.shape[0] * k_cache.shape[1] >= 2**31:
         raise ValueError(f"the CUDA rows attention takes pools of under 2**31 rows, got {k_cache.shape[:2]}")
-    return _launch(False, q, k_cache, v_cache, rows, num_selected, None, None, scale, return_lse, splits, trigger)
+    return _launch(False, q, k_cache, v_cache, rows, num_selected, None, None, scale, return_lse, splits, trigger,
+                   stages)

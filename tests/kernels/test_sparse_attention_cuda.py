@@ -38,8 +38,8 @@ def test_pages_equal_the_reference(case, gen):
     args = (q, kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens, idx.long(), num)
     out_ref, lse_ref = sparse_page_decode_ref(*args, return_lse=True)
     assert torch.isinf(lse_ref[-1, -1]) and not out_ref[-1, -1].any()
-    for splits in (None, 1 if case[3] <= 64 else 3, 5, 8):  # one CTA takes at most 64 chunks
-        out, lse = SA.sparse_page_decode_cuda(*args, return_lse=True, splits=splits)
+    for splits, stages in ((None, None), (1 if case[3] <= 64 else 3, 2), (5, 3), (8, 4)):  # a CTA: 64 chunks at most
+        out, lse = SA.sparse_page_decode_cuda(*args, return_lse=True, splits=splits, stages=stages)
         assert_close(out, out_ref, TOL, f"out, splits={splits}")
         assert_close(lse, lse_ref, 1e-4, f"lse, splits={splits}")
 
@@ -54,9 +54,9 @@ def test_rows_equal_the_reference(case, gen):
     rows[:, :, 1] = -1  # skipped wherever it counts
     base = (q, kv.k_cache, kv.v_cache)
     out_ref, lse_ref = sparse_rows_decode_ref(*base, rows, num, return_lse=True)
-    for splits in (None, 1 if width <= 64 else 3, 2, 8):  # one CTA takes at most 64 chunks
-        out, lse = SA.sparse_rows_decode_cuda(*base, rows.long() if splits == 2 else rows, num, return_lse=True,
-                                              splits=splits)
+    for splits, stages in ((None, None), (3, 2), (5, 3), (8, 4)):  # 3 CTAs take the 129-entry case's 129 chunks
+        out, lse = SA.sparse_rows_decode_cuda(*base, rows.long() if splits == 3 else rows, num, return_lse=True,
+                                              splits=splits, stages=stages)
         assert_close(out, out_ref, TOL, f"out, splits={splits}")
         assert_close(lse, lse_ref, 1e-4, f"lse, splits={splits}")
     shared, shared_num = rows[:, :1].expand_as(rows), num[:, :1].expand_as(num)  # OmniKV's one choice a request
@@ -151,11 +151,14 @@ def test_bad_tables_and_selections_are_refused():
 
 
 def test_split_counts():
-    """About 3 CTAs an SM over the grid, at most SPLITS_CAP a row, no more than a chunk a
+    """At most 3 CTAs an SM over the grid (what fit at once), at most SPLITS_CAP a row, no more than a chunk a
     warp, at least what 16 chunks a warp need (up to 8 CTAs); none past 8 x 64 chunks."""
     assert SA.splits_for(48, 129, 132) == 4  # Quest b=6 at 128K: at most SPLITS_CAP unless the chunks need more
     assert SA.splits_for(48, 129, 132, cap=8) == 8
-    assert SA.splits_for(160, 128, 132) == 3
+    assert SA.splits_for(48, 60, 132, ctas_per_sm=1) == 2  # 96 CTAs: one wave of 132 SMs, not 144
+    assert SA.splits_for(48, 129, 132, ctas_per_sm=1) == 3  # 129 chunks need 3 CTAs of 64: past one wave
+    assert [SA.ctas_fit(s) for s in SA.STAGE_CHOICES] == [3, 2, 1]
+    assert SA.splits_for(160, 128, 132) == 2
     assert SA.splits_for(1000, 129, 132) == 3  # 129 chunks need 3 CTAs of 64
     assert SA.splits_for(2, 5, 132) == 2  # 4 warps a CTA: a chunk each
     assert SA.splits_for(4000, 512, 132) == 8 and SA.splits_for(1, 513, 132) is None
@@ -166,9 +169,12 @@ def test_split_counts():
 @pytest.mark.skipif(find_nvcc() is None, reason="needs nvcc (no GPU needed: the library loads without one)")
 def test_builds_and_reports_its_widest_row(monkeypatch, tmp_path):
     monkeypatch.setenv("SPARSEENGINE_CACHE", str(tmp_path))
-    SA.library.cache_clear()
+    SA._library.cache_clear()
     try:
-        assert SA.library().se_sparse_attention_max_chunks(8) == SA.MAX_SPLITS * SA.MAX_CHUNKS_PER_SPLIT
+        for stages in SA.STAGE_CHOICES:
+            assert SA.library(stages).se_sparse_attention_max_chunks(8) == SA.MAX_SPLITS * SA.MAX_CHUNKS_PER_SPLIT
     finally:
-        SA.library.cache_clear()
-    assert list(tmp_path.glob("cuda/*/libse_sparse_attention.so"))
+        SA._library.cache_clear()
+    assert len(list(tmp_path.glob("cuda/*/libse_sparse_attention.so"))) == len(SA.STAGE_CHOICES)  # a build each
+    with pytest.raises(ValueError, match="stages must be one of"):
+        SA.library(5)
