@@ -99,8 +99,9 @@ def bench_sparse_attention_cuda(out_path, batches=(3, 6), P=8320, n=131072, widt
     (request, KV head) at the 128K shape, and OmniKV's shape, the same 2064 tokens as pool
     rows; the CUDA launch at its default split count (4 CTAs a row at these batches), 2, 3, 6
     and 8, with its PDL signal, and its builds of 3 and 4 stages. Each checked against the
-    Triton launch (max abs difference; the CUDA launch rounds P to bf16 before P V). Repeated launches over the same 24-48 MB find
-    some of it in L2: the decode step's profile is the measure that counts."""
+    Triton launch (max abs difference; the CUDA launch rounds P to bf16 before P V).
+    Repeated launches over the same 24-48 MB find some of it in L2: the decode step's profile
+    is the measure that counts."""
     from sparseengine.kernels import sparse_attention_cuda as SA
     from sparseengine.kernels import sparse_page_decode_triton, sparse_rows_decode_triton
     from sparseengine.kernels.bench_quest import _chosen_pages_case
