@@ -97,9 +97,10 @@ def bench_sparse_attention_cuda(out_path, batches=(3, 6), P=8320, n=131072, widt
     """The attention over a selection in one CUDA launch (`sparse_attention_cuda`) beside the
     Triton launches it replaces, per launch in a CUDA graph of 30: Quest's 129 chosen pages a
     (request, KV head) at the 128K shape, and OmniKV's shape, the same 2064 tokens as pool
-    rows; the CUDA launch at its default split count (4 CTAs a row at these batches), 2, 3, 6
-    and 8, with its PDL signal, and its builds of 3 and 4 stages. Each checked against the
-    Triton launch (max abs difference; the CUDA launch rounds P to bf16 before P V).
+    rows; the CUDA launch at its default split count (4 CTAs a row at these batches), 3, 6 and
+    8 (2 cannot take 129 chunks), with its PDL signal, and its builds of 3 and 4 stages. Each
+    checked against the Triton launch (max abs difference; the CUDA launch rounds P to bf16
+    before P V).
     Repeated launches over the same 24-48 MB find some of it in L2: the decode step's profile
     is the measure that counts."""
     from sparseengine.kernels import sparse_attention_cuda as SA
@@ -115,6 +116,8 @@ def bench_sparse_attention_cuda(out_path, batches=(3, 6), P=8320, n=131072, widt
         launches = {"pages_triton": lambda: sparse_page_decode_triton(*args)}  # noqa: E731
         for splits, trigger, stages in ((None, False, None), (None, True, None), (2, False, None), (3, False, None),
                                         (6, False, None), (8, False, None), (None, False, 3), (None, False, 4)):
+            if splits and splits * SA.MAX_CHUNKS_PER_SPLIT < width:
+                continue  # too few CTAs for the row's chunks (the wrapper refuses)
             name = f"pages_cuda_s{splits or 'default'}{'_trigger' * trigger}{f'_stages{stages}' * bool(stages)}"
             launches[name] = (lambda splits=splits, trigger=trigger, stages=stages: SA.sparse_page_decode_cuda(
                 *args, splits=splits, trigger=trigger, stages=stages))
