@@ -97,7 +97,7 @@ class FlashInferAttentionProvider(AttentionProvider):
         self._graph_plans: FlashInferGraphPlans | None = None  # made at the first graph plan
 
     def ops(self) -> dict[str, str]:
-        return {op: self.name if op in FLASHINFER_OPS else self.triton.name for op in OPS}
+        return {op: self.name if op in FLASHINFER_OPS else impl for op, impl in self.triton.ops().items()}
 
     def write_kv(self, k_cache, v_cache, k, v, slot_mapping):
         kernels.paged_kv_write_triton(k, v, k_cache, v_cache, slot_mapping)

@@ -21,6 +21,17 @@ SPLIT_PLANS = {"auto": None, "per_row": False}
 ROUTE_DECODE_ROWS = True
 
 
+def sparse_decode_impl() -> str:
+    """What runs the sparse decode, for the records: "triton", or the CUDA attention where it
+    takes the step's shapes (on the current CUDA device: sm_90 with nvcc)."""
+    from sparseengine.kernels.nvcc_build import unavailable
+
+    if sparse_attention_cuda.ENGINE and torch.cuda.is_available() and unavailable("cuda") is None:
+        return ("cuda where it takes the selection (bf16, head dim 128, up to 8 query heads a KV head, pages of 16), "
+                "else triton")
+    return "triton"
+
+
 class TritonAttentionProvider(AttentionProvider):
     name = "triton"
 
@@ -37,6 +48,12 @@ class TritonAttentionProvider(AttentionProvider):
         """`split_k_decode`'s keywords for this provider's decode ops: the split plan, and
         this provider's own arrival counters on `device` (`ArrivalCounters`)."""
         return {"balanced": SPLIT_PLANS[self.split_plan], "counters": self._counters.on(device)}
+
+    def ops(self) -> dict[str, str]:
+        """Every op Triton's, but the sparse decode: on an sm_90 GPU with nvcc (and
+        `sparse_attention_cuda.ENGINE` on) the CUDA attention takes the selections whose shapes
+        it takes."""
+        return {**super().ops(), "sparse_decode": sparse_decode_impl()}
 
     def write_kv(self, k_cache, v_cache, k, v, slot_mapping):
         kernels.paged_kv_write_triton(k, v, k_cache, v_cache, slot_mapping)

@@ -102,16 +102,27 @@ def test_the_triton_provider_attends_with_it(monkeypatch, gen):
     pages = Selection(idx.long(), num, (False, False), page_size=16)
     rows = Selection(tok.long(), tnum, (False, False), pool_rows=pool_rows_of(kv.page_table, tok, tnum, 16))
     assert SA.takes(q, kv.k_cache, 40, pages=True) and SA.takes(q, kv.k_cache, 300, pages=False)
+    assert provider.ops()["sparse_decode"].startswith("cuda where it takes")  # what the records say
     calls = []
     for name in ("sparse_page_decode_cuda", "sparse_rows_decode_cuda"):
         monkeypatch.setattr(SA, name, lambda *a, _f=getattr(SA, name), **k: calls.append(_f) or _f(*a, **k))
     got = [provider._sparse_decode(*args, s) for s in (pages, rows)]
     assert len(calls) == 2
     monkeypatch.setattr(SA, "ENGINE", False)
+    assert provider.ops()["sparse_decode"] == "triton"
     want = [provider._sparse_decode(*args, s) for s in (pages, rows)]
     assert len(calls) == 2
     for g, w in zip(got, want):
         assert_close(g, w, TOL)
+
+
+def test_the_records_name_triton_where_it_cannot_run(monkeypatch):
+    """Without a CUDA GPU (or with ENGINE off) the provider's sparse decode is Triton's."""
+    from sparseengine.attention.triton_provider import TritonAttentionProvider
+
+    if torch.cuda.is_available():
+        monkeypatch.setattr(SA, "ENGINE", False)
+    assert TritonAttentionProvider().ops()["sparse_decode"] == "triton"
 
 
 def _cpu_args(hq=8, hkv=2, d=128, ps=16, dtype=torch.bfloat16):
