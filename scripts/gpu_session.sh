@@ -266,10 +266,10 @@ quest_scores_cuda.CTAS_PER_SM=24;quest_scores_cuda.BUILD_L2_PREFETCH=0" bash "$0
   bash "$0" quest_scores_ncu
   ;;
 sparse_attention)
-  # The attention over Quest's pages and OmniKV's rows in one CUDA launch (sparse_attention_cuda): its GPU tests (and
-  # the engine's graph-vs-eager tokens for both methods), the per-launch bench beside the Triton launches, then Quest
-  # and OmniKV at BATCH (default 6; 3 on an H100) with it on and off (the Triton split kernel and merge) in
-  # alternating graph-step profiles, the launches listed one by one (LAUNCH_SEQ=.).
+  # The attention over Quest's pages and OmniKV's rows in one CUDA launch (sparse_attention_cuda, off by default since
+  # session 56): its GPU tests (and the engine's graph-vs-eager tokens for both methods), the per-launch bench beside
+  # the Triton launches, then Quest and OmniKV at BATCH (default 6; 3 on an H100) with it off (the Triton split kernel
+  # and merge) and on in alternating graph-step profiles, the launches listed one by one (LAUNCH_SEQ=.).
   install_wheels .whl/hydra
   [ -n "${SKIP_TESTS:-}" ] || timeout 240 python -m pytest -q -m gpu tests/kernels/test_sparse_attention_cuda.py \
     tests/methods/test_graph_vs_eager_gpu.py -k "cuda or quest or omnikv" -p no:cacheprovider -rs 2>&1 | tail -8 \
@@ -283,7 +283,7 @@ for line in open(sys.argv[1]):
         print(f"b={r['batch']} {r['impl']:28s} {r['us_per_launch']:7.2f} us {r['GBps']:7.0f} GB/s "
               f"diff {r['max_abs_diff_vs_triton_pages']:.1e}")
 PY
-  ab=${VARIANTS:-'default;sparse_attention_cuda.ENGINE=False'}  # VARIANTS: others to profile
+  ab=${VARIANTS:-'default;sparse_attention_cuda.ENGINE=True'}  # VARIANTS: others to profile
   for method in ${METHODS:-quest omnikv}; do
     METHOD=$method BATCH=${BATCH:-6} ROUNDS=${ROUNDS:-2} VARIANTS=$ab LAUNCH_SEQ=${LAUNCH_SEQ-.} bash "$0" variants
     mv "$OUT/variant_profiles.tgz" "$OUT/variant_profiles_$method.tgz"

@@ -10,7 +10,8 @@ contiguous cache, pages of 16 tokens for the page variant, and `page_table` int3
 returns `out [B, Hq, 128]` bf16 (and `lse [B, Hq]` float32, natural log; -inf and a zero
 output for a row with nothing attended).
 
-`takes(q, k_cache, entries, pages)` says whether the decode step attends with it (`ENGINE`,
+`takes(q, k_cache, entries, pages)` says whether the decode step attends with it (`ENGINE`, off
+by default since session 56: the step was slower with it on an H200, the comment at `ENGINE`;
 an sm_90 GPU with nvcc, the shapes above, a row's chunks within what `splits` CTAs take);
 otherwise the step runs the Triton kernels. The first call builds the library with nvcc
 (`nvcc_build`). Without a GPU it cannot run: its tests are marked `gpu`, with
@@ -30,12 +31,17 @@ from .nvcc_build import load_library, on_device, unavailable
 from .sparse_decode import _check_selection
 
 SOURCE = Path(__file__).with_name("sparse_attention.cu")
-# the decode step attends over Quest's pages and OmniKV's rows with it where `takes` says (read at each call)
-ENGINE = True
+# The decode step attends over Quest's pages and OmniKV's rows with it where `takes` says (read at each call). Off:
+# a launch alone is faster (H200, 128K shape, b=6, in a CUDA graph of 30: 16.8 us against 21.5 for the Triton split
+# kernel and merge), but the b=6 graph step is slower with it (two rounds, alternating, s56-8: Quest 7.957 / 7.967 ms
+# against 7.918 / 7.906, OmniKV 8.403 / 8.410 against 8.345 / 8.340). In the step's timeline (s56-7) it takes 19.9 us
+# start to next against 19.5 + 2.0 for the two Triton launches, and without the merge kernel's PDL signal the o
+# projection no longer starts early. H100, b=3 (s56-4): Quest 7.891 against 7.927 ms, OmniKV 8.320 against 8.314.
+ENGINE = False
 # The kernel lets the o projection (a PDL launch) start at once, as the Triton merge does (read at each call). Off:
 # with it on, the o projection's persistent CTAs (one an SM) were placed as this kernel's CTAs left the SMs, unevenly,
 # and every linear of the layer after it ran slower (H100, Quest b=3 graph step 8.828 ms against 7.93 for the Triton
-# launches: o 29.4 us against 14.9, down 104 against 56; s56-1).
+# launches: o 29.4 us against 14.9, down 104 against 56; s56-1; H200, b=6, s56-8: Quest 9.37 ms against 7.96).
 TRIGGER = False
 # The build (read at each call; `sparse_attention.cu`'s SE_STAGES): chunks of K and V a warp keeps in flight. A
 # CTA takes 4 x stages x 8.5 KB of shared memory (+ 4 KB, rows variant): 3 CTAs fit an SM at 2 stages, 2 at 3, 1 at 4.
@@ -46,6 +52,7 @@ CTAS_PER_SM: int | None = None
 # At most this many CTAs a row by default (read at each call). H100, 128K shape, 129 pages a row, per launch in a
 # graph (s56-1, results/sparse_attention_s56_h100.jsonl): b=6 22.8 us at 4 CTAs a row against 29.2 at 8 (clusters
 # of 8 at 3 CTAs an SM do not all fit a GPC at once) and 25.6 for the Triton launches; b=3 11.6 against 12.1.
+# H200, b=6 (s56-7): 16.8 us at 4, 17.9 at 6, 24.1 at 8, 18.6 at 3; the Triton launches 21.5.
 SPLITS_CAP = 4
 HEAD_DIM = 128
 CHUNK = 16  # tokens a chunk: a page (the page variant's page size) or 16 entries

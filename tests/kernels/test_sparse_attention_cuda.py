@@ -90,11 +90,12 @@ def test_the_128k_quest_shape_equals_triton_in_a_graph(trigger, gen):
 
 @pytest.mark.gpu
 def test_the_triton_provider_attends_with_it(monkeypatch, gen):
-    """The provider's sparse decode runs it for a page and a rows selection (bf16, head dim
-    128, pages of 16), and the Triton kernels' output with it turned off."""
+    """With `ENGINE` on, the provider's sparse decode runs it for a page and a rows selection
+    (bf16, head dim 128, pages of 16), and the Triton kernels' output with it turned off."""
     from sparseengine.attention.triton_provider import TritonAttentionProvider
     from sparseengine.engine.step_context import Selection
 
+    monkeypatch.setattr(SA, "ENGINE", True)  # off by default (the step was slower with it, session 56)
     q, kv = _case(CASES[2], gen)
     idx, num = _page_selection(CASES[2][2], 8, 16, 40, gen, "cuda")
     tok, tnum = _token_selection(CASES[2][2], 8, 300, gen, "cuda")
