@@ -107,38 +107,44 @@ def splits_for(rows: int, chunks: int, num_sms: int, ctas_per_sm: int | None = N
     return max(need, min(fill, SPLITS_CAP if cap is None else cap, -(-chunks // 4)), 1)
 
 
+def shape_reason(q: torch.Tensor, k_cache: torch.Tensor, entries: int, pages: bool) -> str | None:
+    """Why the kernel cannot take a selection of `entries` a row (pages, or pool rows) over
+    `k_cache` for `q` (None: it can): what `takes` asks and the wrappers raise."""
+    if q.dtype != torch.bfloat16 or k_cache.dtype != torch.bfloat16:
+        return f"takes bf16 q and cache, got {q.dtype} and {k_cache.dtype}"
+    if q.dim() != 3 or k_cache.dim() != 4 or q.shape[-1] != HEAD_DIM or k_cache.shape[-1] != HEAD_DIM:
+        return f"takes head dim {HEAD_DIM}, got q {tuple(q.shape)} and cache {tuple(k_cache.shape)}"
+    B, Hq, Hkv = q.shape[0], q.shape[1], k_cache.shape[2]
+    if Hq % Hkv or Hq // Hkv > MAX_GROUP:
+        return f"takes at most {MAX_GROUP} query heads a KV head (Hq a multiple of Hkv), got Hq={Hq}, Hkv={Hkv}"
+    if not k_cache.is_contiguous():
+        return "takes a contiguous cache"
+    if pages and k_cache.shape[1] != CHUNK:
+        return f"takes pages of {CHUNK} tokens, got {k_cache.shape[1]}"
+    if B * Hkv > MAX_ROWS:
+        return f"takes B x Hkv up to {MAX_ROWS}, got {B * Hkv}"
+    if not 1 <= chunks_of(entries, pages) <= MAX_SPLITS * MAX_CHUNKS_PER_SPLIT:
+        return (f"takes 1 to {MAX_SPLITS * MAX_CHUNKS_PER_SPLIT} chunks of {CHUNK} a row, got "
+                f"{chunks_of(entries, pages)}")
+    return None
+
+
 def takes(q: torch.Tensor, k_cache: torch.Tensor, entries: int, pages: bool) -> bool:
     """Whether the decode step attends over a selection of `entries` a row (pages, or pool
     rows) with this kernel: `ENGINE` on, a GPU it runs on, and the shapes it takes."""
-    if not ENGINE or q.device.type != "cuda" or q.dtype != torch.bfloat16 or k_cache.dtype != torch.bfloat16:
-        return False
-    B, Hq, d = q.shape
-    Hkv = k_cache.shape[2]
-    if d != HEAD_DIM or Hq % Hkv or Hq // Hkv > MAX_GROUP or B * Hkv > MAX_ROWS or not k_cache.is_contiguous():
-        return False
-    if (pages and k_cache.shape[1] != CHUNK) or entries < 1:
-        return False
-    return chunks_of(entries, pages) <= MAX_SPLITS * MAX_CHUNKS_PER_SPLIT and unavailable(q.device) is None
+    return (ENGINE and q.device.type == "cuda" and shape_reason(q, k_cache, entries, pages) is None
+            and unavailable(q.device) is None)
 
 
-def _check(q, k_cache, v_cache, sel, num_sel):
-    if q.dtype != torch.bfloat16 or k_cache.dtype != torch.bfloat16 or v_cache.dtype != torch.bfloat16:
-        raise ValueError(f"the CUDA sparse attention takes bf16 q and cache, got {q.dtype}, {k_cache.dtype}, "
-                         f"{v_cache.dtype}")
-    if q.dim() != 3 or q.shape[-1] != HEAD_DIM or k_cache.shape[-1] != HEAD_DIM:
-        raise ValueError(f"the CUDA sparse attention takes head dim {HEAD_DIM}, got q {tuple(q.shape)}, "
-                         f"cache {tuple(k_cache.shape)}")
-    _common.check_cache(k_cache, q.shape[1], HEAD_DIM)
-    if v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous and of one shape")
-    group = q.shape[1] // k_cache.shape[2]
-    if group > MAX_GROUP:
-        raise ValueError(f"the CUDA sparse attention takes at most {MAX_GROUP} query heads a KV head, got {group}")
+def _check(q, k_cache, v_cache, sel, num_sel, pages):
+    reason = shape_reason(q, k_cache, sel.shape[-1], pages)
+    if reason is not None:
+        raise ValueError(f"the CUDA sparse attention {reason}")
+    if v_cache.dtype != k_cache.dtype or v_cache.shape != k_cache.shape or not v_cache.is_contiguous():
+        raise ValueError("k_cache and v_cache must be contiguous and of one shape and dtype")
     if q.stride(-1) != 1 or q.stride(0) % 2 or q.stride(1) % 2 or q.data_ptr() % 4:
         raise ValueError("q's channels must be contiguous, its rows and heads 4-byte aligned")
     _check_selection(q, k_cache, sel, num_sel)
-    if q.shape[0] * k_cache.shape[2] > MAX_ROWS:
-        raise ValueError(f"B x Hkv must be at most {MAX_ROWS}, got {q.shape[0] * k_cache.shape[2]}")
     for t in (k_cache, v_cache, sel, num_sel):
         if t.device != q.device:
             raise ValueError(f"every tensor must be on q's device {q.device}, got {t.device}")
@@ -155,12 +161,9 @@ def _launch(pages, q, k_cache, v_cache, sel, num_sel, page_table, kv_lens, scale
     chunks = chunks_of(K, pages)
     stages = BUILD_STAGES if stages is None else stages
     lib = library(stages)
-    if splits is None:
+    if splits is None:  # shape_reason checked that the chunks fit MAX_SPLITS CTAs
         splits = splits_for(B * Hkv, chunks, _common.num_sms(q.device),
                             CTAS_PER_SM if CTAS_PER_SM is not None else ctas_fit(stages))
-        if splits is None:
-            raise ValueError(f"the CUDA sparse attention takes at most {MAX_SPLITS * MAX_CHUNKS_PER_SPLIT} chunks of "
-                             f"{CHUNK} a row, got {chunks}")
     elif not 1 <= splits <= MAX_SPLITS or chunks > splits * MAX_CHUNKS_PER_SPLIT:
         raise ValueError(f"splits must be 1 to {MAX_SPLITS} and take the row's {chunks} chunks (at most "
                          f"{MAX_CHUNKS_PER_SPLIT} each), got {splits}")
@@ -188,9 +191,7 @@ def sparse_page_decode_cuda(q, k_cache, v_cache, page_table, kv_lens, page_indic
     """`sparse_page_decode_ref`'s attention (the module's docstring); `splits`: CTAs a row
     (default `splits_for`), `trigger`: the PDL signal at the start (default `TRIGGER`),
     `stages`: the build (default `BUILD_STAGES`)."""
-    _check(q, k_cache, v_cache, page_indices, num_pages_selected)
-    if k_cache.shape[1] != CHUNK:
-        raise ValueError(f"the CUDA page attention takes pages of {CHUNK} tokens, got {k_cache.shape[1]}")
+    _check(q, k_cache, v_cache, page_indices, num_pages_selected, pages=True)
     if page_table.dtype != torch.int32 or page_table.dim() != 2 or page_table.stride(1) != 1:
         raise ValueError(f"page_table must be [B, pages] int32 with pages contiguous, got {page_table.dtype} "
                          f"{tuple(page_table.shape)}")
@@ -206,7 +207,7 @@ def sparse_rows_decode_cuda(q, k_cache, v_cache, rows, num_selected, scale=None,
                             trigger=None, stages=None):
     """`sparse_rows_decode_ref`'s attention (the module's docstring); `splits`, `trigger`, `stages` as
     `sparse_page_decode_cuda`'s. The rows must name pool rows below 2**31."""
-    _check(q, k_cache, v_cache, rows, num_selected)
+    _check(q, k_cache, v_cache, rows, num_selected, pages=False)
     if k_cache.shape[0] * k_cache.shape[1] >= 2**31:
         raise ValueError(f"the CUDA rows attention takes pools of under 2**31 rows, got {k_cache.shape[:2]}")
     return _launch(False, q, k_cache, v_cache, rows, num_selected, None, None, scale, return_lse, splits, trigger,

@@ -147,6 +147,22 @@ def test_bad_input_is_refused(change, message):
         SA.sparse_page_decode_cuda(*_cpu_args(**change))
 
 
+def test_shape_reason_is_what_takes_and_the_wrappers_ask():
+    """The shapes the kernel takes (bf16, head dim 128, up to 8 query heads a KV head, a
+    contiguous cache, pages of 16 for the page variant, 1 to 8 x 64 chunks a row), each refusal
+    named; the rows variant takes any page size."""
+    q, k = _cpu_args()[:2]
+    assert SA.shape_reason(q, k, 129, pages=True) is None and SA.shape_reason(q, k, 8192, pages=False) is None
+    assert "1 to 512 chunks" in SA.shape_reason(q, k, 513, pages=True)
+    assert "1 to 512 chunks" in SA.shape_reason(q, k, 8193, pages=False)
+    assert "1 to 512 chunks" in SA.shape_reason(q, k, 0, pages=True)
+    q8, k8 = _cpu_args(ps=8)[:2]
+    assert "pages of 16" in SA.shape_reason(q8, k8, 3, pages=True) and SA.shape_reason(q8, k8, 3, pages=False) is None
+    assert "contiguous cache" in SA.shape_reason(q, k.transpose(0, 1), 3, pages=False)
+    q3, k3 = _cpu_args(hq=6, hkv=4)[:2]
+    assert "Hq a multiple of Hkv" in SA.shape_reason(q3, k3, 3, pages=True)
+
+
 def test_bad_tables_and_selections_are_refused():
     q, k, v, table, lens, sel, num = _cpu_args()
     with pytest.raises(ValueError, match="page_table must be"):
