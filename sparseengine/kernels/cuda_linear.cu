@@ -8,7 +8,7 @@
 // the probe scripts/cuda_gemv.cu measured this design, launched that way, 2.2% under the
 // Triton chain (cuda_gemv_h200.jsonl).
 //
-// Layout: one persistent CTA of 16 warps an SM. A CTA takes 16 weight rows (a block) at a
+// Layout: one persistent CTA of 16 warps an SM (the engine's build; SE_GRID_CTAS below). A CTA takes 16 weight rows (a block) at a
 // time, blocks spread over the CTAs; its 16 warps split K. Each lane loads 16 B of two of
 // the block's rows (n = g and g + 8, g = lane / 4) at k = kb + 8t (t = lane % 4) and 16 B
 // of x's row g (zero for g >= M), which make two mma.sync m16n8k16 fragments: the sum over
@@ -45,6 +45,15 @@
 #endif
 #ifndef SE_MIN_CTAS
 #define SE_MIN_CTAS 1
+#endif
+// CTAs an SM in the grid (at most SE_MIN_CTAS, so the grid is resident at once): with more
+// than one, an SM holds several smaller CTAs, and the next kernel's programmatic dependent
+// launch can start in the slot of the first to finish while the others run on.
+#ifndef SE_GRID_CTAS
+#define SE_GRID_CTAS 1
+#endif
+#if SE_GRID_CTAS < 1 || SE_GRID_CTAS > SE_MIN_CTAS
+#error "SE_GRID_CTAS must lie in 1 .. SE_MIN_CTAS"
 #endif
 
 namespace {
@@ -352,9 +361,9 @@ int launch(const Params& p, const Rope& r, void* stream) {
   const size_t smem = (RED_FLOATS + NORM_FLOATS) * sizeof(float) + (STAGED ? (size_t)p.M * (p.K / 8 + 1) * 16 : 0)
                       + (ROPE ? ROPE_BYTES : 0);
   if (const int e = allow_dynamic_smem<linear_kernel<STAGED, ROPE>>(smem, dev)) return e;
-  const int blocks = p.N / 16, sms = sm_count(dev);
-  return launch_maybe_pdl(linear_kernel<STAGED, ROPE>, dim3(blocks < sms ? blocks : sms), dim3(THREADS), smem, stream,
-                          p.pdl, p, r);
+  const int blocks = p.N / 16, ctas = sm_count(dev) * SE_GRID_CTAS;
+  return launch_maybe_pdl(linear_kernel<STAGED, ROPE>, dim3(blocks < ctas ? blocks : ctas), dim3(THREADS), smem,
+                          stream, p.pdl, p, r);
 }
 
 }  // namespace
@@ -390,6 +399,9 @@ extern "C" int se_linear_rope(const void* x, const void* w, void* y, int M, int 
 
 // K must be a multiple of this: the wrapper checks it against the build it loaded.
 extern "C" int se_linear_k_multiple() { return K_MULTIPLE; }
+
+// CTAs an SM in the grid (the wrapper checks it against the build it loaded).
+extern "C" int se_linear_grid_ctas() { return SE_GRID_CTAS; }
 
 // The shared memory a launch needs (bytes): the wrapper checks it against the device's.
 extern "C" long long se_linear_smem(int M, int K, int staged, int rope) {

@@ -1,5 +1,5 @@
 """The decode step's linear layers in CUDA (`cuda_linear.cu`): `y = x @ weight.T` for 1-8
-bf16 rows on the H200's tensor cores, one persistent CTA an SM, launched as a programmatic
+bf16 rows on the H200's tensor cores, persistent CTAs (one an SM in the engine's build), launched as a programmatic
 dependent launch that starts loading its weights while the kernel before it finishes.
 
 `cuda_linear(x, weight, *, rms_eps=None, residual=None, gated=False)` -> `[..., N]`
@@ -58,9 +58,13 @@ STAGE_BLOCKS = 8
 # hold a thread to 64 registers (ptxas: 400 bytes of spills at 4 steps, 60-92 at 2), and
 # ran far slower on the H200 (session 45, OmniKV b=6 graph step: 19.09 / 19.10 ms at 4
 # steps, 10.44 / 10.45 at 2, against 8.399 / 8.400; cuda_linear_rope_ab_s45_h200.jsonl).
+# `BUILD_GRID_CTAS`: CTAs an SM in the grid (at most `BUILD_MIN_CTAS`): 8 warps x 2 or 4 x 4
+# keep the engine build's warps an SM and its 122-125 registers a thread (ptxas, no spills),
+# and the next kernel's launch can start where the first of an SM's CTAs has finished.
 BUILD_WARPS = 16
 BUILD_STEPS = 4
 BUILD_MIN_CTAS = 1
+BUILD_GRID_CTAS = 1
 # Tried and removed (session 46; results/cuda_linear_prefetch_s46_h200.jsonl, code at f1302f3
 # and f505623): starting a CTA's weight stream earlier, before its griddepcontrol.wait. An
 # L2 bulk prefetch of its first 64-256 KiB: OmniKV b=6 graph step 8.444-8.575 ms against
@@ -74,11 +78,15 @@ def k_multiple() -> int:
     return BUILD_WARPS * 32 * BUILD_STEPS
 
 
-def _build() -> tuple[int, int, int]:
-    build = (BUILD_WARPS, BUILD_STEPS, BUILD_MIN_CTAS)
-    if BUILD_WARPS not in (4, 8, 16, 32) or BUILD_STEPS not in (1, 2, 4, 8) or BUILD_MIN_CTAS not in (1, 2, 3, 4):
-        raise ValueError(f"cuda_linear build (warps, steps, min CTAs) must be in (4, 8, 16, 32) x (1, 2, 4, 8) "
-                         f"x (1, 2, 3, 4), got {build}")
+Build = tuple[int, int, int, int]  # warps a CTA, steps, min CTAs an SM, grid CTAs an SM
+
+
+def _build() -> Build:
+    build = (BUILD_WARPS, BUILD_STEPS, BUILD_MIN_CTAS, BUILD_GRID_CTAS)
+    if (BUILD_WARPS not in (4, 8, 16, 32) or BUILD_STEPS not in (1, 2, 4, 8) or BUILD_MIN_CTAS not in (1, 2, 3, 4)
+            or not 1 <= BUILD_GRID_CTAS <= BUILD_MIN_CTAS):
+        raise ValueError(f"cuda_linear build (warps, steps, min CTAs, grid CTAs) must be in (4, 8, 16, 32) x "
+                         f"(1, 2, 4, 8) x (1, 2, 3, 4) x (1 .. min CTAs), got {build}")
     return build
 
 
@@ -88,14 +96,14 @@ def library() -> ctypes.CDLL:
     return _library(_build())
 
 
-def build_command(nvcc: str, out: str, build: tuple[int, int, int]) -> list[str]:
-    """nvcc's command line for a build (warps, steps, min CTAs)."""
+def build_command(nvcc: str, out: str, build: Build) -> list[str]:
+    """nvcc's command line for a build (warps, steps, min CTAs, grid CTAs)."""
     return nvcc_command(nvcc, out, SOURCE, _flags(build))
 
 
-def _flags(build: tuple[int, int, int]) -> list[str]:
-    warps, steps, min_ctas = build
-    return [f"-DSE_WARPS={warps}", f"-DSE_STEPS={steps}", f"-DSE_MIN_CTAS={min_ctas}"]
+def _flags(build: Build) -> list[str]:
+    warps, steps, min_ctas, grid_ctas = build
+    return [f"-DSE_WARPS={warps}", f"-DSE_STEPS={steps}", f"-DSE_MIN_CTAS={min_ctas}", f"-DSE_GRID_CTAS={grid_ctas}"]
 
 
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
@@ -106,16 +114,18 @@ SIGNATURES = {
     "se_linear_rope": (_I, [_P] * 3 + [_I] * 3 + [_F] + [_I] * 3 + [_P] * 2 + [_L] + [_P] * 2 + [_L] * 4
                        + [_I, _P, _I, _I, _P]),
     "se_linear_k_multiple": (_I, []),
+    "se_linear_grid_ctas": (_I, []),
     "se_linear_smem": (_L, [_I] * 4),
 }
 
 
 @functools.lru_cache(maxsize=None)
-def _library(build: tuple[int, int, int]) -> ctypes.CDLL:
+def _library(build: Build) -> ctypes.CDLL:
     so = load_library(SOURCE, _flags(build), "libse_linear.so", SIGNATURES, "cuda_linear")
-    if so.se_linear_k_multiple() != build[0] * 32 * build[1]:
-        raise RuntimeError(f"cuda_linear's library for {build} takes K in multiples of {so.se_linear_k_multiple()}, "
-                           f"its build in {build[0] * 32 * build[1]}")
+    if so.se_linear_k_multiple() != build[0] * 32 * build[1] or so.se_linear_grid_ctas() != build[3]:
+        raise RuntimeError(f"cuda_linear's library for {build} takes K in multiples of {so.se_linear_k_multiple()} "
+                           f"and {so.se_linear_grid_ctas()} CTAs an SM, its build {build[0] * 32 * build[1]} and "
+                           f"{build[3]}")
     return so
 
 

@@ -57,21 +57,28 @@ def test_build_variants(monkeypatch):
     assert C.fits(w)
     with pytest.raises(ValueError, match="K of 1024, got N=16, K=1536"):
         C.cuda_linear(torch.zeros(2, 1536, dtype=BF16), torch.zeros(16, 1536, dtype=BF16))
-    cmd = C.build_command("nvcc", "out.so", (16, 2, 2))
-    assert {"-DSE_WARPS=16", "-DSE_STEPS=2", "-DSE_MIN_CTAS=2"} <= set(cmd) and cmd[-1] == str(C.SOURCE)
+    cmd = C.build_command("nvcc", "out.so", (16, 2, 2, 2))
+    assert {"-DSE_WARPS=16", "-DSE_STEPS=2", "-DSE_MIN_CTAS=2", "-DSE_GRID_CTAS=2"} <= set(cmd)
+    assert cmd[-1] == str(C.SOURCE)
     monkeypatch.setattr(C, "BUILD_MIN_CTAS", 5)
-    with pytest.raises(ValueError, match=r"must be in .* got \(16, 2, 5\)"):
+    with pytest.raises(ValueError, match=r"must be in .* got \(16, 2, 5, 1\)"):
+        C.library()
+    monkeypatch.setattr(C, "BUILD_MIN_CTAS", 1)
+    monkeypatch.setattr(C, "BUILD_GRID_CTAS", 2)  # a grid not resident at once
+    with pytest.raises(ValueError, match=r"\(1 .. min CTAs\), got \(16, 2, 1, 2\)"):
         C.library()
 
 
 @pytest.mark.skipif(find_nvcc() is None, reason="needs nvcc (no GPU needed: the library loads without one)")
 def test_a_variant_builds(monkeypatch, tmp_path):
-    """A non-default build (2 CTAs an SM, 2 steps) compiles, and its library reports the K
-    multiple the Python side expects of it."""
+    """Non-default builds (2 CTAs an SM, 2 steps; 8 warps in a grid of 2 CTAs an SM) compile,
+    and each library reports the K multiple and grid the Python side expects of it."""
     monkeypatch.setenv("SPARSEENGINE_CACHE", str(tmp_path))
-    so = C._library((16, 2, 2))
-    assert so.se_linear_k_multiple() == 1024
-    assert list(tmp_path.glob("cuda/*/libse_linear.so"))
+    so = C._library((16, 2, 2, 1))
+    assert so.se_linear_k_multiple() == 1024 and so.se_linear_grid_ctas() == 1
+    so = C._library((8, 4, 2, 2))
+    assert so.se_linear_k_multiple() == 1024 and so.se_linear_grid_ctas() == 2
+    assert len(list(tmp_path.glob("cuda/*/libse_linear.so"))) == 2
 
 
 # ---------------------------------------------------------------------------- on the GPU
@@ -202,6 +209,30 @@ def test_pdl_chain_in_a_cuda_graph(gen):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warps,ctas", [(8, 2), (4, 4)])
+def test_grids_of_several_ctas_an_sm(gen, monkeypatch, warps, ctas):
+    """Builds whose grid holds several CTAs an SM: the benchmark's layers within rounding of
+    the exact product, and the same bits as the same warps in a grid of one CTA an SM (a
+    block's sums do not depend on which CTA takes it)."""
+    _gpu()
+    monkeypatch.setattr(C, "BUILD_WARPS", warps)
+    monkeypatch.setattr(C, "BUILD_MIN_CTAS", ctas)
+    for N, K, eps, residual in ((6144, 4096, 1e-5, False), (4096, 4096, None, True), (4096, 14336, None, True)):
+        x, w = _inputs(gen, 6, N, K, spread=2.0)
+        res = torch.randn(6, N, generator=gen).to(BF16).cuda() if residual else None
+        got = {}
+        for grid in (ctas, 1):
+            monkeypatch.setattr(C, "BUILD_GRID_CTAS", grid)
+            got[grid] = C.cuda_linear(x, w, rms_eps=eps, residual=res)
+        _check(got[ctas], x, w, eps, res)
+        assert torch.equal(got[ctas], got[1])
+    x, w = _inputs(gen, 6, 28672, 4096, spread=2.0)
+    wi = C.interleave_gate_up(w)
+    h = C.cuda_linear(x, wi, rms_eps=1e-5, gated=True)
+    assert torch.equal(h, silu_mul_triton(C.deinterleave_gate_up(C.cuda_linear(x, wi, rms_eps=1e-5))))
 
 
 @pytest.mark.gpu
