@@ -7,9 +7,12 @@ model (`python -m sparseengine.kernels.bench_gpu --cuda-linear --out FILE`):
   norm, o and down with the residual, gate_up with the norm (Triton: then the SiLU kernel;
   CUDA: gated), CUDA with x staged and not;
 - the step's linears in model order for 32 layers of their own weights (qkv, a stand-in for
-  the attention, o, gate_up, [SiLU], down), one CUDA graph: Triton, CUDA, CUDA without PDL.
+  the attention, o, gate_up, [SiLU], down), one CUDA graph: Triton, CUDA, CUDA without PDL,
+  and CUDA in the builds whose grid holds several CTAs an SM (`GRID_BUILDS`).
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -21,6 +24,22 @@ from sparseengine.kernels.skinny_linear import engine_tiles, skinny_linear_trito
 
 EPS = 1e-5
 FOLDS = {"qkv": "norm", "o": "residual", "gate_up": "norm", "down": "residual"}
+# cuda_linear builds (warps, steps, min CTAs, grid CTAs) the model-order chain also runs
+GRID_BUILDS = {"cuda_pdl_8warps_x2": (8, 4, 2, 2), "cuda_pdl_4warps_x4": (4, 4, 4, 4)}
+
+
+@contextlib.contextmanager
+def using_build(build):
+    """cuda_linear's launches in this block take `build` (its BUILD_* constants, restored after)."""
+    names = ("BUILD_WARPS", "BUILD_STEPS", "BUILD_MIN_CTAS", "BUILD_GRID_CTAS")
+    before = [getattr(C, n) for n in names]
+    try:
+        for n, v in zip(names, build):
+            setattr(C, n, v)
+        yield
+    finally:
+        for n, v in zip(names, before):
+            setattr(C, n, v)
 
 
 def _triton(name, rows):
@@ -76,8 +95,12 @@ def bench_model_order_chain(out_path, rows=6, layers=32):
     inter = [C.interleave_gate_up(w["gate_up"]) for w in weights]
     hidden = SHAPES["o"][0]
 
-    def chain(kind, pdl=True):
+    def chain(kind, pdl=True, build=None):
         def run():
+            with using_build(build) if build else contextlib.nullcontext():
+                return layers_in_order()
+
+        def layers_in_order():
             h = x0
             for i, w in enumerate(weights):
                 if kind == "triton":
@@ -94,6 +117,7 @@ def bench_model_order_chain(out_path, rows=6, layers=32):
         return run
 
     variants = {"triton_engine": chain("triton"), "cuda_pdl": chain("cuda"), "cuda_no_pdl": chain("cuda", False),
+                **{name: chain("cuda", build=b) for name, b in GRID_BUILDS.items()},
                 "triton_engine_again": chain("triton")}
     nbytes = sum(t.numel() * t.element_size() for w in weights for t in w.values())
     ref = None

@@ -69,6 +69,21 @@ def test_build_variants(monkeypatch):
         C.library()
 
 
+def test_the_bench_sets_a_build_for_a_block_only():
+    """The chain bench's builds (`using_build`) hold inside their block and are undone after it,
+    an error included, so the variants after one run the engine's build."""
+    from sparseengine.kernels.bench_cuda_linear import GRID_BUILDS, using_build
+
+    engine = C._build()
+    for build in GRID_BUILDS.values():
+        with using_build(build):
+            assert C._build() == build and C.k_multiple() == build[0] * 32 * build[1]
+        assert C._build() == engine
+    with pytest.raises(ValueError, match="grid CTAs"), using_build((16, 4, 1, 2)):
+        C.library()
+    assert C._build() == engine
+
+
 @pytest.mark.skipif(find_nvcc() is None, reason="needs nvcc (no GPU needed: the library loads without one)")
 def test_a_variant_builds(monkeypatch, tmp_path):
     """Non-default builds (2 CTAs an SM, 2 steps; 8 warps in a grid of 2 CTAs an SM) compile,
