@@ -2,8 +2,11 @@
 (`profile_decode_step.py --launch-sequence .`, or `LAUNCH_SEQ=. bash scripts/gpu_session.sh variants`):
 the launches cut into cycles, each starting at a launch of the anchor kernel (one a layer:
 Quest's page scores by default), and for each position of a cycle its kernel, its median
-time from its start to the next launch's start, and its median duration (with PDL a kernel
-starts before the one before it ends, so durations overlap; start to next start does not).
+time from its start to the next launch's start, its median duration (with PDL a kernel
+starts before the one before it ends, so durations overlap; start to next start does not),
+and how far its end lies past the ends of the launches before it (the critical path a launch
+at a time: where a kernel starts early on a PDL signal, the time it adds after the one
+before has ended; compare it with the time its bytes take).
 
     python scripts/show_timeline.py PROFILE.json [--anchor REGEX] [--bytes NAME=MB ...] [--gbps G]
 
@@ -34,19 +37,32 @@ def short(name: str) -> str:
 
 def layer_cycles(launches: list[dict], anchor: str) -> list[dict]:
     """Per position of the cycles that start at each launch matching `anchor` and run to the
-    next one: {"kernel", "to_next_us", "us", "cycles"} (medians over the cycles whose
-    kernels match the first full cycle's, position by position). [] with fewer than two
-    anchor launches."""
+    next one: {"kernel", "to_next_us", "us", "past_end_us", "cycles"} (medians over the
+    cycles whose kernels match the first full cycle's, position by position). `past_end_us`:
+    how far the launch's end lies past the latest end of the launches before it (0 for one
+    that ends inside another): the step's critical path, one launch at a time, whose sum
+    over a cycle is its end-to-end time even where PDL overlaps neighbours. [] with fewer
+    than two anchor launches."""
     rx = re.compile(anchor)
     starts = [i for i, r in enumerate(launches) if rx.search(r["name"])]
     if len(starts) < 2:
         return []
-    cycles = [launches[a:b + 1] for a, b in zip(starts, starts[1:])]  # each with the next cycle's first launch
-    shape = [short(r["name"]) for r in cycles[0]]
-    same = [c for c in cycles if [short(r["name"]) for r in c] == shape]
+    past, latest = [], float("-inf")
+    for r in launches:
+        end = r["at_us"] + r["us"]
+        past.append(max(0.0, end - latest) if latest > float("-inf") else None)
+        latest = max(latest, end)
+    cycles = [range(a, b + 1) for a, b in zip(starts, starts[1:])]  # each with the next cycle's first launch
+    shape = [short(launches[i]["name"]) for i in cycles[0]]
+    same = [c for c in cycles if [short(launches[i]["name"]) for i in c] == shape]
     labels = [k if shape[:j].count(k) == 0 else f"{k}#{shape[:j].count(k) + 1}" for j, k in enumerate(shape)]
-    return [{"kernel": labels[j], "to_next_us": statistics.median(c[j + 1]["at_us"] - c[j]["at_us"] for c in same),
-             "us": statistics.median(c[j]["us"] for c in same), "cycles": len(same)} for j in range(len(shape) - 1)]
+
+    def median(values):
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else float("nan")
+    return [{"kernel": labels[j], "us": median(launches[c[j]]["us"] for c in same),
+             "to_next_us": median(launches[c[j + 1]]["at_us"] - launches[c[j]]["at_us"] for c in same),
+             "past_end_us": median(past[c[j]] for c in same), "cycles": len(same)} for j in range(len(shape) - 1)]
 
 
 def _profile(path: str, row: int) -> dict:
@@ -78,8 +94,10 @@ def main(argv: list[str]) -> None:
     print(f"{rows[0]['cycles']} cycles; graph step {prof.get('graph_step_ms', float('nan')):.3f} ms")
     for r in rows:
         at = f"  {mb[r['kernel']] / gbps * 1e3:7.2f} us at {gbps:.0f} GB/s" if r["kernel"] in mb and gbps else ""
-        print(f"{r['kernel']:10s} start to next {r['to_next_us']:7.2f} us  duration {r['us']:7.2f} us{at}")
-    print(f"cycle {sum(r['to_next_us'] for r in rows):.1f} us")
+        print(f"{r['kernel']:10s} start to next {r['to_next_us']:7.2f} us  duration {r['us']:7.2f} us  "
+              f"ends past the ends before {r['past_end_us']:7.2f} us{at}")
+    print(f"cycle {sum(r['to_next_us'] for r in rows):.1f} us (start to next), "
+          f"{sum(r['past_end_us'] for r in rows):.1f} us (ends past the ends before)")
 
 
 if __name__ == "__main__":

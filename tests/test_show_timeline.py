@@ -1,5 +1,5 @@
 """scripts/show_timeline.py: a decode step's launch sequence cut into per-layer cycles at the
-anchor kernel, with each position's median start-to-next-start time and duration."""
+anchor kernel, with each position's median start-to-next-start time, duration and end past the ends before.
 import json
 
 import pytest
@@ -28,6 +28,18 @@ def test_cycles_at_the_anchor(load_script):
     assert [r["kernel"] for r in rows] == ["scores", "choice", "split", "linear", "linear#2"]
     assert [r["to_next_us"] for r in rows] == [40.0, 8.0, 16.0, 10.0, 38.0]  # the choice's median over 3 layers
     assert rows[1]["us"] == 9.0 and all(r["cycles"] == 3 for r in rows)
+    # each ends 1 us past the next's start: past the one before's end by its own span
+    assert [r["past_end_us"] for r in rows] == [40.0, 8.0, 16.0, 10.0, 38.0]
+
+
+def test_a_launch_that_ends_inside_another_adds_nothing_past_the_ends(load_script):
+    launches = _launches(3, [7.0, 7.0, 7.0])
+    for i, r in enumerate(launches):  # every choice ends 2 us before the scores before it do
+        if "select_kernel" in r["name"]:
+            r["us"] = launches[i - 1]["at_us"] + launches[i - 1]["us"] - r["at_us"] - 2.0
+    rows = load_script("show_timeline").layer_cycles(launches, "scores_kernel")
+    assert rows[1]["past_end_us"] == 0.0
+    assert rows[2]["past_end_us"] == 16.0 + 7.0  # the split: past the scores' end, the latest before it
 
 
 def test_cycles_of_another_shape_are_left_out(load_script):
