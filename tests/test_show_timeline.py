@@ -1,5 +1,5 @@
 """scripts/show_timeline.py: a decode step's launch sequence cut into per-layer cycles at the
-anchor kernel, with each position's median start-to-next-start time, duration and end past the ends before.
+anchor kernel, with each position's median start-to-next-start time, duration and end past the ends before."""
 import json
 
 import pytest
