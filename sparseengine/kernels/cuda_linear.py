@@ -98,10 +98,10 @@ def library() -> ctypes.CDLL:
 
 def build_command(nvcc: str, out: str, build: Build) -> list[str]:
     """nvcc's command line for a build (warps, steps, min CTAs, grid CTAs)."""
-    return nvcc_command(nvcc, out, SOURCE, _flags(build))
+    return nvcc_command(nvcc, out, SOURCE, build_flags(build))
 
 
-def _flags(build: Build) -> list[str]:
+def build_flags(build: Build) -> list[str]:
     warps, steps, min_ctas, grid_ctas = build
     return [f"-DSE_WARPS={warps}", f"-DSE_STEPS={steps}", f"-DSE_MIN_CTAS={min_ctas}", f"-DSE_GRID_CTAS={grid_ctas}"]
 
@@ -121,7 +121,7 @@ SIGNATURES = {
 
 @functools.lru_cache(maxsize=None)
 def _library(build: Build) -> ctypes.CDLL:
-    so = load_library(SOURCE, _flags(build), "libse_linear.so", SIGNATURES, "cuda_linear")
+    so = load_library(SOURCE, build_flags(build), "libse_linear.so", SIGNATURES, "cuda_linear")
     if so.se_linear_k_multiple() != build[0] * 32 * build[1] or so.se_linear_grid_ctas() != build[3]:
         raise RuntimeError(f"cuda_linear's library for {build} takes K in multiples of {so.se_linear_k_multiple()} "
                            f"and {so.se_linear_grid_ctas()} CTAs an SM, its build {build[0] * 32 * build[1]} and "

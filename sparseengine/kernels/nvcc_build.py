@@ -1,5 +1,5 @@
 """Building and loading the CUDA C kernels (`cuda_linear.cu`, `quest_select.cu`, `quest_scores.cu`)
-with nvcc.
+with nvcc; `ptxas_usage(source, flags)` is ptxas's register and spill report of a build.
 
 `unavailable(device)` says why such a kernel cannot run there (None when it can: an sm_90
 GPU and nvcc); `on_device(x, launch, *args)` calls a library entry point with x's device
@@ -92,6 +92,36 @@ def load_library(source: Path, flags: list[str], name: str, signatures: dict, wh
     for entry, (restype, argtypes) in signatures.items():
         getattr(so, entry).restype, getattr(so, entry).argtypes = restype, argtypes
     return so
+
+
+def ptxas_usage(source: Path, flags: list[str]) -> dict[str, dict[str, int]]:
+    """ptxas's report for each kernel and device function of a build (`-Xptxas -v`, no
+    library written): {mangled name: {"registers", "stack", "spill_stores", "spill_loads"}}
+    (bytes; registers where ptxas names them). Raises where nvcc is missing or fails."""
+    import re
+    import tempfile
+
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise RuntimeError("ptxas_usage needs nvcc")
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [nvcc, "-O3", f"-arch={ARCH}", "-cubin", "-Xptxas", "-v", *flags, "-o", f"{tmp}/k.cubin", str(source)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{done.stderr[-3000:]}")
+    usage, name = {}, None
+    for line in done.stderr.splitlines():
+        if m := re.search(r"Function properties for (\S+)", line):
+            name = m.group(1)
+            usage[name] = {"registers": 0}
+        elif name and (m := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
+                                      line)):
+            usage[name].update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+        elif m := re.search(r"Compiling entry function '(\S+)'", line):
+            name = None
+        elif (m := re.search(r"Used (\d+) registers", line)) and usage:
+            usage[list(usage)[-1]]["registers"] = int(m.group(1))
+    return usage
 
 
 def declared_signatures(source: Path) -> dict:

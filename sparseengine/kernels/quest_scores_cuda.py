@@ -72,10 +72,14 @@ def library(l2_prefetch: int | None = None) -> ctypes.CDLL:
     return _library(prefetch)
 
 
+def build_flags(prefetch: int) -> list[str]:
+    """nvcc's -D flags for the build `prefetch` names (none for the plain build: its key as before the flag)."""
+    return [f"-DSE_L2_PREFETCH={prefetch}"] if prefetch else []
+
+
 @functools.lru_cache(maxsize=None)
 def _library(prefetch: int) -> ctypes.CDLL:
-    flags = [f"-DSE_L2_PREFETCH={prefetch}"] if prefetch else []  # the plain build's key as before the flag
-    return load_library(SOURCE, flags, "libse_quest_scores.so", SIGNATURES, "quest_scores_cuda")
+    return load_library(SOURCE, build_flags(prefetch), "libse_quest_scores.so", SIGNATURES, "quest_scores_cuda")
 
 
 def shape_reason(hq: int, hkv: int, head_dim: int, dtype: torch.dtype) -> str | None:

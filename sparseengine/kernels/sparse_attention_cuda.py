@@ -77,10 +77,14 @@ def library(stages: int | None = None) -> ctypes.CDLL:
     return _library(stages)
 
 
+def build_flags(stages: int) -> list[str]:
+    """nvcc's -D flags for the build of `stages` (none for the default 2)."""
+    return [] if stages == 2 else [f"-DSE_STAGES={stages}"]
+
+
 @functools.lru_cache(maxsize=None)
 def _library(stages: int) -> ctypes.CDLL:
-    flags = [] if stages == 2 else [f"-DSE_STAGES={stages}"]
-    return load_library(SOURCE, flags, "libse_sparse_attention.so", SIGNATURES, "sparse_attention_cuda")
+    return load_library(SOURCE, build_flags(stages), "libse_sparse_attention.so", SIGNATURES, "sparse_attention_cuda")
 
 
 def ctas_fit(stages: int) -> int:

@@ -1,7 +1,8 @@
 """The CUDA C kernels' build (`nvcc_build`), on the CPU: each wrapper's ctypes table against
 its source's `extern "C"` declarations, parameter by parameter (a float passed without a
 signature fails at the call; a pointer passed as an int is truncated), and a library keyed
-by the headers beside its source as well as the source."""
+by the headers beside its source as well as the source; ptxas's report of the builds the
+engine and its A/Bs run: no spills (`ptxas_usage`)."""
 import pytest
 
 from sparseengine.kernels import cuda_linear, quest_scores_cuda, quest_select_cuda, sparse_attention_cuda
@@ -38,3 +39,38 @@ def test_a_header_edit_rebuilds(monkeypatch, tmp_path):
     with open(src / "mma_bf16.cuh", "a") as f:
         f.write("// edited\n")
     assert build() != first
+
+
+def _builds():
+    from sparseengine.kernels.bench_cuda_linear import GRID_BUILDS
+
+    yield "cuda_linear engine", cuda_linear.SOURCE, cuda_linear.build_flags(cuda_linear._build())
+    for name, build in GRID_BUILDS.items():
+        yield f"cuda_linear {name}", cuda_linear.SOURCE, cuda_linear.build_flags(build)
+    for prefetch in quest_scores_cuda.L2_PREFETCH_SIZES:
+        yield f"quest_scores l2 {prefetch}", quest_scores_cuda.SOURCE, quest_scores_cuda.build_flags(prefetch)
+    yield "quest_select", quest_select_cuda.SOURCE, []
+    for stages in sparse_attention_cuda.STAGE_CHOICES:
+        yield f"sparse_attention {stages} stages", sparse_attention_cuda.SOURCE, sparse_attention_cuda.build_flags(stages)
+
+
+# Spills ptxas reports and that are known: quest_select's 4-keys-a-thread float4 build (rows
+# of at most 1024 pages, not the 128K table's 36 keys) keeps 16 bytes on the stack.
+KNOWN_SPILLS = {"select_kernelILi4ELb1E": (20, 36)}  # (stores, loads) in bytes
+
+
+@pytest.mark.skipif(find_nvcc() is None, reason="needs nvcc (no GPU needed: ptxas reports at build time)")
+@pytest.mark.parametrize("name,source,flags", list(_builds()), ids=[b[0] for b in _builds()])
+def test_engine_builds_keep_their_registers(name, source, flags):
+    """Every kernel of the builds the engine (and its grid A/B) runs, in registers: ptxas
+    reports no spill stores or loads (a spill in a decode kernel's loop costs far more than
+    its bytes: session 45's 2-CTA linears ran at half speed), except the known one above,
+    which must not grow."""
+    from sparseengine.kernels.nvcc_build import ptxas_usage
+
+    usage = ptxas_usage(source, flags)
+    assert usage, f"{name}: ptxas reported no function"
+    for fn, u in usage.items():
+        stores, loads = next((v for k, v in KNOWN_SPILLS.items() if k in fn), (0, 0))
+        assert u["spill_stores"] <= stores and u["spill_loads"] <= loads, f"{name}: {fn} {u}"
+        assert 0 < u["registers"] <= 255, f"{name}: {fn} {u}"
