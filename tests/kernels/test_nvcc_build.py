@@ -50,8 +50,9 @@ def _builds():
     for prefetch in quest_scores_cuda.L2_PREFETCH_SIZES:
         yield f"quest_scores l2 {prefetch}", quest_scores_cuda.SOURCE, quest_scores_cuda.build_flags(prefetch)
     yield "quest_select", quest_select_cuda.SOURCE, []
-    for stages in sparse_attention_cuda.STAGE_CHOICES:
-        yield f"sparse_attention {stages} stages", sparse_attention_cuda.SOURCE, sparse_attention_cuda.build_flags(stages)
+    attention = sparse_attention_cuda
+    for stages in attention.STAGE_CHOICES:
+        yield f"sparse_attention {stages} stages", attention.SOURCE, attention.build_flags(stages)
 
 
 # Spills ptxas reports and that are known: quest_select's 4-keys-a-thread float4 build (rows
