@@ -1,6 +1,7 @@
 """The decode step's linear layers in CUDA (`cuda_linear.cu`): `y = x @ weight.T` for 1-8
-bf16 rows on the H200's tensor cores, persistent CTAs (one an SM in the engine's build), launched as a programmatic
-dependent launch that starts loading its weights while the kernel before it finishes.
+bf16 rows on the H200's tensor cores, persistent CTAs (one an SM in the engine's build),
+launched as a programmatic dependent launch that starts loading its weights while the kernel
+before it finishes.
 
 `cuda_linear(x, weight, *, rms_eps=None, residual=None, gated=False)` -> `[..., N]`
 (gated: `[..., N / 2]`), with the model's folds: `rms_eps` the RMSNorm (of unit weight)
