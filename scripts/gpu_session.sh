@@ -13,7 +13,7 @@
 #   COMMIT=<sha> DIRTY=0 bash scripts/gpu_session.sh quest_scores_cuda  # Quest's CUDA page scores: tests, bench, A/Bs
 #   bash scripts/gpu_session.sh quest_scores_ncu  # Nsight Compute over each page-scores kernel at the bench shape
 #   BATCH=3 bash scripts/gpu_session.sh sparse_attention  # the CUDA attention over a selection: tests, bench, A/Bs
-#   bash scripts/gpu_session.sh linear_grid  # cuda_linear with several CTAs an SM, and o+MLP in one launch: tests, A/Bs
+#   bash scripts/gpu_session.sh linear_grid  # cuda_linear with several CTAs an SM: tests, chain bench, A/Bs
 #   bash scripts/gpu_session.sh quest_scores # Quest's score tests, its scoring launches swept, the fastest A/B in b6 profiles
 #   bash scripts/gpu_session.sh pick         # GPU tests (kernels, methods), OmniKV's pick side by side, OmniKV b6 profile
 #   bash scripts/gpu_session.sh balanced     # split-K decode tests (all, compiled), the balanced plan beside the per-row one
@@ -291,30 +291,21 @@ PY
   done
   ;;
 linear_grid)
-  # The linears' two ways past their kernel boundaries, neither run on a GPU when written (session 57): cuda_linear in
-  # builds whose grid holds several CTAs an SM (BUILD_GRID_CTAS; the engine's build is one CTA of 16 warps an SM), and
-  # o, gate_up and down in one launch with grid barriers (cuda_linear_chain). Their GPU tests (bits against the
-  # launches they replace, the engine's tokens) and the CUDA attention's, the model-order chain of 32 layers' linears
-  # in each way (bench_gpu --cuda-linear: per launch, then the chain), then Quest and OmniKV at BATCH (default 6; 3 on
-  # an H100) in alternating graph-step profiles: the engine's build, 8 warps x 2 and 4 x 4 CTAs an SM, the chain
-  # (VARIANTS: others), the launches listed one by one (LAUNCH_SEQ=.).
-  # The chain's kernel tests go first, alone: its grid barrier has never run, and a chain that fails them (or hangs
-  # there, cut by the timeout) is left out of the A/B rather than costing its profiles' timeouts.
+  # cuda_linear in builds whose grid holds several CTAs an SM (BUILD_GRID_CTAS; the engine's build is one CTA of 16
+  # warps an SM): the linears' GPU tests (the grids' bits among them) and the CUDA attention's, the model-order chain
+  # of 32 layers' linears in each build (bench_gpu --cuda-linear: per launch, then the chain), then Quest and OmniKV at
+  # BATCH (default 6; 3 on an H100) in alternating graph-step profiles: the engine's build, 8 warps x 2 and 4 x 4
+  # CTAs an SM (VARIANTS: others), the launches listed one by one (LAUNCH_SEQ=.). Session 57 ran it on an H100 at
+  # BATCH=3 (results/linear_grid_s57_h100.jsonl), with the o+MLP chain of tag linear-chain-experiment: both slower.
   install_wheels .whl/hydra
-  chain='cuda_linear_chain.ENGINE=True'
-  if [ -z "${SKIP_TESTS:-}" ]; then
-    timeout 150 python -m pytest -q -m gpu -x tests/kernels/test_cuda_linear_chain.py -p no:cacheprovider 2>&1 \
-      | tail -6 | tee "$OUT/gpu_tests_chain.log"
-    [ "${PIPESTATUS[0]}" = 0 ] || { chain=; SKIP_BENCH=1; echo "the chain failed its tests: no bench (it runs the chain), no chain in the A/B"; }
-    timeout 240 python -m pytest -q -m gpu tests/kernels/test_cuda_linear.py tests/kernels/test_cuda_linear_rope.py \
-      tests/kernels/test_sparse_attention_cuda.py tests/test_decode_linears.py -p no:cacheprovider -rs 2>&1 \
-      | tail -8 | tee "$OUT/gpu_tests.log"
-  fi
+  [ -n "${SKIP_TESTS:-}" ] || timeout 240 python -m pytest -q -m gpu tests/kernels/test_cuda_linear.py \
+    tests/kernels/test_cuda_linear_rope.py tests/kernels/test_sparse_attention_cuda.py -p no:cacheprovider -rs 2>&1 \
+    | tail -8 | tee "$OUT/gpu_tests.log"
   [ -n "${SKIP_BENCH:-}" ] || { timeout 200 python -m sparseengine.kernels.bench_gpu --cuda-linear \
-    --out "$OUT/bench.jsonl" 2>&1 | tail -3; grep cuda_linear_chain "$OUT/bench.jsonl"; }  # SKIP_BENCH: a shorter call
+    --out "$OUT/bench.jsonl" 2>&1 | tail -3; grep cuda_linear_chain "$OUT/bench.jsonl"; }
   grid='cuda_linear.BUILD_WARPS=8 cuda_linear.BUILD_MIN_CTAS=2 cuda_linear.BUILD_GRID_CTAS=2'
   grid4='cuda_linear.BUILD_WARPS=4 cuda_linear.BUILD_MIN_CTAS=4 cuda_linear.BUILD_GRID_CTAS=4'
-  ab=${VARIANTS:-"default;$grid;$grid4${chain:+;$chain}"}
+  ab=${VARIANTS:-"default;$grid;$grid4"}
   for method in ${METHODS:-quest omnikv}; do
     METHOD=$method BATCH=${BATCH:-6} ROUNDS=${ROUNDS:-2} VARIANTS=$ab LAUNCH_SEQ=${LAUNCH_SEQ-.} bash "$0" variants \
       | grep -v "launches (us)"

@@ -1,8 +1,7 @@
 """The model's decode-step linears: gate_up's rows interleaved for the CUDA kernel's gated
 epilogue leave the model's function on every path (the CPU's torch path here), and on the
 H200 a model whose layers `cuda_linear` takes gives the Triton path's logits, and its decode
-graphs replay its eager tokens, with the kernel in its records; with the o projection and the
-MLP in one launch (`cuda_linear_chain`) its logits and tokens are the three launches'."""
+graphs replay its eager tokens, with the kernel in its records."""
 from __future__ import annotations
 
 import json
@@ -11,7 +10,7 @@ import pytest
 import torch
 
 from sparseengine import LLM, SamplingParams
-from sparseengine.kernels import cuda_linear, cuda_linear_chain
+from sparseengine.kernels import cuda_linear
 from sparseengine.models.loader import SHAPES_DIR
 from tests.test_hf_equivalence import hf_greedy, rel_err
 
@@ -43,11 +42,6 @@ def _mid_llama(tmp_path) -> str:
     return str(tmp_path)
 
 
-def _engine(folder: str, eager: bool) -> LLM:
-    return LLM(folder, load_format="dummy", device="cuda", dtype="bfloat16", page_size=16, num_kv_pages=256,
-               enforce_eager=eager)
-
-
 @pytest.mark.gpu
 def test_cuda_linears_in_the_engine(tmp_path, monkeypatch):
     """A model whose layers the kernel takes: prompts of at most 8 tokens run their linears
@@ -65,7 +59,8 @@ def test_cuda_linears_in_the_engine(tmp_path, monkeypatch):
     for engine in (False, True):
         monkeypatch.setattr(cuda_linear, "ENGINE", engine)
         for eager in (True, False):
-            with _engine(folder, eager) as llm:
+            with LLM(folder, load_format="dummy", device="cuda", dtype="bfloat16", page_size=16, num_kv_pages=256,
+                     enforce_eager=eager) as llm:
                 mlp = llm.model.layers[0].mlp
                 assert mlp.gate_group == (cuda_linear.GATE_GROUP if engine else 0)
                 x = torch.zeros(6, 2048, dtype=torch.bfloat16, device="cuda")
@@ -102,31 +97,3 @@ def test_a_prefill_mlp_makes_no_deinterleaved_copy():
     peak = torch.cuda.max_memory_allocated() - base
     y, h, out = T * 2 * inter * 2, T * inter * 2, T * H * 2  # gate_up's output, the SiLU's, down's
     assert peak < y + h + out + y // 2, f"peak {peak / 2**20:.0f} MiB: a copy of gate_up's {y / 2**20:.0f} MiB?"
-
-
-@pytest.mark.gpu
-def test_o_and_mlp_in_one_launch_in_the_engine(tmp_path, monkeypatch):
-    """`cuda_linear_chain` on: the same logits and tokens as its three launches, bit for bit
-    (its blocks sum as theirs do), eager and replayed in decode graphs."""
-    reason = cuda_linear.unavailable("cuda")
-    assert reason is None, reason
-    folder = _mid_llama(tmp_path)
-    gen = torch.Generator().manual_seed(5)
-    ids = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (1, 5, 8, 40, 17)]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    logits, tokens = {}, {}
-    for chain in (False, True):
-        monkeypatch.setattr(cuda_linear_chain, "ENGINE", chain)
-        for eager in (True, False):
-            with _engine(folder, eager) as llm:
-                assert (" chain" in cuda_linear.engine_linears(llm.model, llm.device)) == chain
-                calls = []
-                real = cuda_linear_chain.o_and_mlp
-                monkeypatch.setattr(cuda_linear_chain, "o_and_mlp", lambda *a, **k: calls.append(1) or real(*a, **k))
-                logits[chain, eager] = llm.prompt_logits(ids[:3])
-                tokens[chain, eager] = [o.token_ids for o in llm.generate(ids, params)]
-                monkeypatch.setattr(cuda_linear_chain, "o_and_mlp", real)
-                assert bool(calls) == chain
-    for eager in (True, False):
-        assert all(torch.equal(a, b) for a, b in zip(logits[True, eager], logits[False, eager]))
-        assert tokens[True, eager] == tokens[False, eager]

@@ -8,8 +8,7 @@ model (`python -m sparseengine.kernels.bench_gpu --cuda-linear --out FILE`):
   CUDA: gated), CUDA with x staged and not;
 - the step's linears in model order for 32 layers of their own weights (qkv, a stand-in for
   the attention, o, gate_up, [SiLU], down), one CUDA graph: Triton, CUDA, CUDA without PDL,
-  CUDA in the builds whose grid holds several CTAs an SM (`GRID_BUILDS`), and o, gate_up and
-  down in one launch (`cuda_linear_chain`), in the engine's build and 8 warps x 2.
+  and CUDA in the builds whose grid holds several CTAs an SM (`GRID_BUILDS`).
 """
 from __future__ import annotations
 
@@ -18,7 +17,6 @@ import contextlib
 import torch
 
 from sparseengine.kernels import cuda_linear as C
-from sparseengine.kernels import cuda_linear_chain as CH
 from sparseengine.kernels.bench_common import BF16, emit, per_launch_us
 from sparseengine.kernels.bench_linear import SHAPES, _stand_in, chain_inputs
 from sparseengine.kernels.fused_ops import silu_mul_triton
@@ -113,9 +111,6 @@ def bench_model_order_chain(out_path, rows=6, layers=32):
                     up = inter[i]
                 qkv = lin["qkv"](h, w["qkv"])
                 a = _stand_in(qkv, hidden, False)  # the attention
-                if kind == "chain":  # o, gate_up and down in one launch
-                    h = CH.o_and_mlp(a, h, w["o"], up, w["down"], EPS)
-                    continue
                 h = lin["o"](a, w["o"], h)
                 h = lin["down"](lin["gate_up"](h, up), w["down"], h)
             return h
@@ -123,8 +118,6 @@ def bench_model_order_chain(out_path, rows=6, layers=32):
 
     variants = {"triton_engine": chain("triton"), "cuda_pdl": chain("cuda"), "cuda_no_pdl": chain("cuda", False),
                 **{name: chain("cuda", build=b) for name, b in GRID_BUILDS.items()},
-                "cuda_chain": chain("chain"),
-                "cuda_chain_8warps_x2": chain("chain", build=GRID_BUILDS["cuda_pdl_8warps_x2"]),
                 "triton_engine_again": chain("triton")}
     nbytes = sum(t.numel() * t.element_size() for w in weights for t in w.values())
     ref = None

@@ -61,7 +61,10 @@ STAGE_BLOCKS = 8
 # steps, 10.44 / 10.45 at 2, against 8.399 / 8.400; cuda_linear_rope_ab_s45_h200.jsonl).
 # `BUILD_GRID_CTAS`: CTAs an SM in the grid (at most `BUILD_MIN_CTAS`): 8 warps x 2 or 4 x 4
 # keep the engine build's warps an SM and its 122-125 registers a thread (ptxas, no spills),
-# and the next kernel's launch can start where the first of an SM's CTAs has finished.
+# and the next kernel's launch can start where the first of an SM's CTAs has finished. Slower
+# on an H100 (session 57, b=3 graph step, two rounds): Quest 8.184 / 8.185 ms at 8 x 2 and
+# 8.420 / 8.421 at 4 x 4 against 8.149 / 8.150; OmniKV 8.558 / 8.559 and 8.829 / 8.832
+# against 8.544 / 8.543 (results/linear_grid_s57_h100.jsonl).
 BUILD_WARPS = 16
 BUILD_STEPS = 4
 BUILD_MIN_CTAS = 1
@@ -114,7 +117,6 @@ SIGNATURES = {
     "se_linear": (_I, [_P] * 4 + [_I] * 3 + [_F] + [_I] * 4 + [_P]),
     "se_linear_rope": (_I, [_P] * 3 + [_I] * 3 + [_F] + [_I] * 3 + [_P] * 2 + [_L] + [_P] * 2 + [_L] * 4
                        + [_I, _P, _I, _I, _P]),
-    "se_linear_chain": (_I, [_P] * 8 + [_I] * 4 + [_F] + [_I] * 2 + [_P] * 2),
     "se_linear_k_multiple": (_I, []),
     "se_linear_grid_ctas": (_I, []),
     "se_linear_smem": (_L, [_I] * 4),
@@ -150,10 +152,9 @@ def takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
 def engine_linears(model, device: torch.device) -> str:
     """Which kernels a decode step's linears run (for the records): cuda_linear for batches of
     up to 8 where it runs and takes the model's layers (`rope`: qkv with the rotary embedding
-    and the KV write, `cuda_linear_rope`; `chain`: o and the MLP in one launch,
-    `cuda_linear_chain`; `grid NxW`: a build of N CTAs of W warps an SM), the Triton kernel up to
+    and the KV write, `cuda_linear_rope`), the Triton kernel up to
     `skinny_linear.ENGINE_MAX_ROWS` rows, cuBLAS above; on a CPU, torch."""
-    from . import cuda_linear_chain, cuda_linear_rope, skinny_linear
+    from . import cuda_linear_rope, skinny_linear
 
     if device.type != "cuda":
         return "torch"
@@ -165,9 +166,7 @@ def engine_linears(model, device: torch.device) -> str:
     rope = (cuda_linear_rope.ENGINE and attn.d == cuda_linear_rope.HEAD_DIM and not attn.qk_norm
             and attn.qkv_proj.bias is None)  # qkv's rope epilogue, where the provider writes the paged cache
     parts = ([f"cuda<={MAX_ROWS} rows" + (" pdl" if PDL else "") + (" gated" if layer.mlp.gate_group else "")
-              + (" rope" if rope else "") + (" chain" if cuda_linear_chain.ENGINE and layer.mlp.gate_group else "")
-              + (f" grid {BUILD_GRID_CTAS}x{BUILD_WARPS}" if BUILD_GRID_CTAS > 1 else "")]
-             if cuda else []) + ([triton] if triton else []) + ["cublas"]
+              + (" rope" if rope else "")] if cuda else []) + ([triton] if triton else []) + ["cublas"]
     return ", ".join(parts)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sparseengine.kernels import cuda_linear, cuda_linear_chain, skinny_linear
+from sparseengine.kernels import cuda_linear, skinny_linear
 from sparseengine.kernels.fused_ops import silu_mul
 from sparseengine.layers.attention import Attention
 from sparseengine.layers.layernorm import RMSNorm
@@ -31,19 +31,15 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: nn.Module | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """`norm`, `residual`: folded into the projections (`Linear`)."""
-        return self.o_proj(self.attend(x, cos, sin, norm), residual=residual)
-
-    def attend(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               norm: nn.Module | None = None) -> torch.Tensor:
-        """`forward` up to the o projection: the attention's output `[T, Hq * d]`."""
         t = x.shape[0]
         if not self.qk_norm and self.attn.takes_projection(x, self.qkv_proj):  # rotary and KV write in qkv's epilogue
-            return self.attn.project_and_attend(x, self.qkv_proj, norm, cos, sin).reshape(t, self.hq * self.d)
+            return self.o_proj(self.attn.project_and_attend(x, self.qkv_proj, norm, cos, sin).reshape(
+                t, self.hq * self.d), residual=residual)
         q, k, v = self.qkv_proj(x, norm).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         q, k, v = q.view(t, self.hq, self.d), k.view(t, self.hkv, self.d), v.view(t, self.hkv, self.d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        return self.attn(q, k, v, cos, sin).reshape(t, self.hq * self.d)  # rotary there
+        return self.o_proj(self.attn(q, k, v, cos, sin).reshape(t, self.hq * self.d), residual=residual)  # rotary there
 
 
 class MLP(nn.Module):
@@ -103,14 +99,8 @@ class DecoderLayer(nn.Module):
         rows take the path below, the norms' weights being one.)"""
         if self.norms_folded and skinny_linear.streams(x):
             h = x if residual is None else x + residual
-            attn, mlp = self.self_attn, self.mlp
-            a = attn.attend(h, cos, sin, norm=self.input_layernorm)
-            if mlp.gate_group and cuda_linear_chain.takes(a, attn.o_proj.weight, mlp.gate_up_proj.weight,
-                                                          mlp.down_proj.weight):  # o and the MLP in one launch
-                return cuda_linear_chain.o_and_mlp(a, h, attn.o_proj.weight, mlp.gate_up_proj.weight,
-                                                   mlp.down_proj.weight, self.post_attention_layernorm.eps), None
-            h = attn.o_proj(a, residual=h)
-            return mlp(h, norm=self.post_attention_layernorm, residual=h), None
+            h = self.self_attn(h, cos, sin, norm=self.input_layernorm, residual=h)
+            return self.mlp(h, norm=self.post_attention_layernorm, residual=h), None
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
