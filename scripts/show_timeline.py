@@ -25,7 +25,7 @@ import sys
 
 SHORT = ((r"linear_kernel<false, true>", "qkv"), (r"linear_kernel<true, false>", "gate_up"),
          (r"linear_kernel<false, false>", "linear"), (r"scores_kernel", "scores"), (r"select_kernel", "choice"),
-         (r"_decode_split_kernel", "split"), (r"_combine_splits_kernel", "merge"))
+         (r"_decode_split_kernel", "split"), (r"_combine_splits_kernel", "merge"), (r"attend_kernel", "attention"))
 
 
 def short(name: str) -> str:

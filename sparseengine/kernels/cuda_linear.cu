@@ -8,14 +8,14 @@
 // the probe scripts/cuda_gemv.cu measured this design, launched that way, 2.2% under the
 // Triton chain (cuda_gemv_h200.jsonl).
 //
-// Layout: one persistent CTA of 16 warps an SM (the engine's build; SE_GRID_CTAS below). A CTA takes 16 weight rows (a block) at a
-// time, blocks spread over the CTAs; its 16 warps split K. Each lane loads 16 B of two of
-// the block's rows (n = g and g + 8, g = lane / 4) at k = kb + 8t (t = lane % 4) and 16 B
-// of x's row g (zero for g >= M), which make two mma.sync m16n8k16 fragments: the sum over
-// k does not care which k a fragment slot holds, as long as A and B agree. A warp loads its
-// next step's weights (and x) before it multiplies the current one's, across blocks too.
-// At a block's end the warps' partial sums meet in shared memory and 128 threads (64 gated)
-// finish it.
+// Layout: one persistent CTA of 16 warps an SM (the engine's build; SE_GRID_CTAS below). A CTA
+// takes 16 weight rows (a block) at a time, blocks spread over the CTAs; its 16 warps split K.
+// Each lane loads 16 B of two of the block's rows (n = g and g + 8, g = lane / 4) at k = kb + 8t
+// (t = lane % 4) and 16 B of x's row g (zero for g >= M), which make two mma.sync m16n8k16
+// fragments: the sum over k does not care which k a fragment slot holds, as long as A and B
+// agree. A warp loads its next step's weights (and x) before it multiplies the current one's,
+// across blocks too. At a block's end the warps' partial sums meet in shared memory and 128
+// threads (64 gated) finish it.
 //
 // x: read from L2 as the warps go, or (`staged`) copied once into shared memory, which pays
 // when a CTA takes many blocks (gate_up: 13-14 at the Llama-3.1-8B shape).

@@ -105,22 +105,19 @@ def ptxas_usage(source: Path, flags: list[str]) -> dict[str, dict[str, int]]:
     if nvcc is None:
         raise RuntimeError("ptxas_usage needs nvcc")
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [nvcc, "-O3", f"-arch={ARCH}", "-cubin", "-Xptxas", "-v", *flags, "-o", f"{tmp}/k.cubin", str(source)]
+        cmd = build_command(nvcc, f"{tmp}/lib.so", source, [*flags, "-Xptxas", "-v"])
         done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{done.stderr[-3000:]}")
-    usage, name = {}, None
+    usage, last = {}, None  # ptxas names a function, then its frame and spills, then (kernels) its registers
     for line in done.stderr.splitlines():
         if m := re.search(r"Function properties for (\S+)", line):
-            name = m.group(1)
-            usage[name] = {"registers": 0}
-        elif name and (m := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
-                                      line)):
-            usage[name].update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
-        elif m := re.search(r"Compiling entry function '(\S+)'", line):
-            name = None
-        elif (m := re.search(r"Used (\d+) registers", line)) and usage:
-            usage[list(usage)[-1]]["registers"] = int(m.group(1))
+            last = usage.setdefault(m.group(1), {"registers": 0})
+        elif last is not None and (m := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
+                                                  r"(\d+) bytes spill loads", line)):
+            last.update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+        elif last is not None and (m := re.search(r"Used (\d+) registers", line)):
+            last["registers"] = int(m.group(1))
     return usage
 
 

@@ -171,8 +171,8 @@ def _launch(pages, q, k_cache, v_cache, sel, num_sel, page_table, kv_lens, scale
     elif not 1 <= splits <= MAX_SPLITS or chunks > splits * MAX_CHUNKS_PER_SPLIT:
         raise ValueError(f"splits must be 1 to {MAX_SPLITS} and take the row's {chunks} chunks (at most "
                          f"{MAX_CHUNKS_PER_SPLIT} each), got {splits}")
-    out = torch.empty(B, Hq, HEAD_DIM, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, Hq, dtype=torch.float32, device=q.device) if return_lse else None
+    out = _common.empty((B, Hq, HEAD_DIM), q.dtype, q.device)  # every entry written (tests poison these)
+    lse = _common.empty((B, Hq), torch.float32, q.device) if return_lse else None
     scale = _common.default_scale(HEAD_DIM, scale)
     if B:
         err = on_device(q, lib.se_sparse_attention, q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(),
