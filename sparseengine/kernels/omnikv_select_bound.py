@@ -78,27 +78,40 @@ def _kth_largest(keys_ptr, count, k, PASSES: tl.constexpr, CHUNK: tl.constexpr):
     """(t, ties): over the int32 keys `keys_ptr[0 : count]`, the top 8 * PASSES bits of the
     k-th largest (the rest zero: a lower bound on it, exact after four passes) and how
     many keys matching them the k largest still need (after four: the keys equal to t to
-    take). A byte a pass, each pass a histogram of the keys that match the bytes so far,
-    CHUNK keys at a time; loads bypass L1, for other programs of this launch wrote them."""
+    take). A byte a pass, each pass a histogram of the keys that match the bytes so far:
+    the first CHUNK keys loaded once and kept, any further ones loaded each pass, CHUNK at
+    a time. Loads bypass L1, for other programs of this launch wrote the keys."""
+    first = tl.arange(0, CHUNK)
+    kept = (tl.load(keys_ptr + first, mask=first < count, other=0, cache_modifier=".cg") ^ -2147483648).to(
+        tl.uint32, bitcast=True)
     prefix = tl.zeros([], tl.uint32)
     need = k + tl.zeros([], tl.int32)
     digits = tl.arange(0, 256)
     for p in tl.static_range(PASSES):
-        h = tl.zeros([256], tl.int32)
-        for c0 in range(0, count, CHUNK):
-            offs = c0 + tl.arange(0, CHUNK)
+        h = tl.histogram(_digit(kept, p), 256, mask=_matching(kept, first < count, prefix, p))
+        for c0 in range(CHUNK, count, CHUNK):
+            offs = c0 + first
             valid = offs < count
-            u = (tl.load(keys_ptr + offs, mask=valid, other=0, cache_modifier=".cg") ^ -2147483648).to(tl.uint32,
-                                                                                                  bitcast=True)
-            match = valid
-            if p > 0:
-                match = valid & ((u >> (32 - 8 * p)) == (prefix >> (32 - 8 * p)))
-            h += tl.histogram(((u >> (24 - 8 * p)) & 255).to(tl.int32), 256, mask=match)
+            u = (tl.load(keys_ptr + offs, mask=valid, other=0, cache_modifier=".cg") ^ -2147483648).to(
+                tl.uint32, bitcast=True)
+            h += tl.histogram(_digit(u, p), 256, mask=_matching(u, valid, prefix, p))
         at_least = tl.cumsum(h, 0, reverse=True)  # matching keys with this byte or a larger one
         d = tl.max(tl.where(at_least >= need, digits, 0), 0)  # byte 0 always qualifies
         need -= tl.sum(tl.where(digits > d, h, 0), 0)
         prefix = prefix | (d.to(tl.uint32) << (24 - 8 * p))
     return prefix.to(tl.int32, bitcast=True) ^ -2147483648, need
+
+
+def _digit(u, p: tl.constexpr):
+    """Byte p (0: the top one) of the uint32 keys `u`."""
+    return ((u >> (24 - 8 * p)) & 255).to(tl.int32)
+
+
+def _matching(u, valid, prefix, p: tl.constexpr):
+    """The valid keys whose top p bytes are those of `prefix`."""
+    if p == 0:
+        return valid
+    return valid & ((u >> (32 - 8 * p)) == (prefix >> (32 - 8 * p)))
 
 
 def _arrive(counter, n_blocks):
@@ -172,10 +185,10 @@ def _bound_emit_kernel(keys_ptr, bounds_ptr, kv_lens_ptr, counts_ptr, cand_keys_
                 eq = (valid & (k == t)).to(tl.int32)
                 pick = (valid & ((k > t) | ((eq > 0) & (tied + tl.cumsum(eq, 0) - eq < ties)))).to(tl.int32)
                 slot = SINK + taken + tl.cumsum(pick, 0) - pick
-                tl.store(out + slot, token.to(tl.int64), mask=pick > 0)
+                put = (pick > 0) & (slot < SINK + BUDGET)  # always so: the mask only keeps stores in the row
+                tl.store(out + slot, token.to(tl.int64), mask=put)
                 if PAGE_SIZE > 0:
-                    omnikv_store_rows(pt_ptr, rows_ptr, stride_pt, b, TOTAL, slot, token, pick > 0, pick > 0,
-                                      PAGE_SIZE)
+                    omnikv_store_rows(pt_ptr, rows_ptr, stride_pt, b, TOTAL, slot, token, put, put, PAGE_SIZE)
                 taken += tl.sum(pick, 0)
                 tied += tl.sum(eq, 0)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch

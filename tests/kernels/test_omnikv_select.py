@@ -162,6 +162,25 @@ def test_the_bound_pick_leaves_its_counters_at_zero_and_no_state_behind():
         assert int(counters.abs().sum()) == 0
 
 
+@pytest.mark.parametrize("case", CASES + [([400, 257, 90, 30], 2, 400, 8, 40, 16)], ids=_case_id)
+def test_the_bound_pick_in_chunks_of_its_list(case, monkeypatch):
+    """The last program's passes over the group maxima and the candidate list, 16 entries
+    at a time (4096 at a time on the GPU: lists longer than that take the same loops), on
+    distinct scores and on scores of three values (every tied middle token a candidate)."""
+    from sparseengine.kernels import omnikv_select_bound
+
+    monkeypatch.setattr(omnikv_select_bound, "CHUNK", 16)
+    lens, H, L, sink, budget, recent = case
+    gen = torch.Generator().manual_seed(L)
+    for values in (torch.randn(len(lens), H, L, generator=gen),
+                   torch.randint(0, 3, (len(lens), H, L), generator=gen).float()):
+        scores = _scores(values, lens, recent).to(DEVICE)
+        idx, counts = omnikv_select_triton(scores, torch.tensor(lens, device=DEVICE), sink, budget, recent,
+                                           block=64, bound=True)
+        assert counts.tolist() == [min(n, sink + budget + recent) for n in lens]
+        assert idx.cpu().tolist() == _definition(values, lens, sink, budget, recent)
+
+
 def test_2d_scores_and_a_width_within_the_total():
     gen = torch.Generator().manual_seed(2)
     lens = [100, 33]
