@@ -12,7 +12,7 @@ from sparseengine.kernels.bench_common import BF16, D, HKV, HQ, PS, emit, per_la
 def bench_omnikv_select(out_path, B=6, L=133120, n=131072, sink=64, budget=1472, recent=512):
     """One filter layer's pick from its per-KV-head max logits `[B, Hkv, L]` (the graph's
     133120-token table): torch (max over heads, masking, top-k, sort) against the Triton
-    pick (tokens per program, warps; radix or through a lower bound)."""
+    pick (tokens per program, warps)."""
     from sparseengine.kernels import omnikv_select_triton
     from sparseengine.methods.omnikv import pick_tokens
 
@@ -24,9 +24,7 @@ def bench_omnikv_select(out_path, B=6, L=133120, n=131072, sink=64, budget=1472,
     torch_fn = lambda: pick_tokens(scores.amax(1), kv_lens, sink, budget, recent)  # noqa: E731
     emit(out_path, {"kind": "omnikv_select", "path": "torch", **shape, "us_per_launch": per_launch_us(torch_fn)})
     variants = [{}, dict(num_warps=2), dict(num_warps=8), dict(block=512), dict(block=512, num_warps=2),
-                dict(block=2048), dict(block=2048, num_warps=8), dict(block=4096, num_warps=8),
-                dict(bound=False), dict(bound=True), dict(bound=True, block=1024),  # the lower-bound pick
-                dict(bound=True, block=4096, num_warps=8)]
+                dict(block=2048), dict(block=2048, num_warps=8), dict(block=4096, num_warps=8)]
     for kw in variants:
         fn = lambda: omnikv_select_triton(scores, kv_lens, sink, budget, recent, **kw)  # noqa: E731
         same = all(torch.equal(g, w) for g, w in zip(fn(), want))

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._common import cdiv, check_launch, check_lens, check_scores, int_arg, lazy_jit, next_pow2, shared_helper
+from ._common import cdiv, check_launch, check_lens, check_scores, int_arg, lazy_jit, next_pow2
 
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
@@ -49,20 +49,15 @@ PASSES = 4  # bytes of a 32-bit key
 # 8.457 / 8.455.
 BLOCK = 2048
 WARPS = 4
-# Whether the pick goes through a lower bound on its threshold (`omnikv_select_bound`: three
-# launches and no memset instead of seven; read at each call, an A/B switch, not yet measured)
-BOUND = False
 # Whether OmniKV asks its fused pick for the chosen tokens' pool rows (read at each step; an
 # A/B switch: False, its later layers look each token up in the page table)
 EMIT_POOL_ROWS = True
 
 
 def omnikv_select_triton(scores, kv_lens, sink_tokens, budget, recent_tokens, *, block: int | None = None,
-                         num_warps: int | None = None, page_table=None, page_size: int = 0,
-                         bound: bool | None = None):
+                         num_warps: int | None = None, page_table=None, page_size: int = 0):
     """`block`: tokens per program (a power of two >= 16); `num_warps`: per program
-    (None: `BLOCK`, `WARPS`); `bound`: pick through a lower bound (`omnikv_select_bound`;
-    None: `BOUND`), the same result.
+    (None: `BLOCK`, `WARPS`).
     `page_table [B, P]` with `page_size`: also the chosen tokens' pool rows, a third output
     `[B, K]` int32 (`page_table[b, t // page_size] * page_size + t % page_size`, -1 past a
     request's count), written beside the tokens (the rows variant of the sparse decode
@@ -98,9 +93,6 @@ def omnikv_select_triton(scores, kv_lens, sink_tokens, budget, recent_tokens, *,
         return everything, counts, torch.where(within, pages * page_size + tok % page_size, -1).int()
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
-    if (BOUND if bound is None else bound) and B <= _bound_module().MAX_ROWS:
-        return _bound_module().pick_by_bound(scores, kv_lens, sink, budget, recent, block, num_warps,
-                                           page_table, page_size)
     n_blocks = cdiv(L, block)
     keys = torch.empty((B, L), dtype=torch.int32, device=device)
     hist = torch.zeros((B, PASSES, 256), dtype=torch.int32, device=device)
@@ -119,21 +111,10 @@ def omnikv_select_triton(scores, kv_lens, sink_tokens, budget, recent_tokens, *,
     return (indices, counts, rows) if with_rows else (indices, counts)
 
 
-def _bound_module():
-    from . import omnikv_select_bound  # it imports this module's helpers
-
-    return omnikv_select_bound
-
-
-@shared_helper
-def omnikv_keys(row, stride_h, offs, middle, H: tl.constexpr):
-    """The int32 keys of the middle tokens `offs` (the max over the H heads of their scores
-    at `row`), ordered as the floats (-0.0 is +0.0); the smallest key elsewhere."""
-    s = tl.load(row + offs, mask=middle, other=float("-inf")).to(tl.float32)
-    for h in range(1, H):
-        s = tl.maximum(s, tl.load(row + h * stride_h + offs, mask=middle, other=float("-inf")).to(tl.float32))
+def _ordered_keys(s):
+    """int32 keys of fp32 `s`, ordered as the floats; -0.0 is +0.0."""
     bits = tl.where(s == 0.0, 0.0, s).to(tl.int32, bitcast=True)
-    return tl.where(middle, bits ^ ((bits >> 31) & 0x7FFFFFFF), -2147483648)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
 def _settle(hist_row, m, PASSES_DONE: tl.constexpr):
@@ -152,8 +133,7 @@ def _settle(hist_row, m, PASSES_DONE: tl.constexpr):
     return prefix, need
 
 
-@shared_helper
-def omnikv_block(kv_lens_ptr, L, SINK: tl.constexpr, RECENT: tl.constexpr, BLOCK: tl.constexpr):
+def _block(kv_lens_ptr, L, SINK: tl.constexpr, RECENT: tl.constexpr, BLOCK: tl.constexpr):
     """This program's (request, token positions, middle mask, the request's length)."""
     b = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -172,12 +152,16 @@ def _threshold(hist_ptr, b, BUDGET: tl.constexpr):
 def _hist_kernel(scores_ptr, kv_lens_ptr, keys_ptr, hist_ptr, stride_b, stride_h, L,
                  H: tl.constexpr, PASS: tl.constexpr, SINK: tl.constexpr, BUDGET: tl.constexpr,
                  RECENT: tl.constexpr, BLOCK: tl.constexpr):
-    b, offs, middle, n = omnikv_block(kv_lens_ptr, L, SINK, RECENT, BLOCK)
+    b, offs, middle, n = _block(kv_lens_ptr, L, SINK, RECENT, BLOCK)
     if n > SINK + BUDGET + RECENT:  # else the request takes every token: no search
         hist_row = hist_ptr + b * (4 * 256)
         keys = keys_ptr + b.to(tl.int64) * L
         if PASS == 0:  # the keys: the max over heads of the middle tokens' scores
-            key = omnikv_keys(scores_ptr + b.to(tl.int64) * stride_b, stride_h, offs, middle, H)
+            row = scores_ptr + b.to(tl.int64) * stride_b
+            s = tl.load(row + offs, mask=middle, other=float("-inf")).to(tl.float32)
+            for h in range(1, H):
+                s = tl.maximum(s, tl.load(row + h * stride_h + offs, mask=middle, other=float("-inf")).to(tl.float32))
+            key = tl.where(middle, _ordered_keys(s), -2147483648)
             tl.store(keys + offs, key, mask=offs < L)
             u = (key ^ -2147483648).to(tl.uint32, bitcast=True)
             match = middle
@@ -193,7 +177,7 @@ def _hist_kernel(scores_ptr, kv_lens_ptr, keys_ptr, hist_ptr, stride_b, stride_h
 @lazy_jit
 def _count_kernel(keys_ptr, hist_ptr, kv_lens_ptr, counts_ptr, L, n_blocks,
                   SINK: tl.constexpr, BUDGET: tl.constexpr, RECENT: tl.constexpr, BLOCK: tl.constexpr):
-    b, offs, middle, n = omnikv_block(kv_lens_ptr, L, SINK, RECENT, BLOCK)
+    b, offs, middle, n = _block(kv_lens_ptr, L, SINK, RECENT, BLOCK)
     if n > SINK + BUDGET + RECENT:
         key = tl.load(keys_ptr + b.to(tl.int64) * L + offs, mask=middle, other=-2147483648)
         t, _ = _threshold(hist_ptr, b, BUDGET)
@@ -208,12 +192,18 @@ def _emit_kernel(keys_ptr, hist_ptr, kv_lens_ptr, counts_ptr, out_ptr, n_out_ptr
                  PAGE_SIZE: tl.constexpr, SINK: tl.constexpr, BUDGET: tl.constexpr, RECENT: tl.constexpr,
                  BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     TOTAL: tl.constexpr = SINK + BUDGET + RECENT
-    b, offs, middle, n = omnikv_block(kv_lens_ptr, L, SINK, RECENT, BLOCK)
+    b, offs, middle, n = _block(kv_lens_ptr, L, SINK, RECENT, BLOCK)
     blk = tl.program_id(1)
     out = out_ptr + b.to(tl.int64) * TOTAL
-    if blk == 0:
-        omnikv_fixed_slots(n_out_ptr, out, pt_ptr, rows_ptr, stride_pt, b, n, PAGE_SIZE, SINK, BUDGET, RECENT,
-                           BLOCK_K)
+    everything = n <= TOTAL
+    if blk == 0:  # the count; sink and recent slots (every slot when the request is within the total)
+        tl.store(n_out_ptr + b, tl.minimum(n, TOTAL))
+        j = tl.arange(0, BLOCK_K)
+        fixed = everything | (j < SINK) | (j >= SINK + BUDGET)
+        token = tl.where(everything | (j < SINK), j, n - TOTAL + j)
+        tl.store(out + j, token.to(tl.int64), mask=(j < TOTAL) & fixed)
+        if PAGE_SIZE > 0:
+            _store_rows(pt_ptr, rows_ptr, stride_pt, b, TOTAL, j, token, (j < TOTAL) & fixed, token < n, PAGE_SIZE)
     if n > TOTAL:
         key = tl.load(keys_ptr + b.to(tl.int64) * L + offs, mask=middle, other=-2147483648)
         t, ties = _threshold(hist_ptr, b, BUDGET)
@@ -228,28 +218,11 @@ def _emit_kernel(keys_ptr, hist_ptr, kv_lens_ptr, counts_ptr, out_ptr, n_out_ptr
         slot = SINK + taken + tl.cumsum(pick, 0) - pick
         tl.store(out + slot, offs.to(tl.int64), mask=pick > 0)
         if PAGE_SIZE > 0:
-            omnikv_store_rows(pt_ptr, rows_ptr, stride_pt, b, TOTAL, slot, offs, pick > 0, pick > 0, PAGE_SIZE)
+            _store_rows(pt_ptr, rows_ptr, stride_pt, b, TOTAL, slot, offs, pick > 0, pick > 0, PAGE_SIZE)
 
 
-@shared_helper
-def omnikv_fixed_slots(n_out_ptr, out, pt_ptr, rows_ptr, stride_pt, b, n, PAGE_SIZE: tl.constexpr,
-                       SINK: tl.constexpr, BUDGET: tl.constexpr, RECENT: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Row b's count and its sink and recent slots at `out` (and pool rows); every slot
-    when the request is within the total."""
-    TOTAL: tl.constexpr = SINK + BUDGET + RECENT
-    everything = n <= TOTAL
-    tl.store(n_out_ptr + b, tl.minimum(n, TOTAL))
-    j = tl.arange(0, BLOCK_K)
-    fixed = everything | (j < SINK) | (j >= SINK + BUDGET)
-    token = tl.where(everything | (j < SINK), j, n - TOTAL + j)
-    tl.store(out + j, token.to(tl.int64), mask=(j < TOTAL) & fixed)
-    if PAGE_SIZE > 0:
-        omnikv_store_rows(pt_ptr, rows_ptr, stride_pt, b, TOTAL, j, token, (j < TOTAL) & fixed, token < n, PAGE_SIZE)
-
-
-@shared_helper
-def omnikv_store_rows(pt_ptr, rows_ptr, stride_pt, b, TOTAL: tl.constexpr, slot, token, store, counted,
-                      PAGE_SIZE: tl.constexpr):
+def _store_rows(pt_ptr, rows_ptr, stride_pt, b, TOTAL: tl.constexpr, slot, token, store, counted,
+                PAGE_SIZE: tl.constexpr):
     """Row b's pool rows at `slot` where `store`: the token's row where `counted`, else -1."""
     page = tl.load(pt_ptr + b.to(tl.int64) * stride_pt + token // PAGE_SIZE, mask=store & counted, other=0)
     row = tl.where(counted, page * PAGE_SIZE + token % PAGE_SIZE, -1)

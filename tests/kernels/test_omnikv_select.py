@@ -21,9 +21,7 @@ CASES = [
 ]
 # Launch knobs: the default (one block holds a small case's row); blocks of 16 and 64
 # tokens (many blocks a request: the counts of the blocks before each one matter).
-# The same three through the lower bound (`omnikv_select_bound`).
 KNOBS = {"default": {}, "block16": dict(block=16), "block64": dict(block=64, num_warps=2)}
-KNOBS.update({f"bound-{name}": dict(knobs, bound=True) for name, knobs in list(KNOBS.items())})
 
 
 @pytest.fixture(autouse=True)
@@ -110,9 +108,8 @@ def test_a_gap_right_below_the_budget_th_score(knobs):
     assert idx.cpu().tolist() == _definition(values, lens, sink, budget, recent)
 
 
-@pytest.mark.parametrize("bound", [False, True], ids=["radix", "bound"])
 @pytest.mark.parametrize("case, block", [(CASES[0], 16), (CASES[3], 1024)], ids=["block16", "block1024"])
-def test_pool_rows_of_the_pick(case, block, bound):
+def test_pool_rows_of_the_pick(case, block):
     """With a page table the pick also gives each chosen token's pool row (its page's
     number times the page size plus its offset), -1 past a request's count, beside the
     tokens and counts of the torch path; with many blocks a request and with one, and a
@@ -127,7 +124,7 @@ def test_pool_rows_of_the_pick(case, block, bound):
         pages = -(-width // ps)
         table = torch.stack([torch.randperm(len(lens) * pages, generator=gen)[:pages] for _ in lens]).int()
         idx, counts, rows = omnikv_select_triton(scores[..., :width], kv_lens, sink, budget, recent, block=block,
-                                                 page_table=table.to(DEVICE), page_size=ps, bound=bound)
+                                                 page_table=table.to(DEVICE), page_size=ps)
         want_idx, want_counts = pick_tokens(values[..., :width].amax(1), torch.tensor(lens), sink, budget, recent)
         assert torch.equal(idx.cpu(), want_idx) and torch.equal(counts.cpu(), want_counts)
         counted = torch.arange(want_idx.shape[1])[None, :] < want_counts[:, None]
@@ -136,49 +133,6 @@ def test_pool_rows_of_the_pick(case, block, bound):
         assert rows.dtype == torch.int32 and torch.equal(rows.cpu().long(), want), (ps, width)
     with pytest.raises(ValueError, match="page_table must be"):
         omnikv_select_triton(scores, kv_lens, sink, budget, recent, page_table=table[:1].to(DEVICE), page_size=16)
-
-
-def test_the_bound_pick_leaves_its_counters_at_zero_and_no_state_behind():
-    """Its last-arrival counters are zero after every launch (a CUDA graph replays the same
-    ones), and a second launch on other scores, a request now within the total, picks
-    what the torch path picks: nothing of the first launch's bound or list carries over.
-    Scores clustered in a few blocks (the top tokens of a real request often sit
-    together) lower the bound, so more candidates are listed: still the same pick."""
-    from sparseengine.kernels import omnikv_select_bound
-    from sparseengine.kernels._common import zeroed_counters
-
-    gen = torch.Generator().manual_seed(5)
-    lens, sink, budget, recent = [1500, 1200, 700], 16, 64, 32
-    first = torch.randn(3, 2, 1536, generator=gen)
-    first[0, :, 600:700] += 5.0  # the first request's top tokens in one run
-    second = torch.randn(3, 2, 1536, generator=gen)
-    for values, kv in ((first, lens), (second, [1500, 100, 900])):
-        kv_lens = torch.tensor(kv, device=DEVICE)
-        idx, counts = omnikv_select_triton(_scores(values, kv, recent).to(DEVICE), kv_lens, sink, budget, recent,
-                                           block=256, bound=True)
-        want_idx, want_counts = pick_tokens(values.amax(1), torch.tensor(kv), sink, budget, recent)
-        assert torch.equal(idx.cpu(), want_idx) and torch.equal(counts.cpu(), want_counts)
-        counters = zeroed_counters("omnikv_select_bound", omnikv_select_bound.MAX_ROWS, kv_lens.device)
-        assert int(counters.abs().sum()) == 0
-
-
-@pytest.mark.parametrize("case", CASES + [([400, 257, 90, 30], 2, 400, 8, 40, 16)], ids=_case_id)
-def test_the_bound_pick_in_chunks_of_its_list(case, monkeypatch):
-    """The last program's passes over the group maxima and the candidate list, 16 entries
-    at a time (4096 at a time on the GPU: lists longer than that take the same loops), on
-    distinct scores and on scores of three values (every tied middle token a candidate)."""
-    from sparseengine.kernels import omnikv_select_bound
-
-    monkeypatch.setattr(omnikv_select_bound, "CHUNK", 16)
-    lens, H, L, sink, budget, recent = case
-    gen = torch.Generator().manual_seed(L)
-    for values in (torch.randn(len(lens), H, L, generator=gen),
-                   torch.randint(0, 3, (len(lens), H, L), generator=gen).float()):
-        scores = _scores(values, lens, recent).to(DEVICE)
-        idx, counts = omnikv_select_triton(scores, torch.tensor(lens, device=DEVICE), sink, budget, recent,
-                                           block=64, bound=True)
-        assert counts.tolist() == [min(n, sink + budget + recent) for n in lens]
-        assert idx.cpu().tolist() == _definition(values, lens, sink, budget, recent)
 
 
 def test_2d_scores_and_a_width_within_the_total():
@@ -219,8 +173,6 @@ def test_the_128k_benchmark_shape_on_the_gpu():
     gen = torch.Generator(device="cuda").manual_seed(7)
     values = torch.randn(6, 8, 133120, generator=gen, device="cuda")
     kv_lens = torch.tensor(lens, device="cuda")
+    idx, counts = omnikv_select_triton(_scores(values.cpu(), lens, 512).cuda(), kv_lens, 64, 1472, 512)
     want_idx, want_counts = pick_tokens(values.amax(1), kv_lens, 64, 1472, 512)
-    for bound in (False, True):
-        idx, counts = omnikv_select_triton(_scores(values.cpu(), lens, 512).cuda(), kv_lens, 64, 1472, 512,
-                                           bound=bound)
-        assert torch.equal(counts, want_counts) and torch.equal(idx, want_idx), bound
+    assert torch.equal(counts, want_counts) and torch.equal(idx, want_idx)
