@@ -6,7 +6,7 @@ linear chain's with it: 22-55 spill instructions inside its gate_up loop, then n
 
     python scripts/sass_loops.py sparseengine/kernels/cuda_linear.cu [-D...] [--kernel REGEX]
 
-It builds a cubin with nvcc (`nvcc_build.ARCH`) and disassembles it with cuobjdump, which
+It builds a cubin with nvcc (`nvcc_build.build_command`) and disassembles it with cuobjdump, which
 needs nvdisasm beside it or on PATH; neither comes with the CUDA pieces this machine has,
 but both are on PyPI and run on a CPU: `pip download --no-deps nvidia-cuda-cuobjdump
 nvidia-cuda-nvdisasm`, unzip the wheels, and put their `nvidia/cu13/bin` on PATH (or set
@@ -55,7 +55,7 @@ def cuobjdump() -> str:
 
 
 def main(argv: list[str]) -> None:
-    from sparseengine.kernels.nvcc_build import ARCH, find_nvcc
+    from sparseengine.kernels.nvcc_build import build_command, find_nvcc
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("source")
@@ -66,7 +66,7 @@ def main(argv: list[str]) -> None:
         raise SystemExit("no nvcc")
     with tempfile.TemporaryDirectory() as tmp:
         cubin = f"{tmp}/k.cubin"
-        subprocess.run([nvcc, "-O3", f"-arch={ARCH}", "-cubin", *flags, "-o", cubin, args.source], check=True)
+        subprocess.run(build_command(nvcc, cubin, Path(args.source), flags, cubin=True), check=True)
         listing = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
         names = [n for n in re.findall(r"Function : (\S+)", listing) if re.search(args.kernel, n)]
         for name in names:

@@ -17,8 +17,10 @@ import ctypes
 import functools
 import hashlib
 import os
+import re
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import torch
@@ -64,9 +66,11 @@ def on_device(x: torch.Tensor, launch, *args) -> int:
         return launch(*args)
 
 
-def build_command(nvcc: str, out: str, source: Path, flags: list[str]) -> list[str]:
-    """nvcc's command line: a shared library for `ARCH` with the build's `-D` flags."""
-    return [nvcc, "-O3", f"-arch={ARCH}", "-shared", "-Xcompiler", "-fPIC", *flags, "-o", out, str(source)]
+def build_command(nvcc: str, out: str, source: Path, flags: list[str], cubin: bool = False) -> list[str]:
+    """nvcc's command line: a shared library for `ARCH` with the build's `-D` flags (`cubin`:
+    the device code alone, for ptxas's report or a disassembly)."""
+    kind = ["-cubin"] if cubin else ["-shared", "-Xcompiler", "-fPIC"]
+    return [nvcc, "-O3", f"-arch={ARCH}", *kind, *flags, "-o", out, str(source)]
 
 
 def load_library(source: Path, flags: list[str], name: str, signatures: dict, what: str) -> ctypes.CDLL:
@@ -98,14 +102,11 @@ def ptxas_usage(source: Path, flags: list[str]) -> dict[str, dict[str, int]]:
     """ptxas's report for each kernel and device function of a build (`-Xptxas -v`, no
     library written): {mangled name: {"registers", "stack", "spill_stores", "spill_loads"}}
     (bytes; registers where ptxas names them). Raises where nvcc is missing or fails."""
-    import re
-    import tempfile
-
     nvcc = find_nvcc()
     if nvcc is None:
         raise RuntimeError("ptxas_usage needs nvcc")
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = build_command(nvcc, f"{tmp}/lib.so", source, [*flags, "-Xptxas", "-v"])
+        cmd = build_command(nvcc, f"{tmp}/k.cubin", source, [*flags, "-Xptxas", "-v"], cubin=True)
         done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{done.stderr[-3000:]}")
@@ -125,8 +126,6 @@ def declared_signatures(source: Path) -> dict:
     """The source's `extern "C"` entry points as ctypes signatures (for the tests that hold a
     wrapper's table to its source: a float passed without one fails at the call, a pointer
     passed as an int is truncated)."""
-    import re
-
     ctype = {"int": ctypes.c_int, "long long": ctypes.c_longlong, "float": ctypes.c_float}
     declared = {}
     for ret, entry, params in re.findall(r'extern "C" (long long|int) (\w+)\(([^)]*)\)', source.read_text()):
