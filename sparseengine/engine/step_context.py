@@ -111,12 +111,13 @@ class ScoreRows:
     bound on every row's cache length) as one ``[B, Hkv, max_kv_len]`` tensor, zero past
     each row's length: a static shape, so a CUDA graph can capture the step.
 
-    ``kind`` "max_logits" (decode steps only, ``max_kv_len`` required): per KV head, the
-    max over its query heads of the scaled logit ``q . k / sqrt(d)`` of every cached token,
-    ``[B, Hkv, max_kv_len]`` fp32. Past each row's length the values are unspecified
-    (the torch provider's are -inf, the Triton provider leaves them unwritten): consumers
-    read each row's tokens only. The decode attention emits them while it reads K anyway
-    (OmniKV's filter-layer scores)."""
+    ``kind`` "max_logits" (decode steps only, ``max_kv_len`` required): the max over query
+    heads of the scaled logit ``q . k / sqrt(d)`` of every cached token, per KV head
+    (``[B, Hkv, max_kv_len]`` fp32) or already over all query heads (``[B, 1, max_kv_len]``,
+    the Triton provider's by default): consumers take the max over dim 1. Past each row's
+    length the values are unspecified (-inf, or unwritten where the provider saves the
+    fill): consumers read each row's tokens only. The decode attention emits them while it
+    reads K anyway (OmniKV's filter-layer scores)."""
 
     rows: tuple[int, ...]
     max_kv_len: int | None = None
@@ -126,7 +127,7 @@ class ScoreRows:
         if self.kind not in SCORE_KINDS:
             raise ValueError(f"ScoreRows.kind must be one of {SCORE_KINDS}, got {self.kind!r}")
         if self.kind == "max_logits" and self.max_kv_len is None:
-            raise ValueError("ScoreRows(kind='max_logits') needs max_kv_len (one padded [B, Hkv, max_kv_len] tensor)")
+            raise ValueError("ScoreRows(kind='max_logits') needs max_kv_len (one padded [B, G, max_kv_len] tensor)")
 
 
 SCORE_KINDS = ("colsum", "max_logits")

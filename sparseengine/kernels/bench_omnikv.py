@@ -25,10 +25,11 @@ def bench_omnikv_select(out_path, B=6, L=133120, n=131072, sink=64, budget=1472,
     emit(out_path, {"kind": "omnikv_select", "path": "torch", **shape, "us_per_launch": per_launch_us(torch_fn)})
     variants = [{}, dict(num_warps=2), dict(num_warps=8), dict(block=512), dict(block=512, num_warps=2),
                 dict(block=2048), dict(block=2048, num_warps=8), dict(block=4096, num_warps=8)]
-    for kw in variants:
-        fn = lambda: omnikv_select_triton(scores, kv_lens, sink, budget, recent, **kw)  # noqa: E731
+    folded = scores.amax(1, keepdim=True)  # what the filter layer's attention hands over by default
+    for kw, given in [(kw, scores) for kw in variants] + [({}, folded)]:
+        fn = lambda: omnikv_select_triton(given, kv_lens, sink, budget, recent, **kw)  # noqa: E731
         same = all(torch.equal(g, w) for g, w in zip(fn(), want))
-        emit(out_path, {"kind": "omnikv_select", "path": "triton", **shape, **kw,
+        emit(out_path, {"kind": "omnikv_select", "path": "triton", **shape, **kw, "heads_in": given.shape[1],
                         "us_per_launch": per_launch_us(fn), "equals_torch_path": same})
 
 
@@ -204,11 +205,13 @@ def bench_omnikv_filter_layer(out_path, B=6, P=8320, n=131072, layers=6):
         return split_k_decode(q, k, v, table, kv_lens, mode=MODE_DENSE, capacity=width, logits=logits,
                               logits_group_max=group, **kw)
 
-    def engine():
+    def engine(**kw):
         k, v, table = caches[next(it) % layers]
-        return decode_max_logits_triton(q, k, v, table, kv_lens, width)
+        return decode_max_logits_triton(q, k, v, table, kv_lens, width, fill=False, **kw)
 
     variants = [("dense", split, {}), ("max_logits_engine", engine, {}),
+                ("max_logits_engine_folded", engine, dict(fold=True)),
+                ("max_logits_engine_per_head", engine, dict(fold=False)),
                 ("max_logits_no_fill", split, dict(logits=group_max, group=True)),
                 ("max_logits_store_none", split, dict(logits=one_wide, group=True)),
                 ("all_head_logits", split, dict(logits=per_head)),
@@ -226,5 +229,5 @@ def bench_omnikv_filter_layer(out_path, B=6, P=8320, n=131072, layers=6):
     for name, fn, kw in variants:
         us = per_launch_us(lambda: fn(**kw))  # noqa: B023
         emit(out_path, {"kind": "omnikv_filter_layer", "path": name, "batch": B, "kv_len": n, "layers": layers,
-                        **{k: v for k, v in kw.items() if k not in ("logits", "group")},
+                        **{k: v for k, v in kw.items() if k not in ("logits", "group", "fold")},
                         "us_per_launch": us, "GBps": nbytes / us / 1e3})

@@ -17,7 +17,8 @@ element is read once per pass and the max over heads stays in registers.
 
 `decode_max_logits_*`: the filter layer's own decode attention emitting, per KV head, the
 max over its query heads of every token's scaled logit (`[B, Hkv, max_kv_len]`); the max
-over KV heads of that is the "logits" score, with no second pass over K. Engine path:
+over KV heads of that is the "logits" score, with no second pass over K. The Triton launch
+folds the KV heads in itself by default (`FOLD_KV_HEADS`: `[B, 1, max_kv_len]`). Engine path:
 `ScoreRows(kind="max_logits")`. `group_max_logits_torch`: the scores alone, vectorised.
 """
 from __future__ import annotations
@@ -46,6 +47,11 @@ MODES = ("logits", "probs")
 FILTER_BLOCK_N = 64
 FILTER_WARPS: int | None = 2
 FILTER_STAGES = 3
+# Whether `decode_max_logits_triton` folds the KV heads in by default (read at each call; an A/B
+# switch): its scores come back `[B, 1, L]`, the max over every query head, each KV head's
+# program taking its group's max in with an atomic max into a -inf fill, so the attention writes
+# and OmniKV's pick reads 4 bytes a token instead of 4 * Hkv (32 at Llama-3.1-8B's 8 KV heads).
+FOLD_KV_HEADS = True
 
 
 def omnikv_scores_ref(q, k_cache, page_table, kv_lens, mode="logits", max_kv_len=None, scale=None, lse=None):
@@ -121,25 +127,31 @@ def group_max_logits_torch(q, k_cache, page_table, kv_lens, max_kv_len=None, sca
 
 
 def decode_max_logits_triton(q, k_cache, v_cache, page_table, kv_lens, max_kv_len=None, scale=None,
-                             *, kv_chunk=None, balanced=None, counters=None, fill=True):
+                             *, kv_chunk=None, balanced=None, counters=None, fill=True, fold=None):
     """`decode_max_logits_ref` in one pass: the split-K decode stores each token's group
     max as it computes the logits (4 bytes per token and KV head written, against the
     2 * d * 2 bytes of K+V it reads anyway), so no second read of K scores the tokens.
     Launched in tiles of `FILTER_BLOCK_N` tokens, `FILTER_WARPS` warps, `FILTER_STAGES`
     stages. `fill` False leaves the scores past each row's length unwritten (whatever the
     memory held) and saves the launch that fills them with -inf: for callers that read
-    only each row's tokens (OmniKV's pick; the Triton provider)."""
+    only each row's tokens (OmniKV's pick; the Triton provider).
+    `fold` (None: `FOLD_KV_HEADS`): the scores come back `[B, 1, L]`, the max over KV heads of
+    the reference's (OmniKV's ``logits`` score), 4 bytes a token; they are always filled
+    first (the atomic max starts from -inf), whatever `fill` says."""
     B, Hq, d = q.shape
     page_size, Hkv = check_cache(k_cache, Hq, d)
     device = check_launch(q, k_cache, v_cache, page_table, kv_lens)
     L = int(kv_lens.max()) if max_kv_len is None else max_kv_len
-    if fill:
-        scores = torch.full((B, Hkv, max(L, 1)), float("-inf"), device=device)
+    fold = FOLD_KV_HEADS if fold is None else fold
+    shape = (B, 1 if fold else Hkv, max(L, 1))
+    if fill or fold:
+        scores = torch.full(shape, float("-inf"), device=device)
     else:
-        scores = torch.empty((B, Hkv, max(L, 1)), device=device)
+        scores = torch.empty(shape, device=device)
     capacity = min(page_table.shape[1] * page_size, max(L, 1))  # L bounds every row: no empty splits
     out = split_k_decode(q, k_cache, v_cache, page_table, kv_lens, mode=MODE_DENSE, capacity=capacity,
                          scale=scale, kv_chunk=kv_chunk, logits=scores, logits_group_max=True,
+                         logits_all_heads=fold,
                          balanced=balanced, counters=counters, block_n=FILTER_BLOCK_N,
                          num_warps=FILTER_WARPS, num_stages=FILTER_STAGES)
     return out, scores[..., :L]

@@ -105,16 +105,18 @@ def paged_decode_triton(q, k_cache, v_cache, page_table, kv_lens, scale=None, re
 
 
 def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, sel=None, num_sel=None,
-                   scale=None, return_lse=False, kv_chunk=None, logits=None, logits_group_max=False, block_n=64,
-                   num_warps=None, num_stages=2, fused_combine=None, row_splits=None, fine_splits=None,
-                   min_chunk=None, balanced=None, plan_out=None, counters=None):
+                   scale=None, return_lse=False, kv_chunk=None, logits=None, logits_group_max=False,
+                   logits_all_heads=False, block_n=64, num_warps=None, num_stages=2, fused_combine=None,
+                   row_splits=None, fine_splits=None, min_chunk=None, balanced=None, plan_out=None, counters=None):
     """Launch the split kernel (+ merge). `capacity` = static upper bound of items per row.
 
     mode DENSE: items are tokens 0..kv_len-1. TOKENS: `sel [B, Hkv, K]` token ids, `num_sel
     [B, Hkv]` valid entries. PAGES: `sel [B, Hkv, P]` logical pages, `num_sel` valid pages.
     `logits [B, Hq, L]` fp32 (optional, DENSE only) receives the log2-domain scaled scores;
     with `logits_group_max`, `logits [B, Hkv, L]` receives per KV head the max over its
-    query heads of the scaled logit `q . k * scale` (natural units; OmniKV's scores).
+    query heads of the scaled logit `q . k * scale` (natural units; OmniKV's scores); with
+    `logits_all_heads` too, `logits [B, 1, L]` receives the max over all query heads, each
+    KV head's program taking its group's max in atomically (the caller fills it with -inf).
     `block_n`, `num_warps`, `num_stages`: launch tuning (bench_gpu sweeps them); `num_warps`
     None: `balanced_plan.split_warps`.
     `fused_combine`: True merges in the split kernel, False launches the combine kernel,
@@ -172,7 +174,9 @@ def split_k_decode(q, k_cache, v_cache, page_table, kv_lens, *, mode, capacity, 
     sel_t = sel if has_sel else kv_lens
     num_sel_t = num_sel if has_sel else kv_lens
     logits_t = logits if logits is not None else part_lse
-    store_logits = 0 if logits is None else (2 if logits_group_max else 1)
+    if logits_all_heads and not logits_group_max:
+        raise ValueError("logits_all_heads=True is the max over every group's max: it needs logits_group_max=True")
+    store_logits = 0 if logits is None else 3 if logits_all_heads else 2 if logits_group_max else 1
     merge_args = dict(HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), BLOCK_S=min(64, next_pow2(num_splits)),
                       STORE_LSE=return_lse)
     grid = (rows * (num_splits + 1),) if balanced else (rows, num_splits)
@@ -209,7 +213,7 @@ def _maxima_tiles(store_logits: int, chunk: int, block_n: int, balanced: bool) -
     """LOGIT_TILES: the register rows in which a program holds its chunk's group maxima
     (`KEEP_GROUP_MAXIMA`), 0 for a store a tile."""
     tiles = chunk // block_n if chunk and not balanced else 0
-    keep = store_logits == 2 and KEEP_GROUP_MAXIMA and 0 < tiles <= MAX_MAXIMA_TILES
+    keep = store_logits >= 2 and KEEP_GROUP_MAXIMA and 0 < tiles <= MAX_MAXIMA_TILES
     return dict(LOGIT_TILES=next_pow2(tiles) if keep else 0)
 
 

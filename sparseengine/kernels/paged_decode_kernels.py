@@ -116,6 +116,9 @@ def _attend_chunk(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, sel_ptr, par
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    # STORE_LOGITS 2: the row's own maxima (request x KV head); 3: the request's, shared by its KV heads, each
+    # head's max taken in atomically (the caller fills it with -inf first).
+    logits_row = logits_ptr + (b if STORE_LOGITS == 3 else pid_bh).to(tl.int64) * logits_len
     if LOGIT_TILES > 0:  # the chunk's group maxima, a row a tile, stored once after the loop
         tile_of = tl.arange(0, LOGIT_TILES)
         tile_max = tl.full([LOGIT_TILES, BLOCK_N], float("-inf"), tl.float32)
@@ -149,13 +152,14 @@ def _attend_chunk(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, sel_ptr, par
         if STORE_LOGITS == 1:  # every query head's log2-domain logits
             l_ptrs = logits_ptr + (b * HQ + hq)[:, None] * logits_len + items[None, :]
             tl.store(l_ptrs, s, mask=h_mask[:, None] & valid[None, :] & (items < logits_len)[None, :])
-        elif STORE_LOGITS == 2:  # the group's max, back in natural units
+        elif STORE_LOGITS >= 2:  # the group's max, back in natural units (3: into the row's max over groups)
             s_max = tl.max(tl.where(h_mask[:, None], s, float("-inf")), 0) * 0.6931471805599453
             if LOGIT_TILES > 0:  # kept in the dot's layout: a store a tile would cross the warps through
                 tile_max = tl.where(tile_of[:, None] == (n0 - start) // BLOCK_N, s_max[None, :], tile_max)
-            else:  # shared memory (two barriers a tile)
-                tl.store(logits_ptr + pid_bh.to(tl.int64) * logits_len + items, s_max,
-                         mask=valid & (items < logits_len))
+            elif STORE_LOGITS == 2:  # shared memory (two barriers a tile)
+                tl.store(logits_row + items, s_max, mask=valid & (items < logits_len))
+            else:
+                tl.atomic_max(logits_row + items, s_max, mask=valid & (items < logits_len), sem="relaxed")
         m_new, alpha, p, l_i = softmax_step(s, m_i, l_i)
         v = tl.load(v_ptr + page[:, None] * stride_vp + off[:, None] * stride_vo + kvh * stride_vh
                     + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -164,7 +168,10 @@ def _attend_chunk(q_ptr, k_ptr, v_ptr, page_table_ptr, kv_lens_ptr, sel_ptr, par
 
     if LOGIT_TILES > 0:
         at = start + tile_of[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        tl.store(logits_ptr + pid_bh.to(tl.int64) * logits_len + at, tile_max, mask=(at < end) & (at < logits_len))
+        if STORE_LOGITS == 2:
+            tl.store(logits_row + at, tile_max, mask=(at < end) & (at < logits_len))
+        else:
+            tl.atomic_max(logits_row + at, tile_max, mask=(at < end) & (at < logits_len), sem="relaxed")
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))  # log2 domain
     hd_mask = h_mask[:, None] & d_mask[None, :]

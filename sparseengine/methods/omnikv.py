@@ -148,8 +148,9 @@ class OmniKV(SparseMethodRuntime):
         return max_logit_rows(layer, ctx) if layer in self.filter_set and self._fused(ctx) else None
 
     def observe(self, layer, q, colsums, ctx):
-        """The filter layer's choice from its attention's max logits ``[B, Hkv, L]``; the
-        Triton pick also writes the chosen tokens' pool rows (``Selection.pool_rows``)."""
+        """The filter layer's choice from its attention's max logits ``[B, G, L]`` (G: Hkv, or 1
+        where the attention took the max over KV heads itself); the Triton pick also writes
+        the chosen tokens' pool rows (``Selection.pool_rows``)."""
         view, triton = ctx.views[layer], ctx.provider.triton_kernels
         wants_rows = triton and kernels.omnikv_select.EMIT_POOL_ROWS
         rows_of = (view.page_table, ctx.kv_cache.layer(layer)[0].shape[1]) if wants_rows else None
@@ -212,10 +213,10 @@ def max_logit_rows(layer: int, ctx) -> ScoreRows:
 
 def pick_from_max_logits(colsums: torch.Tensor, kv_lens: torch.Tensor, config,
                          triton: bool = False, rows_of: tuple[torch.Tensor, int] | None = None) -> tuple:
-    """``pick_tokens`` over the max over KV heads of a filter layer's max logits
-    ``[B, Hkv, L]`` (the ``logits`` score) -> (indices, counts); ``triton``: the Triton pick,
-    which takes the max over heads itself (six kernels and a memset instead of torch's max,
-    top-k and sort), and given ``rows_of`` (page table, page size) also returns the chosen
+    """``pick_tokens`` over the max over dim 1 of a filter layer's max logits ``[B, G, L]``
+    (per KV head, or G = 1: already over all heads; the ``logits`` score) -> (indices,
+    counts); ``triton``: the Triton pick, which takes that max itself (six kernels and a
+    memset instead of torch's max, top-k and sort), and given ``rows_of`` (page table, page size) also returns the chosen
     tokens' pool rows."""
     cfg = config
     if triton:
@@ -227,13 +228,16 @@ def pick_from_max_logits(colsums: torch.Tensor, kv_lens: torch.Tensor, config,
 
 def max_logit_bytes_per_token(num_kv_heads: int) -> int:
     """Bytes a fused ``logits`` choice moves per cached token of a filter layer on a Triton
-    provider (the benchmark's path): one fp32 max logit per KV head written by the
-    attention (no -inf fill first: the pick reads each row's tokens only) and read by the
-    pick's first pass, which writes one int32 key that its five later passes read (three
-    radix passes, the counts, the output). The torch path moves more (its scores filled
-    with -inf first, the max over heads written, then read and written by the masking, read
-    by the top-k), in many more launches."""
-    return 2 * 4 * num_kv_heads + 6 * 4
+    provider (the benchmark's path). With the KV heads folded in by the attention
+    (``omnikv_scores.FOLD_KV_HEADS``, the default): one fp32 score filled with -inf, then
+    written by the attention's atomic max and read by the pick's first pass; else one fp32
+    max logit per KV head written by the attention (no fill: the pick reads each row's
+    tokens only) and read by that pass. Either way the pass writes one int32 key that the
+    pick's five later passes read (three radix passes, the counts, the output). The torch
+    path moves more (its scores filled with -inf first, the max over heads written, then
+    read and written by the masking, read by the top-k), in many more launches."""
+    scores = 3 * 4 if kernels.omnikv_scores.FOLD_KV_HEADS else 2 * 4 * num_kv_heads
+    return scores + 6 * 4
 
 
 def pure_decode(ctx) -> bool:

@@ -228,7 +228,8 @@ def launch_every_kernel(device):
     K.paged_decode_triton(q, *base)
     K.paged_decode_triton(q, *base, kv_chunk=16, return_lse=True)
     K.decode_colsum_triton(q, *base, max_kv_len=80)
-    K.decode_max_logits_triton(q, *base, max_kv_len=80)
+    for fold in (True, False):  # the group maxima taken in atomically, or stored a KV head each
+        K.decode_max_logits_triton(q, *base, max_kv_len=80, fold=fold)
     for mode in ("logits", "probs"):
         omnikv_scores_triton(q, kv.k_cache, kv.page_table, kv.kv_lens, mode, 80)
     idx = torch.randint(0, 33, (2, hkv, 24), generator=gen).to(device)

@@ -209,6 +209,33 @@ def test_triton_scores_choose_what_torch_scores_choose(mode):
     assert_close(out, want, 1e-4, "attention over the pool rows")
 
 
+@pytest.mark.parametrize("fold", [True, False])
+def test_triton_filter_layer_hands_over_folded_or_per_head_scores(fold, monkeypatch):
+    """A Triton filter layer's max logits come back ``[B, 1, L]`` (the KV heads folded in by
+    the attention, ``FOLD_KV_HEADS``) or ``[B, Hkv, L]``; the torch provider's per KV head.
+    The next layer's choice is the definition's either way."""
+    pytest.importorskip("triton")
+    from sparseengine.kernels import omnikv_scores
+
+    monkeypatch.setattr(omnikv_scores, "FOLD_KV_HEADS", fold)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(8)
+    sink, budget, recent = 2, 5, 3
+    kv = random_paged_kv([9, 40, 33], 2, 16, 8, generator=gen, device=device)
+    q = randn(3, 4, 16, generator=gen, device=device)
+    rt = runtime(2, sink, budget, recent, "logits")
+    shapes = {}
+    for provider in ("torch", "triton"):
+        ctx = graph_context(rt, kv, provider=provider)
+        rows = rt.score_rows(1, ctx)
+        _, scores = ctx.provider.attend(q, kv.k_cache, kv.v_cache, ctx, ctx.views[1], None, rows)
+        shapes[provider] = tuple(scores.shape)
+        rt.observe(1, q, scores, ctx)
+        check_requests(rt.select(3, q, ctx), q.cpu(), kv_on_cpu(kv), sink, budget, recent, "logits", provider)
+    width = kv.page_table.shape[1] * 8
+    assert shapes == {"torch": (3, 2, width), "triton": (3, 1 if fold else 2, width)}
+
+
 def kv_on_cpu(kv):
     return type(kv)(*(t.cpu() for t in (kv.k_cache, kv.v_cache, kv.page_table, kv.kv_lens)))
 
