@@ -53,6 +53,20 @@ def test_prompt_logits_of_the_last_positions(tiny):
                 llm.prompt_logits(ids, last=bad)
 
 
+def test_bf16_logits_reach_the_sampler_as_computed(tiny):
+    """A bf16 model's LM head output goes to the sampler in bf16 (no float32 copy a step);
+    ``prompt_logits`` still hands back float32 rows, holding bf16 values, and greedy decoding
+    takes each row's argmax: the first new token is the last prompt row's argmax."""
+    folder, vocab = tiny
+    ids = random_prompts(vocab, [21, 13], seed=5)
+    with LLM(folder, dtype="bfloat16", page_size=8, kv_cache_memory=0.01) as llm:
+        logits = llm.prompt_logits(ids)
+        outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    for rows, out in zip(logits, outs):
+        assert rows.dtype == torch.float32 and torch.equal(rows, rows.bfloat16().float())
+        assert out.token_ids == [int(rows[-1].argmax())]
+
+
 def test_alone_equals_inside_batch_of_8(tiny):
     folder, vocab = tiny
     prompts = random_prompts(vocab, [9, 33, 70, 4, 51, 18, 64, 27], seed=5)

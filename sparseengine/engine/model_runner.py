@@ -118,7 +118,8 @@ class ModelRunner:
                 upto = min(n, seq.num_prompt_tokens - seq.num_computed_tokens)
                 start = min(upto, max(0, seq.prompt_logits_from - seq.num_computed_tokens))
                 if start < upto:
-                    seq.prompt_logits.append(self.model.compute_logits(hidden[offset + start:offset + upto]).cpu())
+                    rows_h = hidden[offset + start:offset + upto]
+                    seq.prompt_logits.append(self.model.compute_logits(rows_h).to("cpu", torch.float32))
             offset += n
         if not sample_rows:
             return [], None

@@ -46,11 +46,11 @@ class Sampler:
         self._generators.pop(seq_id, None)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], seq_ids: list[int]) -> list[int]:
-        """logits [B, V] (float32) -> one token per row."""
+        """logits [B, V] (floating) -> one token per row."""
         return self.sample(logits, params, seq_ids).tolist()
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], seq_ids: list[int]) -> torch.Tensor:
-        """logits [B, V] (float32) -> one token per row, int64 on logits' device; nothing
+        """logits [B, V] (floating: the model's dtype) -> one token per row, int64 on logits' device; nothing
         waits for the device (the engine reads the tokens a step later)."""
         out = greedy(logits, self.argmax_counters(logits.device) if logits.is_cuda else None)
         if all(p.greedy for p in params):

@@ -240,7 +240,7 @@ class DeltaKV(DeltaKVPool):
         idx, slots, positions = self._mapped
         self._rebuild_rows(layer, positions, slots, ctx)
         B, width, hkv = tokens.shape[0], tokens.shape[1], self.model.num_kv_heads
-        return Selection(idx[:, None, :].expand(B, hkv, width), counts[:, None].expand(B, hkv).contiguous(),
+        return Selection(idx[:, None, :].expand(B, hkv, width), counts[:, None].expand(B, hkv),  # views: no launch
                          dense=(False,) * B)
 
     def _map(self, seqs, tokens: torch.Tensor, counts: torch.Tensor, table: torch.Tensor):

@@ -193,7 +193,9 @@ class OmniKV(SparseMethodRuntime):
         """``pick_tokens``' choice, one index set (and its pool rows) shared by every KV head."""
         rows, hkv = idx.shape[0], self.model.num_kv_heads
         shared = (lambda t: t[:, None, :].expand(rows, hkv, t.shape[1]))  # noqa: E731
-        return Selection(shared(idx), counts[:, None].expand(rows, hkv).contiguous(), dense=(False,) * rows,
+        # counts a view too (stride 0 over the heads): every attention reads num_selected by its strides, and a
+        # copy would be a launch a filter layer
+        return Selection(shared(idx), counts[:, None].expand(rows, hkv), dense=(False,) * rows,
                          pool_rows=None if pool_rows is None else shared(pool_rows))
 
     def _choose_per_request(self, layer, q, ctx) -> Selection | None:
@@ -216,8 +218,8 @@ def pick_from_max_logits(colsums: torch.Tensor, kv_lens: torch.Tensor, config,
     """``pick_tokens`` over the max over dim 1 of a filter layer's max logits ``[B, G, L]``
     (per KV head, or G = 1: already over all heads; the ``logits`` score) -> (indices,
     counts); ``triton``: the Triton pick, which takes that max itself (six kernels and a
-    memset instead of torch's max, top-k and sort), and given ``rows_of`` (page table, page size) also returns the chosen
-    tokens' pool rows."""
+    memset instead of torch's max, top-k and sort), and given ``rows_of`` (page table,
+    page size) also returns the chosen tokens' pool rows."""
     cfg = config
     if triton:
         table, page_size = rows_of if rows_of is not None else (None, 0)

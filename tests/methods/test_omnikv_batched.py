@@ -225,13 +225,13 @@ def test_triton_filter_layer_hands_over_folded_or_per_head_scores(fold, monkeypa
     q = randn(3, 4, 16, generator=gen, device=device)
     rt = runtime(2, sink, budget, recent, "logits")
     shapes = {}
-    for provider in ("torch", "triton"):
-        ctx = graph_context(rt, kv, provider=provider)
+    for provider, (pq, pkv) in (("torch", (q.cpu(), kv_on_cpu(kv))), ("triton", (q, kv))):
+        ctx = graph_context(rt, pkv, provider=provider)  # the torch provider on the CPU
         rows = rt.score_rows(1, ctx)
-        _, scores = ctx.provider.attend(q, kv.k_cache, kv.v_cache, ctx, ctx.views[1], None, rows)
+        _, scores = ctx.provider.attend(pq, pkv.k_cache, pkv.v_cache, ctx, ctx.views[1], None, rows)
         shapes[provider] = tuple(scores.shape)
-        rt.observe(1, q, scores, ctx)
-        check_requests(rt.select(3, q, ctx), q.cpu(), kv_on_cpu(kv), sink, budget, recent, "logits", provider)
+        rt.observe(1, pq, scores, ctx)
+        check_requests(rt.select(3, pq, ctx), q.cpu(), kv_on_cpu(kv), sink, budget, recent, "logits", provider)
     width = kv.page_table.shape[1] * 8
     assert shapes == {"torch": (3, 2, width), "triton": (3, 1 if fold else 2, width)}
 
