@@ -26,8 +26,7 @@ def bench_omnikv_select(out_path, B=6, L=133120, n=131072, sink=64, budget=1472,
     variants = [{}, dict(num_warps=2), dict(num_warps=8), dict(block=512), dict(block=512, num_warps=2),
                 dict(block=2048), dict(block=2048, num_warps=8), dict(block=4096, num_warps=8)]
     folded = scores.amax(1, keepdim=True)  # what the filter layer's attention hands over by default
-    for kw, given in [(kw, scores) for kw in variants] + [({}, folded), (dict(radix_bits=11), folded),
-                                                          (dict(radix_bits=11), scores)]:
+    for kw, given in [(kw, scores) for kw in variants] + [({}, folded)]:
         fn = lambda: omnikv_select_triton(given, kv_lens, sink, budget, recent, **kw)  # noqa: E731
         same = all(torch.equal(g, w) for g, w in zip(fn(), want))
         emit(out_path, {"kind": "omnikv_select", "path": "triton", **shape, **kw, "heads_in": given.shape[1],

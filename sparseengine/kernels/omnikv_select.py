@@ -9,10 +9,9 @@ gets `[0, sink)`, the top `budget` of its middle tokens `[sink, n - recent)` asc
 then `[n - recent, n)`; a shorter one gets `0 .. K-1` with count n. Ties go to the earlier
 token, which `torch.topk` does not promise.
 
-How: a radix search for the budget-th largest middle key t, a byte a pass (or 11 bits:
-`RADIX_BITS`, three passes of 2048 bins; the steps below in bytes), spread over every
-(request, block of tokens) program, so its cost does not depend on how the scores are
-distributed. A score maps to an int32 key of the same order (negative floats flip
+How: a radix search for the budget-th largest middle key t, a byte a pass, spread over
+every (request, block of tokens) program, so its cost does not depend on how the scores
+are distributed. A score maps to an int32 key of the same order (negative floats flip
 their low 31 bits; -0.0 counts as +0.0), searched as uint32 (the sign bit flipped).
 1. `_hist_kernel`, pass 0: the max over heads, the keys written, and each block's
    histogram of the keys' top byte added into the request's (atomics, 256 bins).
@@ -40,9 +39,7 @@ from ._common import cdiv, check_launch, check_lens, check_scores, int_arg, lazy
 if TYPE_CHECKING:  # bound by _common.LazyKernel at first launch: importing needs no Triton
     import triton.language as tl
 
-# Bits a radix pass settles (read at each call; an A/B switch): 8, four passes of 256-bin
-# histograms; 11, three passes (11 + 11 + 10 bits) of 2048 bins, one launch fewer a pick.
-RADIX_BITS = 8
+PASSES = 4  # bytes of a 32-bit key
 # The launch when the caller names none (read at each call; --kernel-const sets them for
 # A/Bs): tokens a program, warps a program. H200, the 128K shape, per pick (session 11,
 # results/omnikv_select_h200.jsonl): blocks of 1024 44.0 us, of 2048 41.7. OmniKV b=6, its
@@ -58,10 +55,9 @@ EMIT_POOL_ROWS = True
 
 
 def omnikv_select_triton(scores, kv_lens, sink_tokens, budget, recent_tokens, *, block: int | None = None,
-                         num_warps: int | None = None, page_table=None, page_size: int = 0,
-                         radix_bits: int | None = None):
+                         num_warps: int | None = None, page_table=None, page_size: int = 0):
     """`block`: tokens per program (a power of two >= 16); `num_warps`: per program
-    (None: `BLOCK`, `WARPS`); `radix_bits`: 8 or 11 bits a pass (None: `RADIX_BITS`).
+    (None: `BLOCK`, `WARPS`).
     `page_table [B, P]` with `page_size`: also the chosen tokens' pool rows, a third output
     `[B, K]` int32 (`page_table[b, t // page_size] * page_size + t % page_size`, -1 past a
     request's count), written beside the tokens (the rows variant of the sparse decode
@@ -99,17 +95,13 @@ def omnikv_select_triton(scores, kv_lens, sink_tokens, budget, recent_tokens, *,
         scores = scores.contiguous()
     n_blocks = cdiv(L, block)
     keys = torch.empty((B, L), dtype=torch.int32, device=device)
-    bits = radix_bits if radix_bits is not None else RADIX_BITS
-    if bits not in (8, 11):
-        raise ValueError(f"radix_bits must be 8 or 11, got {bits}")
-    passes = cdiv(32, bits)
-    hist = torch.zeros((B, passes, 1 << bits), dtype=torch.int32, device=device)
+    hist = torch.zeros((B, PASSES, 256), dtype=torch.int32, device=device)
     block_counts = torch.empty((B, n_blocks, 2), dtype=torch.int32, device=device)
     indices = torch.empty((B, total), dtype=torch.int64, device=device)
     counts = torch.empty((B,), dtype=torch.int32, device=device)  # min(n, total), written by the emit
     grid = (B, n_blocks)
-    common = dict(SINK=sink, BUDGET=budget, RECENT=recent, BLOCK=block, BITS=bits, num_warps=num_warps)
-    for p in range(passes):
+    common = dict(SINK=sink, BUDGET=budget, RECENT=recent, BLOCK=block, num_warps=num_warps)
+    for p in range(PASSES):
         _hist_kernel[grid](scores, kv_lens, keys, hist, scores.stride(0), scores.stride(1), L, H=H, PASS=p, **common)
     _count_kernel[grid](keys, hist, kv_lens, block_counts, L, n_blocks, **common)
     _emit_kernel[grid](keys, hist, kv_lens, block_counts, indices, counts, L, n_blocks,
@@ -125,30 +117,19 @@ def _ordered_keys(s):
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
 
-def _shift(p, BITS: tl.constexpr):
-    """Where pass p's digit sits in the key: its lowest bit (the last pass takes what is left)."""
-    return 32 - BITS * (p + 1) if 32 - BITS * (p + 1) > 0 else 0
-
-
-def _digit(u, p, BITS: tl.constexpr):
-    """Pass p's digit of the uint32 keys `u`: BITS bits, or what is left of the key's 32."""
-    width = BITS if 32 - BITS * p > BITS else 32 - BITS * p
-    return (u >> _shift(p, BITS)) & ((1 << width) - 1)
-
-
-def _settle(hist_row, m, PASSES_DONE: tl.constexpr, BITS: tl.constexpr):
-    """(prefix, need): the key's bits that the passes done settle, of the m-th largest key
-    (as uint32, the rest zero), from their histograms, and how many of the keys matching
-    them the m largest still need (after every pass: the keys equal to t to take)."""
+def _settle(hist_row, m, PASSES_DONE: tl.constexpr):
+    """(prefix, need): the top 8 * PASSES_DONE bits of the m-th largest key (as uint32, the
+    rest zero), from the histograms of the passes done, and how many of the keys matching
+    them the m largest still need (after four passes: the keys equal to t to take)."""
     prefix = tl.zeros([], tl.uint32)
     need = m + tl.zeros([], tl.int32)
-    digits = tl.arange(0, 1 << BITS)
+    digits = tl.arange(0, 256)
     for p in tl.static_range(PASSES_DONE):
-        h = tl.load(hist_row + p * (1 << BITS) + digits)
-        at_least = tl.cumsum(h, 0, reverse=True)  # matching keys with this digit or a larger one
-        d = tl.max(tl.where(at_least >= need, digits, 0), 0)  # digit 0 always qualifies
+        h = tl.load(hist_row + p * 256 + digits)
+        at_least = tl.cumsum(h, 0, reverse=True)  # matching keys with this byte or a larger one
+        d = tl.max(tl.where(at_least >= need, digits, 0), 0)  # byte 0 always qualifies
         need -= tl.sum(tl.where(digits > d, h, 0), 0)
-        prefix = prefix | (d.to(tl.uint32) << _shift(p, BITS))
+        prefix = prefix | (d.to(tl.uint32) << (24 - 8 * p))
     return prefix, need
 
 
@@ -160,22 +141,20 @@ def _block(kv_lens_ptr, L, SINK: tl.constexpr, RECENT: tl.constexpr, BLOCK: tl.c
     return b, offs, (offs >= SINK) & (offs < n - RECENT) & (offs < L), n
 
 
-def _threshold(hist_ptr, b, BUDGET: tl.constexpr, BITS: tl.constexpr):
-    """(t, ties): the request's budget-th largest key, settled by every pass, and how many
-    keys equal to it the pick takes."""
-    PASSES: tl.constexpr = (32 + BITS - 1) // BITS
-    prefix, ties = _settle(hist_ptr + b * (PASSES << BITS), BUDGET, PASSES, BITS)
+def _threshold(hist_ptr, b, BUDGET: tl.constexpr):
+    """(t, ties): the request's budget-th largest key, settled by the four passes, and how
+    many keys equal to it the pick takes."""
+    prefix, ties = _settle(hist_ptr + b * (4 * 256), BUDGET, 4)
     return prefix.to(tl.int32, bitcast=True) ^ -2147483648, ties
 
 
 @lazy_jit
 def _hist_kernel(scores_ptr, kv_lens_ptr, keys_ptr, hist_ptr, stride_b, stride_h, L,
                  H: tl.constexpr, PASS: tl.constexpr, SINK: tl.constexpr, BUDGET: tl.constexpr,
-                 RECENT: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr):
-    PASSES: tl.constexpr = (32 + BITS - 1) // BITS
+                 RECENT: tl.constexpr, BLOCK: tl.constexpr):
     b, offs, middle, n = _block(kv_lens_ptr, L, SINK, RECENT, BLOCK)
     if n > SINK + BUDGET + RECENT:  # else the request takes every token: no search
-        hist_row = hist_ptr + b * (PASSES << BITS)
+        hist_row = hist_ptr + b * (4 * 256)
         keys = keys_ptr + b.to(tl.int64) * L
         if PASS == 0:  # the keys: the max over heads of the middle tokens' scores
             row = scores_ptr + b.to(tl.int64) * stride_b
@@ -189,21 +168,19 @@ def _hist_kernel(scores_ptr, kv_lens_ptr, keys_ptr, hist_ptr, stride_b, stride_h
         else:
             key = tl.load(keys + offs, mask=middle, other=-2147483648)
             u = (key ^ -2147483648).to(tl.uint32, bitcast=True)
-            prefix, _ = _settle(hist_row, BUDGET, PASS, BITS)
-            settled = _shift(PASS - 1, BITS)  # the bits above it are the passes before's
-            match = middle & ((u >> settled) == (prefix >> settled))
-        h = tl.histogram(_digit(u, PASS, BITS).to(tl.int32), 1 << BITS, mask=match)
-        tl.atomic_add(hist_row + PASS * (1 << BITS) + tl.arange(0, 1 << BITS), h, mask=h > 0, sem="relaxed")
+            prefix, _ = _settle(hist_row, BUDGET, PASS)
+            match = middle & ((u >> (32 - 8 * PASS)) == (prefix >> (32 - 8 * PASS)))
+        h = tl.histogram(((u >> (24 - 8 * PASS)) & 255).to(tl.int32), 256, mask=match)
+        tl.atomic_add(hist_row + PASS * 256 + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
 
 
 @lazy_jit
 def _count_kernel(keys_ptr, hist_ptr, kv_lens_ptr, counts_ptr, L, n_blocks,
-                  SINK: tl.constexpr, BUDGET: tl.constexpr, RECENT: tl.constexpr, BLOCK: tl.constexpr,
-                  BITS: tl.constexpr):
+                  SINK: tl.constexpr, BUDGET: tl.constexpr, RECENT: tl.constexpr, BLOCK: tl.constexpr):
     b, offs, middle, n = _block(kv_lens_ptr, L, SINK, RECENT, BLOCK)
     if n > SINK + BUDGET + RECENT:
         key = tl.load(keys_ptr + b.to(tl.int64) * L + offs, mask=middle, other=-2147483648)
-        t, _ = _threshold(hist_ptr, b, BUDGET, BITS)
+        t, _ = _threshold(hist_ptr, b, BUDGET)
         out = counts_ptr + (b * n_blocks + tl.program_id(1)) * 2
         tl.store(out, tl.sum((middle & (key > t)).to(tl.int32), 0))
         tl.store(out + 1, tl.sum((middle & (key == t)).to(tl.int32), 0))
@@ -213,7 +190,7 @@ def _count_kernel(keys_ptr, hist_ptr, kv_lens_ptr, counts_ptr, L, n_blocks,
 def _emit_kernel(keys_ptr, hist_ptr, kv_lens_ptr, counts_ptr, out_ptr, n_out_ptr, L, n_blocks, pt_ptr, rows_ptr,
                  stride_pt,
                  PAGE_SIZE: tl.constexpr, SINK: tl.constexpr, BUDGET: tl.constexpr, RECENT: tl.constexpr,
-                 BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BITS: tl.constexpr):
+                 BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     TOTAL: tl.constexpr = SINK + BUDGET + RECENT
     b, offs, middle, n = _block(kv_lens_ptr, L, SINK, RECENT, BLOCK)
     blk = tl.program_id(1)
@@ -229,7 +206,7 @@ def _emit_kernel(keys_ptr, hist_ptr, kv_lens_ptr, counts_ptr, out_ptr, n_out_ptr
             _store_rows(pt_ptr, rows_ptr, stride_pt, b, TOTAL, j, token, (j < TOTAL) & fixed, token < n, PAGE_SIZE)
     if n > TOTAL:
         key = tl.load(keys_ptr + b.to(tl.int64) * L + offs, mask=middle, other=-2147483648)
-        t, ties = _threshold(hist_ptr, b, BUDGET, BITS)
+        t, ties = _threshold(hist_ptr, b, BUDGET)
         i = tl.arange(0, BLOCK_N)
         before = i < blk
         counts = counts_ptr + b * n_blocks * 2 + i * 2

@@ -274,9 +274,8 @@ def launch_every_kernel(device):
     K.silu_mul_triton(randn(5, 512, generator=gen, dtype=bf, device=device))
     K.row_argmax_triton(torch.randn(3, 300, generator=gen).to(device), block=64)  # greedy sampling's logits
     picks = torch.randn(2, 1, 4200, generator=gen).to(device)  # OmniKV's pick from folded max logits
-    for bits in (8, 11):  # a byte a radix pass, and 11 bits (2048-bin histograms)
-        K.omnikv_select_triton(picks, torch.tensor([4100, 3000], device=device), 64, 1472, 512, radix_bits=bits,
-                               page_table=torch.zeros(2, 263, dtype=torch.int32, device=device), page_size=16)
+    K.omnikv_select_triton(picks, torch.tensor([4100, 3000], device=device), 64, 1472, 512,
+                           page_table=torch.zeros(2, 263, dtype=torch.int32, device=device), page_size=16)
     K.row_argmax_triton(randn(2, 300, generator=gen, dtype=bf, device=device))
     wl = randn(64, 256, generator=gen, dtype=bf, device=device)
     for pdl in (False, True):  # the benchmark's launches: 3 stages, and the PDL path's prologue

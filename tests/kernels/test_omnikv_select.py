@@ -21,9 +21,7 @@ CASES = [
 ]
 # Launch knobs: the default (one block holds a small case's row); blocks of 16 and 64
 # tokens (many blocks a request: the counts of the blocks before each one matter).
-# Each also with 11-bit digits (three passes of 2048 bins; `RADIX_BITS`) where it has many blocks.
-KNOBS = {"default": {}, "block16": dict(block=16), "block64": dict(block=64, num_warps=2),
-         "bits11": dict(radix_bits=11), "block16-bits11": dict(block=16, radix_bits=11)}
+KNOBS = {"default": {}, "block16": dict(block=16), "block64": dict(block=64, num_warps=2)}
 
 
 @pytest.fixture(autouse=True)
@@ -110,22 +108,20 @@ def test_a_gap_right_below_the_budget_th_score(knobs):
     assert idx.cpu().tolist() == _definition(values, lens, sink, budget, recent)
 
 
-@pytest.mark.parametrize("bits", [8, 11])
 @pytest.mark.parametrize("low", [8, 10, 16, 21, 24])
-def test_keys_that_differ_only_below_a_digit(bits, low):
+def test_keys_that_differ_only_below_a_digit(low):
     """Positive scores whose keys share every bit from `low` up (floats order as their bits),
-    so the passes above settle nothing between them: the threshold is decided by the digits
-    at and below `low` (10 and 21 are 11-bit passes' edges, 8, 16 and 24 a byte's), with
-    repeated keys among them (ties to the earlier token)."""
+    so the passes above settle nothing between them: the threshold is decided by the bytes
+    at and below `low` (8, 16 and 24 a byte's edge, 10 and 21 inside one), with repeated
+    keys among them (ties to the earlier token)."""
     lens, sink, budget, recent = [700, 650], 4, 60, 8
-    gen = torch.Generator().manual_seed(low * 3 + bits)
+    gen = torch.Generator().manual_seed(low * 3)
     base = torch.tensor(1.5).view(torch.int32) & ~((1 << low) - 1)
     low_bits = torch.randint(0, 1 << low, (2, 1, 700), generator=gen, dtype=torch.int32)
     low_bits[:, :, 1::7] = low_bits[:, :, 2::7][..., : low_bits[:, :, 1::7].shape[-1]]  # repeats
     values = (base | low_bits).view(torch.float32)
     scores = _scores(values, lens, recent).to(DEVICE)
-    idx, _ = omnikv_select_triton(scores, torch.tensor(lens, device=DEVICE), sink, budget, recent, block=64,
-                                  radix_bits=bits)
+    idx, _ = omnikv_select_triton(scores, torch.tensor(lens, device=DEVICE), sink, budget, recent, block=64)
     assert idx.cpu().tolist() == _definition(values, lens, sink, budget, recent)
 
 
@@ -185,8 +181,6 @@ def test_bad_inputs_are_refused():
         omnikv_select_triton(scores, lens, 4, 8, 4, block=48)
     with pytest.raises(ValueError, match="block must be an integer >= 16"):
         omnikv_select_triton(scores, lens, 4, 8, 4, block=8)
-    with pytest.raises(ValueError, match="radix_bits must be 8 or 11, got 9"):
-        omnikv_select_triton(scores, lens, 4, 8, 4, radix_bits=9)
 
 
 @pytest.mark.gpu

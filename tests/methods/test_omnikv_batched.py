@@ -48,7 +48,7 @@ def graph_context(rt, kv, provider: str = "torch") -> StepContext:
     cache = types.SimpleNamespace(layer=lambda layer: (kv.k_cache, kv.v_cache))
     return StepContext(seqs=[None] * B, q_lens=(1,) * B, cu_q_lens=torch.arange(B + 1, dtype=torch.int32),
                        is_decode=True, views=[view] * NUM_LAYERS, kv_cache=cache,
-                       provider=make_provider(provider, torch.device("cpu")), method=rt,
+                       provider=make_provider(provider, kv.k_cache.device), method=rt,
                        positions=torch.zeros(B, dtype=torch.long))
 
 
