@@ -209,8 +209,7 @@ def bench_omnikv_filter_layer(out_path, B=6, P=8320, n=131072, layers=6):
         k, v, table = caches[next(it) % layers]
         return decode_max_logits_triton(q, k, v, table, kv_lens, width, fill=False, **kw)
 
-    variants = [("dense", split, {}), ("max_logits_engine", engine, {}),
-                ("max_logits_engine_folded", engine, dict(fold=True)),
+    variants = [("dense", split, {}), ("max_logits_engine", engine, {}),  # folded (FOLD_KV_HEADS)
                 ("max_logits_engine_per_head", engine, dict(fold=False)),
                 ("max_logits_no_fill", split, dict(logits=group_max, group=True)),
                 ("max_logits_store_none", split, dict(logits=one_wide, group=True)),
