@@ -108,7 +108,7 @@ def graph_context(rt, kv, slots: torch.Tensor, provider: str = "torch") -> StepC
     cache = types.SimpleNamespace(layer=lambda layer: (kv.k_cache, kv.v_cache))
     return StepContext(seqs=[None] * B, q_lens=(1,) * B, cu_q_lens=torch.arange(B + 1, dtype=torch.int32),
                        is_decode=True, views=[view] * NUM_LAYERS, kv_cache=cache,
-                       provider=make_provider(provider, torch.device("cpu")), method=rt,
+                       provider=make_provider(provider, kv.k_cache.device), method=rt,
                        positions=torch.zeros(B, dtype=torch.long))
 
 
@@ -281,10 +281,11 @@ def test_triton_page_decode_equals_torch_provider():
     pytest.importorskip("triton")
     from sparseengine.attention.triton_provider import TritonAttentionProvider
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: tests/conftest sets TRITON_INTERPRET=1
     gen = torch.Generator().manual_seed(7)
     ps, lens, hq, hkv = 4, [3, 22, 41], 8, 2
-    kv = random_paged_kv(lens, hkv, 16, ps, generator=gen, extra_cols=1)
-    q = randn(len(lens), hq, 16, generator=gen)
+    kv = random_paged_kv(lens, hkv, 16, ps, generator=gen, extra_cols=1, device=device)
+    q = randn(len(lens), hq, 16, generator=gen, device=device)
     slots = torch.cat([kv.slots(b) for b in range(len(lens))])
     outs = {}
     for name, provider in (("torch", TorchAttentionProvider()), ("triton", TritonAttentionProvider())):
@@ -305,11 +306,12 @@ def test_triton_selection_takes_the_same_pages_with_maxima_from_the_scores(monke
     pytest.importorskip("triton")
     from sparseengine.kernels import quest_select
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: tests/conftest sets TRITON_INTERPRET=1
     gen = torch.Generator().manual_seed(11)
     ps, lens, hq, hkv = 4, [3, 22, 41, 64], 8, 2
-    kv = random_paged_kv(lens, hkv, 16, ps, generator=gen, extra_cols=1)
-    q = randn(len(lens), hq, 16, generator=gen)
-    newest = torch.tensor([int(kv.slots(b)[-1]) for b in range(len(lens))])  # each request's last token
+    kv = random_paged_kv(lens, hkv, 16, ps, generator=gen, extra_cols=1, device=device)
+    q = randn(len(lens), hq, 16, generator=gen, device=device)
+    newest = torch.tensor([int(kv.slots(b)[-1]) for b in range(len(lens))], device=device)  # each request's last token
     every = torch.cat([kv.slots(b) for b in range(len(lens))])
     assert quest_select.maxima_group(kv.page_table.shape[1], ps, 8, 64) == 2  # the path runs here
     picks = {}
