@@ -23,7 +23,9 @@
 #     (EXPERIMENT: decode_throughput_128k, the default, or decode_throughput_128k_qwen3)
 #   bash scripts/gpu_session.sh accuracy [hydra overrides]     # python run.py -m experiment=accuracy_smollm2 on the GPU
 # Timeouts: the GPU tests of tests/kernels, tests/methods and tests/attention took 94 s in session 16 (56 tests, a
-# warm machine): a 130 s limit cut a cold call's run short, hence 180-240 s below.
+# warm machine): a 130 s limit cut a cold call's run short, hence 180-240 s below. The whole `tests -m gpu`
+# suite has outgrown that: on a fresh H100 (s60-1) it reached 202 of its 232 tests in 220 s, and the files
+# holding the rest took 143 s more (s60-2), so the phases that run it all take TEST_TIMEOUT (400-420 s).
 # Wheels the device lacks travel in .whl/<set>/ (see results/README.md; FlashInfer's as
 # .whl/flashinfer_trim/, made by scripts/trim_flashinfer_wheel.py, where present); the embedded GGUF
 # travels split in two (.whl/model/smollm2.gguf.part00/01) over two calls.
@@ -78,8 +80,8 @@ case "$phase" in
 check)
   nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
   bash scripts/gpu_flashinfer_check.sh build > "$OUT/flashinfer_build.log" 2>&1 & fi_build=$!
-  timeout 240 python -m pytest tests -q -m gpu -k "not flashinfer" -p no:cacheprovider -rs 2>&1 | tail -12 \
-    | tee "$OUT/gpu_tests.log"
+  timeout "${TEST_TIMEOUT:-420}" python -m pytest tests -q -m gpu -k "not flashinfer" -p no:cacheprovider -rs 2>&1 \
+    | tail -12 | tee "$OUT/gpu_tests.log"
   wait $fi_build; tail -5 "$OUT/flashinfer_build.log"
   install_wheels "$FI_WHEELS"
   timeout 60 python -m sparseengine.kernels.bench_gpu --flashinfer --out "$OUT/kernels_flashinfer.jsonl" 2>&1 | tail -12
@@ -90,8 +92,8 @@ check)
   ;;
 profiles)
   stash_gguf
-  timeout 240 python -m pytest tests/kernels tests/methods tests/attention -q -m gpu -k "not flashinfer" \
-    -p no:cacheprovider -rs 2>&1 | tail -12 | tee "$OUT/gpu_tests.log"
+  timeout "${TEST_TIMEOUT:-400}" python -m pytest tests/kernels tests/methods tests/attention -q -m gpu \
+    -k "not flashinfer" -p no:cacheprovider -rs 2>&1 | tail -12 | tee "$OUT/gpu_tests.log"
   timeout 90 python -m sparseengine.kernels.bench_gpu --splits --out "$OUT/decode_splits.jsonl" 2>&1 | tail -20
   deltakv_checkpoint
   for spec in "vanilla 1" "quest 6" "omnikv 6" "snapkv 183" "h2o 128" "deltakv 1" "deltakv 6"; do
