@@ -15,7 +15,7 @@
 #   BATCH=3 bash scripts/gpu_session.sh sparse_attention  # the CUDA attention over a selection: tests, bench, A/Bs
 #   bash scripts/gpu_session.sh linear_grid  # cuda_linear with several CTAs an SM: tests, chain bench, A/Bs
 #   bash scripts/gpu_session.sh quest_scores # Quest's score tests, its scoring launches swept, the fastest A/B in b6 profiles
-#   bash scripts/gpu_session.sh pick         # GPU tests (kernels, methods), OmniKV's pick side by side, OmniKV b6 profile
+#   bash scripts/gpu_session.sh pick         # OmniKV's pick: its tests, CUDA beside Triton (bench, then b6 A/B profiles)
 #   bash scripts/gpu_session.sh balanced     # split-K decode tests (all, compiled), the balanced plan beside the per-row one
 #   bash scripts/gpu_session.sh ragged [hydra overrides]  # our dense decode beside FlashInfer's on ragged batches (carry
 #     the FlashInfer wheels too), then python run.py -m experiment=decode_throughput_ragged
@@ -398,11 +398,17 @@ quest_scores.SCORE_STAGES=$4 quest_scores.KEEP_SCORE_TILES=$5${EXTRA_VARIANTS:+;
     ROUNDS=${ROUNDS:-2} METHOD=quest BATCH=6 bash "$0" variants
   ;;
 pick)
-  timeout 240 python -m pytest tests/kernels tests/methods -q -m gpu -k "not flashinfer" -p no:cacheprovider -rs 2>&1 \
-    | tail -12 | tee "$OUT/gpu_tests.log"
-  timeout 120 python -m sparseengine.kernels.bench_gpu --omnikv-select --out "$OUT/omnikv_select.jsonl" 2>&1 | tail -20
-  timeout 120 python scripts/profile_decode_step.py --method omnikv --batch 6 --steps 8 --commit "$COMMIT" \
-    --out "$OUT/profile_omnikv_b6.json" 2>&1 | grep -v -E "it/s\]|s/it\]" | tail -30
+  # OmniKV's pick: the tests of both picks and of the methods that pick (OmniKV, DeltaKV) in the engine's graphs, the
+  # picks side by side (bench_gpu --omnikv-select), then OmniKV's graph step with the CUDA pick and the Triton one
+  # in alternating profiles (the variants phase: BATCH, default 6, 3 on an H100; ROUNDS; LAUNCH_SEQ)
+  install_wheels .whl/hydra
+  timeout "${TEST_TIMEOUT:-240}" python -m pytest tests/kernels/test_omnikv_select_cuda.py \
+    tests/kernels/test_omnikv_select.py tests/kernels/test_nvcc_build.py tests/methods/test_omnikv_batched.py \
+    tests/methods/test_graph_vs_eager_gpu.py -k "not test_graph_vs_eager or omnikv or deltakv" -q \
+    -p no:cacheprovider -rs 2>&1 | tail -12 | tee "$OUT/gpu_tests.log"
+  timeout 120 python -m sparseengine.kernels.bench_gpu --omnikv-select --out "$OUT/omnikv_select.jsonl" 2>&1 \
+    | python scripts/show_bench.py omnikv_select path cluster block num_warps heads_in us_per_launch equals_torch_path
+  METHOD=omnikv VARIANTS="${VARIANTS:-default;omnikv_select_cuda.ENGINE=False}" bash "$0" variants
   ;;
 balanced)
   timeout 240 python -m pytest tests/kernels/test_paged_decode.py tests/kernels/test_sparse_decode.py \

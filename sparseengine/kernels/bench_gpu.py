@@ -157,7 +157,7 @@ PARTS = {
                               "bench_omnikv", ("bench_omnikv_attention_cold",)),
     "omnikv-filter": ("OmniKV's filter layers: dense attention storing max logits against plain dense",
                       "bench_omnikv", ("bench_omnikv_filter_layer",)),
-    "omnikv-select": ("OmniKV's token pick, Triton variants beside the torch path", "bench_omnikv",
+    "omnikv-select": ("OmniKV's token pick, Triton and CUDA variants beside the torch path", "bench_omnikv",
                       ("bench_omnikv_select", "bench_pick_at_quest_shape")),
 }
 

@@ -1,5 +1,5 @@
-"""OmniKV's token pick at the 128K decode benchmark's shape, the Triton pick beside the
-torch path (`python -m sparseengine.kernels.bench_gpu --omnikv-select --out FILE`). Each
+"""OmniKV's token pick at the 128K decode benchmark's shape, the Triton and CUDA picks beside
+the torch path (`python -m sparseengine.kernels.bench_gpu --omnikv-select --out FILE`). Each
 is timed per launch inside a CUDA graph of 30 launches, so launch overhead does not count,
 though each of the torch path's kernels still costs its gap in the graph."""
 from __future__ import annotations
@@ -12,7 +12,8 @@ from sparseengine.kernels.bench_common import BF16, D, HKV, HQ, PS, emit, per_la
 def bench_omnikv_select(out_path, B=6, L=133120, n=131072, sink=64, budget=1472, recent=512):
     """One filter layer's pick from its per-KV-head max logits `[B, Hkv, L]` (the graph's
     133120-token table): torch (max over heads, masking, top-k, sort) against the Triton
-    pick (tokens per program, warps)."""
+    pick (tokens per program, warps) and the CUDA pick (CTAs a cluster), also from the folded
+    scores `[B, 1, L]` the engine's filter layers hand over."""
     from sparseengine.kernels import omnikv_select_triton
     from sparseengine.methods.omnikv import pick_tokens
 
@@ -31,6 +32,14 @@ def bench_omnikv_select(out_path, B=6, L=133120, n=131072, sink=64, budget=1472,
         same = all(torch.equal(g, w) for g, w in zip(fn(), want))
         emit(out_path, {"kind": "omnikv_select", "path": "triton", **shape, **kw, "heads_in": given.shape[1],
                         "us_per_launch": per_launch_us(fn), "equals_torch_path": same})
+    from sparseengine.kernels import omnikv_select_cuda as cuda_pick
+
+    for cluster, given in ((16, folded), (8, folded), (16, scores)):
+        fn = lambda: cuda_pick.omnikv_select_cuda(given, kv_lens, sink, budget, recent, cluster=cluster,  # noqa: E731
+                                                  pdl=False)
+        same = all(torch.equal(g, w) for g, w in zip(fn(), want))
+        emit(out_path, {"kind": "omnikv_select", "path": "cuda", **shape, "cluster": cluster,
+                        "heads_in": given.shape[1], "us_per_launch": per_launch_us(fn), "equals_torch_path": same})
 
 
 def bench_pick_at_quest_shape(out_path, B=6, P=8320, n=131072):

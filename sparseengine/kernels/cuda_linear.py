@@ -33,7 +33,7 @@ import torch
 from . import _common
 from .fused_ops import gate_up_blocks, silu_mul_ref
 from .nvcc_build import build_command as nvcc_command
-from .nvcc_build import load_library, on_device, unavailable
+from .nvcc_build import load_library, on_device, require, unavailable
 from .skinny_linear import skinny_linear_ref
 
 SOURCE = Path(__file__).with_name("cuda_linear.cu")
@@ -221,9 +221,7 @@ def launch_plan(x: torch.Tensor, weight: torch.Tensor, rows: int, staged: bool |
     n, k = weight.shape
     if not weight.is_contiguous() or weight.data_ptr() % 16:
         raise ValueError("weight must be contiguous and 16-byte aligned")
-    reason = unavailable(x.device)
-    if reason is not None:
-        raise RuntimeError(f"cuda_linear cannot run: {reason}")
+    require(x.device, "cuda_linear")
     so = library()
     if staged is None:
         per_cta = (n // N_MULTIPLE) / torch.cuda.get_device_properties(x.device).multi_processor_count

@@ -2,7 +2,7 @@
 with nvcc; `ptxas_usage(source, flags)` is ptxas's register and spill report of a build.
 
 `unavailable(device)` says why such a kernel cannot run there (None when it can: an sm_90
-GPU and nvcc); `on_device(x, launch, *args)` calls a library entry point with x's device
+GPU and nvcc), `require(device, what)` raises with it; `on_device(x, launch, *args)` calls a library entry point with x's device
 current. `find_nvcc()` finds nvcc (`SPARSEENGINE_NVCC`, PATH, `CUDA_HOME`/`CUDA_PATH`,
 /usr/local/cuda). `load_library(source, flags, name, signatures)` builds `source` once per
 (source text, the headers beside it, nvcc, flags) into `~/.cache/sparseengine/cuda/<hash>/<name>`
@@ -55,6 +55,13 @@ def unavailable(device: torch.device | str) -> str | None:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return _device_reason(device)
+
+
+def require(device: torch.device | str, what: str) -> None:
+    """Raises RuntimeError naming `what` where a kernel built here cannot run on `device`."""
+    reason = unavailable(device)
+    if reason is not None:
+        raise RuntimeError(f"{what} cannot run: {reason}")
 
 
 def on_device(x: torch.Tensor, launch, *args) -> int:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from .nvcc_build import load_library, on_device, unavailable
+from .nvcc_build import load_library, on_device, require, unavailable
 from .quest_scores import check_new_keys
 
 SOURCE = Path(__file__).with_name("quest_scores.cu")
@@ -201,9 +201,7 @@ def quest_page_scores_cuda(q, kmax, kmin, page_table, kv_lens, page_size, *, k_c
         raise ValueError(f"ctas_per_sm must be an int from 1 to {MAX_CTAS_PER_SM}, got {ctas!r}")
     launch = score_launch(q, kmax, kmin, page_table, kv_lens, page_size, k_cache, new_slots, pdl,
                           "quest_page_scores_cuda")
-    reason = unavailable(q.device)
-    if reason is not None:
-        raise RuntimeError(f"quest_page_scores_cuda cannot run: {reason}")
+    require(q.device, "quest_page_scores_cuda")
     B, hkv, _, P = launch.shape
     scores = scores_buffer(B, hkv, P, q.device)
     if B == 0 or P == 0:

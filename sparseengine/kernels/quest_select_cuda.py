@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .nvcc_build import load_library, on_device, unavailable
+from .nvcc_build import load_library, on_device, require, unavailable
 
 SOURCE = Path(__file__).with_name("quest_select.cu")
 ENGINE = True  # Quest's decode step selects with this kernel where `takes` says it can (read at each call)
@@ -79,9 +79,7 @@ def quest_select_pages_cuda(scores, kv_lens, page_size, sink_tokens, recent_toke
         raise ValueError(f"kv_lens must be int32 or int64, got {kv_lens.dtype}")
     if kv_lens.device != scores.device:
         raise ValueError(f"scores and kv_lens must share a device, got {scores.device} and {kv_lens.device}")
-    reason = unavailable(scores.device)
-    if reason is not None:
-        raise RuntimeError(f"quest_select_pages_cuda cannot run: {reason}")
+    require(scores.device, "quest_select_pages_cuda")
     if scores.stride(-1) != 1:
         scores = scores.contiguous()
     kv_lens = kv_lens.contiguous()

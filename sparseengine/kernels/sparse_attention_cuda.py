@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from . import _common
-from .nvcc_build import load_library, on_device, unavailable
+from .nvcc_build import load_library, on_device, require, unavailable
 from .sparse_decode import _check_selection
 
 SOURCE = Path(__file__).with_name("sparse_attention.cu")
@@ -156,9 +156,7 @@ def _check(q, k_cache, v_cache, sel, num_sel, pages):
 
 def _launch(pages, q, k_cache, v_cache, sel, num_sel, page_table, kv_lens, scale, return_lse, splits, trigger,
             stages):
-    reason = unavailable(q.device)  # after every check of the input
-    if reason is not None:
-        raise RuntimeError(f"the CUDA sparse attention cannot run: {reason}")
+    require(q.device, "the CUDA sparse attention")  # after every check of the input
     B, Hq, _ = q.shape
     Hkv = k_cache.shape[2]
     K = sel.shape[2]

@@ -158,6 +158,9 @@ class DeltaKV(DeltaKVPool):
         else:
             st.hist_end_t.fill_(end)
 
+    def kernels(self, device, provider) -> dict[str, str]:
+        return {"omnikv_select": omnikv.pick_kernel(device, provider)}
+
     def tokens_read(self, seq) -> list[int]:
         return [n if layer not in self.sparse_set else min(n, self.total) for layer, n in enumerate(seq.layer_lens)]
 
@@ -166,7 +169,7 @@ class DeltaKV(DeltaKVPool):
         max-logit scores (``omnikv.max_logit_bytes_per_token``) and, per sparse layer, what
         the rebuild reads (``deltakv_bytes.rebuild_read_bytes``)."""
         scores = sum(seq.layer_lens[layer] for layer in self.filters)
-        total = scores * omnikv.max_logit_bytes_per_token(self.model.num_kv_heads)
+        total = scores * omnikv.max_logit_bytes_per_token(self.model.num_kv_heads, self.device)
         st = self.cache.state(seq).get(STATE_KEY)
         if st is None or not st.compressed:
             return total

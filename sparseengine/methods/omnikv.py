@@ -28,6 +28,7 @@ import torch
 from sparseengine import kernels
 from sparseengine.config import ConfigError
 from sparseengine.engine.step_context import ScoreRows, Selection
+from sparseengine.kernels import omnikv_select_cuda
 from sparseengine.kernels.omnikv_scores import omnikv_scores_torch
 from sparseengine.method_registry import MethodSpec
 from sparseengine.models.names import table_entry
@@ -157,6 +158,9 @@ class OmniKV(SparseMethodRuntime):
         self._selection = self._selection_of(*pick_from_max_logits(colsums, view.kv_lens, self.config, triton,
                                                                    rows_of))
 
+    def kernels(self, device, provider) -> dict[str, str]:
+        return {"omnikv_select": pick_kernel(device, provider)}
+
     def _fused(self, ctx) -> bool:
         return self.mode == "logits" and pure_decode(ctx)
 
@@ -171,7 +175,7 @@ class OmniKV(SparseMethodRuntime):
         attention's lse is computed after the choice) and writes one fp32 score per token,
         which the Triton pick reads, writing one int32 key that five later passes read."""
         if self.mode == "logits":
-            per_token = max_logit_bytes_per_token(self.model.num_kv_heads)
+            per_token = max_logit_bytes_per_token(self.model.num_kv_heads, self.cache.kv.device)
         else:
             per_token = 2 * kv_bytes_per_token_layer // 2 + 8 * 4
         return sum(seq.layer_lens[l] * per_token for l in self.filters)
@@ -217,29 +221,44 @@ def pick_from_max_logits(colsums: torch.Tensor, kv_lens: torch.Tensor, config,
                          triton: bool = False, rows_of: tuple[torch.Tensor, int] | None = None) -> tuple:
     """``pick_tokens`` over the max over dim 1 of a filter layer's max logits ``[B, G, L]``
     (per KV head, or G = 1: already over all heads; the ``logits`` score) -> (indices,
-    counts); ``triton``: the Triton pick, which takes that max itself (six kernels and a
-    memset instead of torch's max, top-k and sort), and given ``rows_of`` (page table,
+    counts); ``triton``: a GPU pick that takes that max itself (``kernels.omnikv_select_cuda``,
+    one cluster launch, where it ``takes`` the scores; else the Triton pick, six kernels and a
+    memset; either instead of torch's max, top-k and sort), and given ``rows_of`` (page table,
     page size) also returns the chosen tokens' pool rows."""
     cfg = config
     if triton:
         table, page_size = rows_of if rows_of is not None else (None, 0)
-        return kernels.omnikv_select_triton(colsums, kv_lens, cfg.sink_tokens, cfg.budget, cfg.recent_tokens,
-                                            page_table=table, page_size=page_size)
+        pick = omnikv_select_cuda.omnikv_select_cuda if omnikv_select_cuda.takes(colsums, table) else \
+            kernels.omnikv_select_triton
+        return pick(colsums, kv_lens, cfg.sink_tokens, cfg.budget, cfg.recent_tokens, page_table=table,
+                    page_size=page_size)
     return pick_tokens(colsums.amax(dim=1), kv_lens, cfg.sink_tokens, cfg.budget, cfg.recent_tokens)
 
 
-def max_logit_bytes_per_token(num_kv_heads: int) -> int:
+def pick_kernel(device, provider) -> str:
+    """Which implementation makes a filter layer's pick on `device` beside `provider` (for the
+    records): ``cuda`` (rows of up to ``max_tokens()``, Triton past them), ``triton``, ``torch``."""
+    if not provider.triton_kernels:
+        return "torch"
+    if omnikv_select_cuda.runs_on(device):
+        return f"cuda (clusters of {omnikv_select_cuda.CLUSTER}, rows of up to {omnikv_select_cuda.max_tokens()} " \
+               "tokens, triton past them)"
+    return "triton"
+
+
+def max_logit_bytes_per_token(num_kv_heads: int, device=None) -> int:
     """Bytes a fused ``logits`` choice moves per cached token of a filter layer on a Triton
-    provider (the benchmark's path). With the KV heads folded in by the attention
+    provider (the benchmark's path) on `device`. With the KV heads folded in by the attention
     (``omnikv_scores.FOLD_KV_HEADS``, the default): one fp32 score filled with -inf, then
-    written by the attention's atomic max and read by the pick's first pass; else one fp32
-    max logit per KV head written by the attention (no fill: the pick reads each row's
-    tokens only) and read by that pass. Either way the pass writes one int32 key that the
-    pick's five later passes read (three radix passes, the counts, the output). The torch
-    path moves more (its scores filled with -inf first, the max over heads written, then
-    read and written by the masking, read by the top-k), in many more launches."""
+    written by the attention's atomic max and read by the pick; else one fp32 max logit per
+    KV head written by the attention (no fill: the pick reads each row's tokens only) and
+    read by the pick. The CUDA pick (where it ``runs_on`` the device) keeps its keys in shared
+    memory; the Triton pick's first pass writes one int32 key that its five later passes read
+    (three radix passes, the counts, the output). The torch path moves more (its scores
+    filled with -inf first, the max over heads written, then read and written by the masking,
+    read by the top-k), in many more launches."""
     scores = 3 * 4 if kernels.omnikv_scores.FOLD_KV_HEADS else 2 * 4 * num_kv_heads
-    return scores + 6 * 4
+    return scores + (0 if device is not None and omnikv_select_cuda.runs_on(device) else 6 * 4)
 
 
 def pure_decode(ctx) -> bool:

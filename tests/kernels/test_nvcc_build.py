@@ -5,12 +5,13 @@ by the headers beside its source as well as the source; ptxas's report of the bu
 engine and its A/Bs run: no spills (`ptxas_usage`)."""
 import pytest
 
-from sparseengine.kernels import cuda_linear, quest_scores_cuda, quest_select_cuda, sparse_attention_cuda
+from sparseengine.kernels import (cuda_linear, omnikv_select_cuda, quest_scores_cuda, quest_select_cuda,
+                                  sparse_attention_cuda)
 from sparseengine.kernels.nvcc_build import declared_signatures, find_nvcc, load_library
 
 
 @pytest.mark.parametrize("wrapper", [cuda_linear, quest_select_cuda, quest_scores_cuda,
-                                     sparse_attention_cuda],
+                                     sparse_attention_cuda, omnikv_select_cuda],
                          ids=lambda m: m.__name__)
 def test_ctypes_signatures_match_the_source(wrapper):
     declared = declared_signatures(wrapper.SOURCE)
@@ -50,6 +51,7 @@ def _builds():
     for prefetch in quest_scores_cuda.L2_PREFETCH_SIZES:
         yield f"quest_scores l2 {prefetch}", quest_scores_cuda.SOURCE, quest_scores_cuda.build_flags(prefetch)
     yield "quest_select", quest_select_cuda.SOURCE, []
+    yield "omnikv_select", omnikv_select_cuda.SOURCE, []
     attention = sparse_attention_cuda
     for stages in attention.STAGE_CHOICES:
         yield f"sparse_attention {stages} stages", attention.SOURCE, attention.build_flags(stages)

@@ -97,15 +97,22 @@ def test_ties_go_to_the_earlier_token(knobs):
 def test_a_gap_right_below_the_budget_th_score(knobs):
     """Exactly `budget` middle scores in [1, 2), every other one negative: the budget-th
     largest key is the smallest of its leading byte, the edge of the first radix pass."""
+    values, lens, sink, budget, recent = gap_case()
+    scores = _scores(values, lens, recent).to(DEVICE)
+    idx, _ = omnikv_select_triton(scores, torch.tensor(lens, device=DEVICE), sink, budget, recent, **KNOBS[knobs])
+    assert idx.cpu().tolist() == _definition(values, lens, sink, budget, recent)
+
+
+def gap_case():
+    """(values, lens, sink, budget, recent): exactly `budget` middle scores in [1, 2) a request,
+    every other one negative."""
     lens, sink, budget, recent = [300, 301], 4, 24, 8
     gen = torch.Generator().manual_seed(13)
     values = -torch.rand(2, 1, 301, generator=gen)
     for b, n in enumerate(lens):
         pos = sink + torch.randperm(n - sink - recent, generator=gen)[:budget]
         values[b, 0, pos] = 1.0 + torch.rand(budget, generator=gen)
-    scores = _scores(values, lens, recent).to(DEVICE)
-    idx, _ = omnikv_select_triton(scores, torch.tensor(lens, device=DEVICE), sink, budget, recent, **KNOBS[knobs])
-    assert idx.cpu().tolist() == _definition(values, lens, sink, budget, recent)
+    return values, lens, sink, budget, recent
 
 
 @pytest.mark.parametrize("low", [8, 10, 16, 21, 24])

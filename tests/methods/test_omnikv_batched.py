@@ -271,3 +271,20 @@ def test_engine_tokens_batched_equal_per_request(tiny_llama, monkeypatch, mode):
         outs["per_request"] = [o.token_ids for o in llm.generate(prompts, params)]
     assert calls["batched"] == before
     assert outs["batched"] == outs["per_request"]
+
+
+def test_the_record_names_the_pick_and_its_bytes():
+    """`pick_kernel` names what makes a filter layer's pick (the records'
+    `engine/method_kernels/omnikv_select`), and the byte model counts what that pick moves per
+    cached token: the Triton pick's int32 keys (written once, read five times) beside the
+    folded fp32 score; the CUDA pick keeps its keys in shared memory."""
+    from sparseengine.kernels import omnikv_select_cuda
+
+    cpu = torch.device("cpu")
+    assert omnikv.pick_kernel(cpu, make_provider("torch", cpu)) == "torch"
+    assert omnikv.pick_kernel(cpu, make_provider("triton", cpu)) == "triton"  # interpreted here
+    assert omnikv.max_logit_bytes_per_token(8, cpu) == omnikv.max_logit_bytes_per_token(8) == 12 + 24
+    if omnikv_select_cuda.runs_on("cuda"):
+        gpu = torch.device("cuda")
+        assert omnikv.pick_kernel(gpu, make_provider("triton", gpu)).startswith("cuda (clusters of 16")
+        assert omnikv.max_logit_bytes_per_token(8, gpu) == 12
