@@ -34,12 +34,18 @@ def bench_omnikv_select(out_path, B=6, L=133120, n=131072, sink=64, budget=1472,
                         "us_per_launch": per_launch_us(fn), "equals_torch_path": same})
     from sparseengine.kernels import omnikv_select_cuda as cuda_pick
 
-    for cluster, given in ((16, folded), (8, folded), (16, scores)):
+    table = torch.arange(B * (L // PS), dtype=torch.int32, device="cuda").view(B, -1)
+    rows = dict(page_table=table, page_size=PS)  # the pool rows too, as the engine asks
+    for cluster, given, kw in ((16, folded, {}), (8, folded, {}), (16, scores, {}), (16, folded, rows)):
         fn = lambda: cuda_pick.omnikv_select_cuda(given, kv_lens, sink, budget, recent, cluster=cluster,  # noqa: E731
-                                                  pdl=False)
+                                                  pdl=False, **kw)
         same = all(torch.equal(g, w) for g, w in zip(fn(), want))
-        emit(out_path, {"kind": "omnikv_select", "path": "cuda", **shape, "cluster": cluster,
+        emit(out_path, {"kind": "omnikv_select", "path": "cuda", **shape, "cluster": cluster, "rows": bool(kw),
                         "heads_in": given.shape[1], "us_per_launch": per_launch_us(fn), "equals_torch_path": same})
+    fn = lambda: omnikv_select_triton(folded, kv_lens, sink, budget, recent, **rows)  # noqa: E731
+    emit(out_path, {"kind": "omnikv_select", "path": "triton", **shape, "rows": True, "heads_in": 1,
+                    "us_per_launch": per_launch_us(fn), "equals_torch_path": all(torch.equal(g, w)
+                                                                                 for g, w in zip(fn(), want))})
 
 
 def bench_pick_at_quest_shape(out_path, B=6, P=8320, n=131072):

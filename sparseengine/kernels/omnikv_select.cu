@@ -34,12 +34,14 @@ namespace cg = cooperative_groups;
 
 namespace {
 
-constexpr int THREADS = 512;
+constexpr int THREADS = 1024;
 constexpr int WARPS = THREADS / 32;
 constexpr int BINS = 256;
 constexpr int SCAN_WARPS = BINS / 32;
 constexpr int PASSES = 4;
+constexpr int LOADS = 8;          // a thread's score loads in flight at once
 constexpr int MAX_CHUNK = 49152;  // tokens a CTA (its keys, padded, in 198 KB of shared memory)
+constexpr int SMEM_CAP = 220 * 1024;  // dynamic shared memory a CTA may take (the page entries staged within it)
 constexpr unsigned NONE = 0xffffffffu;  // no digit: a lane with no key in a histogram step
 
 struct Args {
@@ -52,15 +54,17 @@ struct Args {
   long long spt;
   int* rows;              // [B, total]
   int lens64, H, L, chunk, page_size, sink, budget, recent, pdl, trigger;
+  int key_words;          // dynamic shared memory: the padded keys, then (staged > 0) the chunk's page entries
+  int staged;
 };
 
 struct Shared {
-  int hist[2][BINS];  // this CTA's histogram of a pass, a buffer a pass parity (the cluster reads it)
-  int sum[BINS];      // the cluster's
+  int hist[PASSES][BINS];  // this CTA's histogram of each pass (the cluster reads it)
+  int sum[BINS];           // the cluster's
   int warp_total[SCAN_WARPS];
   int2 scan[WARPS];
-  int2 cta_total;     // this CTA's (keys > t, keys == t): the later CTAs read it
-  int2 before;        // the earlier CTAs'
+  int2 cta_total;  // this CTA's (keys > t, keys == t): the later CTAs read it
+  int2 before;     // the earlier CTAs'
   unsigned digit;
   int need;
 };
@@ -79,7 +83,7 @@ __device__ __forceinline__ int row_of(const int* pt, long long token, int page_s
 // The digit of this pass: the largest d whose keys at or above it (among those that match the
 // bytes settled so far) are at least `need`; s.need becomes what the keys == d must still give.
 // The caller's __syncthreads after s.sum's writes orders them before these reads; s.digit and
-// s.need were last read before the pass's first __syncthreads.
+// s.need were last read before the pass's cluster barrier.
 __device__ void settle_digit(Shared& s, int need) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   int v = 0, suffix = 0;
@@ -105,19 +109,66 @@ __device__ void settle_digit(Shared& s, int need) {
   __syncthreads();
 }
 
+// This CTA's scores from position `lo` of its `len` tokens (the max over the H rows) into
+// registers LOADS at a time, then as keys into shared memory where below `hi` (known only once
+// the request's length has come: the loads do not wait for it; past hi they are never used).
+__device__ __forceinline__ void load_keys(const Args& a, const float* row, int lo, int len, const long long& n,
+                                          long long base, unsigned* keys, int& hi) {
+  bool settled = false;
+  for (int i0 = lo + (int)threadIdx.x; i0 < len; i0 += LOADS * THREADS) {
+    float v[LOADS];
+#pragma unroll
+    for (int k = 0; k < LOADS; ++k) {
+      const int i = i0 + k * THREADS;
+      v[k] = i < len ? row[i] : 0.0f;
+    }
+    for (int h = 1; h < a.H; ++h) {
+#pragma unroll
+      for (int k = 0; k < LOADS; ++k) {
+        const int i = i0 + k * THREADS;
+        if (i < len) v[k] = fmaxf(v[k], row[h * a.sh + i]);
+      }
+    }
+    if (!settled) {
+      hi = (int)max((long long)lo, min((long long)len, min(n - a.recent, (long long)a.L) - base));
+      settled = true;
+    }
+#pragma unroll
+    for (int k = 0; k < LOADS; ++k) {
+      const int i = i0 + k * THREADS;
+      if (i < hi) keys[pad(i)] = qsel::key_of(v[k]);
+    }
+  }
+  if (!settled) hi = (int)max((long long)lo, min((long long)len, min(n - a.recent, (long long)a.L) - base));
+}
+
 template <int CL>
 __global__ void __launch_bounds__(THREADS) pick_kernel(const Args a) {
-  if (a.pdl) asm volatile("griddepcontrol.wait;" ::: "memory");
-  if (a.trigger) asm volatile("griddepcontrol.launch_dependents;");
   __shared__ Shared s;
-  extern __shared__ unsigned keys[];
+  extern __shared__ unsigned smem[];
+  unsigned* keys = smem;
+  int* pages = reinterpret_cast<int*>(smem + a.key_words);
   const cg::cluster_group cluster = cg::this_cluster();
   const int rank = (int)cluster.block_rank(), b = blockIdx.x / CL, tid = threadIdx.x;
+  for (int i = tid; i < PASSES * BINS; i += THREADS) (&s.hist[0][0])[i] = 0;
+  // This CTA's tokens [base, base + len), the middle ones [lo, hi) (chunk positions; hi once n is in)
+  const long long base = (long long)rank * a.chunk;
+  const int len = (int)max(0LL, min((long long)a.chunk, a.L - base));
+  const int lo = (int)max(0LL, min((long long)len, a.sink - base));
+  const int* pt = a.page_table ? a.page_table + b * a.spt : nullptr;
+  const long long first_page = (base + lo) / max(a.page_size, 1);
+  if (a.pdl) asm volatile("griddepcontrol.wait;" ::: "memory");
+  if (a.trigger) asm volatile("griddepcontrol.launch_dependents;");
   const long long n = a.lens64 ? ((const long long*)a.kv_lens)[b] : (long long)((const int*)a.kv_lens)[b];
+  if (a.staged && len > lo) {  // the page entries of this CTA's middle tokens, for their pool rows
+    const int count = (int)((base + len - 1) / a.page_size - first_page) + 1;
+    for (int j = tid; j < count; j += THREADS) pages[j] = pt[first_page + j];
+  }
+  int hi;
+  load_keys(a, a.scores + b * a.sb + base, lo, len, n, base, keys, hi);
   const int total = a.sink + a.budget + a.recent;
   long long* out = a.out + (long long)b * total;
   int* rows = a.page_table ? a.rows + (long long)b * total : nullptr;
-  const int* pt = a.page_table ? a.page_table + b * a.spt : nullptr;
   if (n <= total) {  // every token the request has (the whole cluster returns here: no barrier waits)
     if (rank == 0) {
       for (int j = tid; j < total; j += THREADS) {
@@ -138,27 +189,15 @@ __global__ void __launch_bounds__(THREADS) pick_kernel(const Args a) {
     if (tid == 0) a.counts[b] = total;
   }
   if (a.budget == 0) return;  // sink and recent only (the whole cluster returns here)
-  // This CTA's tokens [base, base + chunk), its middle ones [lo, hi) (chunk positions); thread
-  // tid's segment [first, first + seg), its middle ones [my_lo, my_hi).
-  const long long base = (long long)rank * a.chunk;
-  const long long mid_end = min(n - a.recent, (long long)a.L);
-  const int lo = (int)max(0LL, min((long long)a.chunk, a.sink - base));
-  const int hi = (int)max((long long)lo, min((long long)a.chunk, mid_end - base));
+  // thread tid's segment [first, first + seg), its middle ones [my_lo, my_hi)
   const int seg = (a.chunk + THREADS - 1) / THREADS, first = tid * seg;
   const int my_lo = max(lo, first), my_hi = min(hi, first + seg);
-  const float* row = a.scores + b * a.sb + base;
-  for (int i = lo + tid; i < hi; i += THREADS) {
-    float v = row[i];
-    for (int h = 1; h < a.H; ++h) v = fmaxf(v, row[h * a.sh + i]);
-    keys[pad(i)] = qsel::key_of(v);
-  }
+  __syncthreads();  // the keys and the zeroed histograms in
   unsigned prefix = 0;
   int need = a.budget;
 #pragma unroll 1
   for (int p = 0; p < PASSES; ++p) {
-    int* h = s.hist[p & 1];  // last read by the cluster two passes ago, before the last pass's barrier
-    if (tid < BINS) h[tid] = 0;
-    __syncthreads();  // zeroed (and, the first pass, the keys in)
+    int* h = s.hist[p];
     const int shift = 24 - 8 * p;
     const unsigned high = p == 0 ? 0u : NONE << (32 - 8 * p);
     for (int j = 0; j < seg; ++j) {  // the same trip count in every lane (the match below is warp-wide)
@@ -168,6 +207,7 @@ __global__ void __launch_bounds__(THREADS) pick_kernel(const Args a) {
         const unsigned u = keys[pad(i)];
         if ((u & high) == prefix) d = (u >> shift) & 255u;
       }
+      if (!__any_sync(qsel::FULL, d != NONE)) continue;  // (warp-uniform) most keys stop matching after a pass or two
       const unsigned peers = __match_any_sync(qsel::FULL, d);
       if (d != NONE && (tid & 31) == __ffs(peers) - 1) atomicAdd(&h[d], __popc(peers));
     }
@@ -232,15 +272,21 @@ __global__ void __launch_bounds__(THREADS) pick_kernel(const Args a) {
     if (slot >= 0 && slot < a.sink + a.budget) {  // always, for a settled t: a guard against writing past the row
       const long long token = base + i;
       out[slot] = token;
-      if (rows) rows[slot] = row_of(pt, token, a.page_size);
+      if (rows) {
+        rows[slot] = a.staged ? pages[token / a.page_size - first_page] * a.page_size + (int)(token % a.page_size)
+                              : row_of(pt, token, a.page_size);
+      }
     }
   }
   cluster_wait();
 }
 
 template <int CL>
-int launch(const Args& a, int B, void* stream) {
-  const size_t smem = (size_t)(a.chunk + (a.chunk >> 5) + 1) * sizeof(unsigned);
+int launch(Args a, int B, void* stream) {
+  a.key_words = a.chunk + (a.chunk >> 5) + 1;
+  const int page_words = a.page_table ? a.chunk / a.page_size + 2 : 0;  // the pages a chunk's tokens touch
+  a.staged = page_words > 0 && (size_t)(a.key_words + page_words) * 4 <= SMEM_CAP;
+  const size_t smem = (size_t)(a.key_words + (a.staged ? page_words : 0)) * sizeof(unsigned);
   const int dev = current_device();
   if (const int e = allow_dynamic_smem<pick_kernel<CL>>(smem, dev)) return e;
   if (CL > 8) {
@@ -285,7 +331,7 @@ extern "C" int se_omnikv_select(const void* scores, long long sb, long long sh, 
   if (chunk > MAX_CHUNK) return -1;
   if (B == 0) return 0;
   const Args a = {(const float*)scores, sb, sh, kv_lens, (long long*)out, (int*)counts, (const int*)page_table,
-                  spt, (int*)rows, lens64, H, L, chunk, page_size, sink, budget, recent, pdl, trigger};
+                  spt, (int*)rows, lens64, H, L, chunk, page_size, sink, budget, recent, pdl, trigger, 0, 0};
   return cluster == 16 ? launch<16>(a, B, stream) : launch<8>(a, B, stream);
 }
 

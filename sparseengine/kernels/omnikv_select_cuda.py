@@ -91,6 +91,9 @@ def omnikv_select_cuda(scores, kv_lens, sink_tokens, budget, recent_tokens, *, p
                              f"{tuple(page_table.shape)} and {page_size}")
         if page_table.dtype != torch.int32 or page_table.stride(1) != 1:
             raise ValueError(f"page_table must be int32 with its pages contiguous, got {page_table.dtype}")
+        if page_table.shape[1] * page_size < L:  # the kernel stages the page entries of every middle token
+            raise ValueError(f"page_table must cover the scores' {L} tokens, got {page_table.shape[1]} pages of "
+                             f"{page_size}")
     for name, t in (("kv_lens", kv_lens), ("page_table", page_table)):
         if t is not None and t.device != scores.device:
             raise ValueError(f"scores and {name} must share a device, got {scores.device} and {t.device}")

@@ -165,6 +165,8 @@ def test_bad_input():
         OC.omnikv_select_cuda(scores, lens, 4, -1, 4)
     with pytest.raises(ValueError, match=r"page_table must be \[B=2, P\]"):
         OC.omnikv_select_cuda(scores, lens, 4, 8, 4, page_table=torch.zeros(1, 4, dtype=torch.int32), page_size=16)
+    with pytest.raises(ValueError, match="page_table must cover the scores' 64 tokens, got 3 pages of 16"):
+        OC.omnikv_select_cuda(scores, lens, 4, 8, 4, page_table=torch.zeros(2, 3, dtype=torch.int32), page_size=16)
     if not torch.cuda.is_available():
         assert not OC.runs_on("cpu") and not OC.takes(scores)
         with pytest.raises(RuntimeError, match="omnikv_select_cuda cannot run: needs a CUDA device"):
