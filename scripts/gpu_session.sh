@@ -399,7 +399,8 @@ quest_scores.SCORE_STAGES=$4 quest_scores.KEEP_SCORE_TILES=$5${EXTRA_VARIANTS:+;
   ;;
 pick)
   # OmniKV's pick: the tests of both picks and of the methods that pick (OmniKV, DeltaKV) in the engine's graphs, the
-  # picks side by side (bench_gpu --omnikv-select), then OmniKV's graph step with the CUDA pick and the Triton one
+  # picks side by side (bench_gpu --omnikv-select), the CUDA pick's stages (scripts/probe_omnikv_pick_stages.py),
+  # then OmniKV's graph step with the CUDA pick and the Triton one
   # in alternating profiles (the variants phase: BATCH, default 6, 3 on an H100; ROUNDS; LAUNCH_SEQ)
   install_wheels .whl/hydra
   timeout "${TEST_TIMEOUT:-240}" python -m pytest tests/kernels/test_omnikv_select_cuda.py \
@@ -408,6 +409,8 @@ pick)
     -p no:cacheprovider -rs 2>&1 | tail -12 | tee "$OUT/gpu_tests.log"
   timeout 120 python -m sparseengine.kernels.bench_gpu --omnikv-select --out "$OUT/omnikv_select.jsonl" 2>&1 \
     | python scripts/show_bench.py omnikv_select path cluster block num_warps heads_in us_per_launch equals_torch_path
+  timeout 150 python scripts/probe_omnikv_pick_stages.py "$OUT/omnikv_pick_stages.jsonl" 2>&1 \
+    | python scripts/show_bench.py omnikv_pick_stage stage us_l2 us_dram equals_triton_pick
   METHOD=omnikv VARIANTS="${VARIANTS:-default;omnikv_select_cuda.ENGINE=False}" bash "$0" variants
   ;;
 balanced)

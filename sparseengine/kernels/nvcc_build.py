@@ -1,15 +1,17 @@
-"""Building and loading the CUDA C kernels (`cuda_linear.cu`, `quest_select.cu`, `quest_scores.cu`)
-with nvcc; `ptxas_usage(source, flags)` is ptxas's register and spill report of a build.
+"""Building and loading the CUDA C kernels (`cuda_linear.cu`, `quest_select.cu`, `quest_scores.cu`,
+`sparse_attention.cu`, `omnikv_select.cu`) with nvcc; `ptxas_usage(source, flags)` is ptxas's
+register and spill report of a build.
 
 `unavailable(device)` says why such a kernel cannot run there (None when it can: an sm_90
-GPU and nvcc), `require(device, what)` raises with it; `on_device(x, launch, *args)` calls a library entry point with x's device
-current. `find_nvcc()` finds nvcc (`SPARSEENGINE_NVCC`, PATH, `CUDA_HOME`/`CUDA_PATH`,
-/usr/local/cuda). `load_library(source, flags, name, signatures)` builds `source` once per
-(source text, the headers beside it, nvcc, flags) into `~/.cache/sparseengine/cuda/<hash>/<name>`
-(`SPARSEENGINE_CACHE`) and loads it with ctypes, each entry point typed from `signatures`
-({name: (restype, argtypes)}, in the order of the source's `extern "C"` declarations: a CPU
-test holds each table to its source, `declared_signatures`). A build that fails raises with
-nvcc's message. No GPU is needed to build or load a library.
+GPU and nvcc), `require(device, what)` raises with it; `on_device(x, launch, *args)` calls a
+library entry point with x's device current. `find_nvcc()` finds nvcc (`SPARSEENGINE_NVCC`,
+PATH, `CUDA_HOME`/`CUDA_PATH`, /usr/local/cuda). `load_library(source, flags, name,
+signatures)` builds `source` once per (source text, the headers beside it, nvcc, flags) into
+`~/.cache/sparseengine/cuda/<hash>/<name>` (`SPARSEENGINE_CACHE`) and loads it with ctypes,
+each entry point typed from `signatures` ({name: (restype, argtypes)}, in the order of the
+source's `extern "C"` declarations: a CPU test holds each table to its source,
+`declared_signatures`). A build that fails raises with nvcc's message. No GPU is needed to
+build or load a library.
 """
 from __future__ import annotations
 

@@ -11,14 +11,15 @@ Two paths choose the tokens at a filter layer:
   logit per KV head while it reads K (``ScoreRows(kind="max_logits")``, handed to
   :meth:`OmniKV.observe`), so K is read once; ``probs`` needs each head's softmax
   normaliser first, so one scoring call reads K again (:func:`score_cached_tokens`).
-  Then one batched sink + top-``budget`` + recent pick (:func:`pick_tokens`, or
-  ``kernels.omnikv_select_triton`` on a Triton provider: it folds in the max over KV
-  heads and gives ties to the earlier token), a fixed-width Selection. No per-request
-  Python, no host sync, no allocation whose size depends on device values.
+  Then one batched sink + top-``budget`` + recent pick (:func:`pick_tokens`, or on a
+  Triton provider ``kernels.omnikv_select_triton``, or with ``logits`` scores on an sm_90
+  GPU ``kernels.omnikv_select_cuda``, one launch: both fold in the max over KV heads and
+  give ties to the earlier token), a fixed-width Selection. No per-request Python, no host
+  sync, no allocation whose size depends on device values.
 - mixed prefill + decode steps: per request (:func:`choose_tokens`), prefill rows dense.
 Both choose what ``selection.omnikv_select(selection.omnikv_token_scores(...))`` defines,
 ties aside on the torch path (its batched top-k does not promise ties to the earlier
-token; the Triton pick does).
+token; the GPU picks do).
 """
 
 from __future__ import annotations

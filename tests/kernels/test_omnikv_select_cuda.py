@@ -7,12 +7,14 @@ takes, and at the 128K benchmark's shape in a CUDA graph, with and without PDL. 
 past a request's `n - recent` are NaN: the contract says they are never read.
 On the CPU: the errors for bad input, `takes`/`runs_on` off a GPU, the build (where nvcc is);
 its ctypes table and ptxas report: test_nvcc_build.py."""
+import shutil
+
 import pytest
 import torch
 
 from sparseengine.kernels import omnikv_select_cuda as OC
 from sparseengine.kernels import omnikv_select_triton
-from sparseengine.kernels.nvcc_build import find_nvcc
+from sparseengine.kernels.nvcc_build import find_nvcc, ptxas_usage
 from sparseengine.methods.omnikv import pick_tokens
 
 from .test_omnikv_select import (CASES, _case_id, _definition, _poison_torch_empty, _scores,  # noqa: F401 (fixture)
@@ -182,3 +184,24 @@ def test_builds_and_reports_its_widest_chunk(monkeypatch, tmp_path):
     finally:
         OC.library.cache_clear()
     assert list(tmp_path.glob("cuda/*/libse_omnikv_select.so"))
+
+
+def test_stage_probe_patches_the_source(load_script, tmp_path):
+    """scripts/probe_omnikv_pick_stages.py times patched copies of omnikv_select.cu: each patch
+    must find its line once (else the probe stops), every stage but `full` differs, each stage
+    from the passes on returns past a cluster barrier (its cluster's shared memory was read),
+    and one cut copy builds where nvcc is."""
+    probe = load_script("probe_omnikv_pick_stages")
+    source = (probe.KERNELS / probe.SOURCE).read_text()
+    variants = probe.variants()
+    assert list(variants) == ["entry", "load", "pass1", "pass2", "pass3", "pass4", "count", "full"]
+    assert variants["full"] == source and all(t != source for name, t in variants.items() if name != "full")
+    for name in ("pass1", "pass4", "count"):
+        stop = variants[name].split("// probe\n", 1)[1].split("return;", 1)[0]
+        assert "cluster_arrive();\n    cluster_wait();" in stop, name
+    assert "constexpr int PASSES = 2;" in variants["pass2"]
+    if find_nvcc() is not None:
+        for f in probe.HEADERS:
+            shutil.copy(probe.KERNELS / f, tmp_path / f)
+        (tmp_path / probe.SOURCE).write_text(variants["count"])
+        assert all(u["spill_stores"] == 0 for u in ptxas_usage(tmp_path / probe.SOURCE, []).values())
