@@ -12,9 +12,9 @@ barrier where the cluster's shared memory was read):
 - `count`: + the block scan and the earlier CTAs' totals;
 - `full`: the kernel as it is (+ the chosen tokens and pool rows written); its choice is checked
   against the Triton pick's.
-Each in a CUDA graph, per launch: `us_l2`, launches back to back (the scores stay in L2), and
-`us_dram`, each launch after a 128 MB memset that evicts them (the memset's own time, timed
-alone in the same way, subtracted).
+Each per launch in a CUDA graph of 30 (`bench_common.per_launch_us`): `us_l2`, launches back to
+back (the scores stay in L2), and `us_dram`, each launch after a 128 MB memset that evicts them
+(the memset's own time, timed alone in the same way, subtracted).
 
     python scripts/probe_omnikv_pick_stages.py OUT.jsonl [--batch B]
 """
@@ -77,26 +77,13 @@ def build(name: str, text: str, tmp: Path):
                                    f"probe {name}")
 
 
-def graph_us(fns, launches: int = 20) -> float:
-    """Median microseconds of one round of `fns` among `launches` rounds replayed in one CUDA graph."""
-    from sparseengine.kernels.bench_common import time_cuda
-
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            for fn in fns:
-                fn()
-    median, _ = time_cuda(graph.replay, iters=20)
-    return 1e3 * median / launches
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
     ap.add_argument("--batch", type=int, default=6)
     args = ap.parse_args(argv)
     from sparseengine.kernels import omnikv_select_triton
+    from sparseengine.kernels.bench_common import per_launch_us
 
     B, L, n, sink, budget, recent, ps = args.batch, 133120, 131072, 64, 1472, 512, 16
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -106,7 +93,7 @@ def main(argv=None) -> None:
     want = omnikv_select_triton(scores, kv_lens, sink, budget, recent, page_table=table, page_size=ps)
     flush = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
     evict = flush.zero_
-    flush_us = graph_us([evict])
+    flush_us = per_launch_us(evict)
     original = omnikv_select_cuda.library
     with tempfile.TemporaryDirectory() as tmp, open(args.out, "a") as out:
         for name, text in variants().items():
@@ -117,7 +104,7 @@ def main(argv=None) -> None:
                     scores, kv_lens, sink, budget, recent, page_table=table, page_size=ps, pdl=False, trigger=False)
                 same = all(torch.equal(g, w) for g, w in zip(pick(), want)) if name == "full" else None
                 row = {"kind": "omnikv_pick_stage", "stage": name, "batch": B, "width": L, "kv_len": n,
-                       "us_l2": graph_us([pick]), "us_dram": graph_us([evict, pick]) - flush_us,
+                       "us_l2": per_launch_us(pick), "us_dram": per_launch_us(lambda: (evict(), pick())) - flush_us,
                        "flush_us": flush_us, "equals_triton_pick": same}
             finally:
                 omnikv_select_cuda.library = original
