@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -34,7 +33,6 @@ from sparseengine.kernels import nvcc_build, omnikv_select_cuda  # noqa: E402
 
 KERNELS = Path(omnikv_select_cuda.__file__).parent
 SOURCE = "omnikv_select.cu"
-HEADERS = ("launch_pdl.cuh", "quest_select.cuh")
 # Where each stage ends in the source (each must match once), and what returns there: a use of the stage's result
 # (so the compiler keeps it), after the cluster barrier the stages from the passes on need.
 ENTRY = "  const int rank = (int)cluster.block_rank(), b = blockIdx.x / CL, tid = threadIdx.x;\n"
@@ -50,9 +48,7 @@ def _stop(use: str, barrier: bool) -> str:
 
 
 def _replace(text: str, old: str, new: str) -> str:
-    if text.count(old) != 1:
-        raise SystemExit(f"probe patch does not match {SOURCE} once: {old[:60]!r}")
-    return text.replace(old, new)
+    return nvcc_build.patch_once(text, old, new, SOURCE)
 
 
 def variants() -> dict[str, str]:
@@ -68,13 +64,8 @@ def variants() -> dict[str, str]:
 
 
 def build(name: str, text: str, tmp: Path):
-    folder = tmp / name
-    folder.mkdir()
-    for f in HEADERS:
-        shutil.copy(KERNELS / f, folder / f)
-    (folder / SOURCE).write_text(text)
-    return nvcc_build.load_library(folder / SOURCE, [], f"libprobe_{name}.so", omnikv_select_cuda.SIGNATURES,
-                                   f"probe {name}")
+    source = nvcc_build.patched_copy(KERNELS / SOURCE, {SOURCE: text}, tmp / name)
+    return nvcc_build.load_library(source, [], f"libprobe_{name}.so", omnikv_select_cuda.SIGNATURES, f"probe {name}")
 
 
 def main(argv=None) -> None:

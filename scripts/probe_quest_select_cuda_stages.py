@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -117,9 +116,7 @@ STAGES = ("entry", "fixed", "keys", "bound", "count", "cands")  # cut short: no 
 
 
 def _replace(text: str, old: str, new: str) -> str:
-    if text.count(old) != 1:
-        raise SystemExit(f"probe patch does not match {HEADER} once: {old[:60]!r}")
-    return text.replace(old, new)
+    return nvcc_build.patch_once(text, old, new, HEADER)
 
 
 def variants() -> dict[str, str]:
@@ -145,13 +142,8 @@ def variants() -> dict[str, str]:
 
 
 def build(name: str, header: str, tmp: Path):
-    folder = tmp / name
-    folder.mkdir()
-    for f in ("quest_select.cu", "launch_pdl.cuh"):
-        shutil.copy(KERNELS / f, folder / f)
-    (folder / HEADER).write_text(header)
-    return nvcc_build.load_library(folder / "quest_select.cu", [], f"libprobe_{name}.so", quest_select_cuda.SIGNATURES,
-                                   f"probe {name}")
+    source = nvcc_build.patched_copy(KERNELS / "quest_select.cu", {HEADER: header}, tmp / name)
+    return nvcc_build.load_library(source, [], f"libprobe_{name}.so", quest_select_cuda.SIGNATURES, f"probe {name}")
 
 
 def keys_of(scores: torch.Tensor) -> torch.Tensor:

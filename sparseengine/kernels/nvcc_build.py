@@ -11,7 +11,9 @@ signatures)` builds `source` once per (source text, the headers beside it, nvcc,
 each entry point typed from `signatures` ({name: (restype, argtypes)}, in the order of the
 source's `extern "C"` declarations: a CPU test holds each table to its source,
 `declared_signatures`). A build that fails raises with nvcc's message. No GPU is needed to
-build or load a library.
+build or load a library. For probes that time a kernel stage by stage: `patch_once(text, old,
+new, what)` and `patched_copy(source, patched, folder)`, a copy of a source and its headers
+with some of them rewritten.
 """
 from __future__ import annotations
 
@@ -105,6 +107,28 @@ def load_library(source: Path, flags: list[str], name: str, signatures: dict, wh
     for entry, (restype, argtypes) in signatures.items():
         getattr(so, entry).restype, getattr(so, entry).argtypes = restype, argtypes
     return so
+
+
+def patch_once(text: str, old: str, new: str, what: str) -> str:
+    """`text` with `old` replaced by `new`; raises ValueError unless `old` occurs exactly once
+    (a probe's patch that no longer matches its kernel's source must stop it)."""
+    if text.count(old) != 1:
+        raise ValueError(f"patch does not match {what} once ({text.count(old)} times): {old[:60]!r}")
+    return text.replace(old, new)
+
+
+def patched_copy(source: Path, patched: dict[str, str], folder: Path) -> Path:
+    """`source` and the headers beside it copied into `folder`, each file that `patched` names
+    ({file name: text}) written with its text instead; -> the copy of `source`, for
+    `load_library` or `ptxas_usage`."""
+    files = {f.name: f for f in [source, *source.parent.glob("*.cuh")]}
+    unknown = set(patched) - set(files)
+    if unknown:
+        raise ValueError(f"patched names files that are not {source.name} or a header beside it: {sorted(unknown)}")
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, f in files.items():
+        (folder / name).write_text(patched[name] if name in patched else f.read_text())
+    return folder / source.name
 
 
 def ptxas_usage(source: Path, flags: list[str]) -> dict[str, dict[str, int]]:

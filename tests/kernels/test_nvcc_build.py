@@ -7,7 +7,7 @@ import pytest
 
 from sparseengine.kernels import (cuda_linear, omnikv_select_cuda, quest_scores_cuda, quest_select_cuda,
                                   sparse_attention_cuda)
-from sparseengine.kernels.nvcc_build import declared_signatures, find_nvcc, load_library
+from sparseengine.kernels.nvcc_build import declared_signatures, find_nvcc, load_library, patch_once, patched_copy
 
 
 @pytest.mark.parametrize("wrapper", [cuda_linear, quest_select_cuda, quest_scores_cuda,
@@ -25,6 +25,24 @@ def test_the_rope_entry_point_is_declared():
 
 
 @pytest.mark.skipif(find_nvcc() is None, reason="needs nvcc (no GPU needed: the library loads without one)")
+def test_probe_patches(tmp_path):
+    """A probe's patch applies once or stops it; a patched copy rewrites only the files named, and names no others."""
+    assert patch_once("a; b; c;", "b;", "b; x;", "f.cu") == "a; b; x; c;"
+    for text, times in (("a;", 0), ("b; b;", 2)):
+        with pytest.raises(ValueError, match=rf"patch does not match f.cu once \({times} times\): 'b;'"):
+            patch_once(text, "b;", "x", "f.cu")
+    kernels = tmp_path / "kernels"
+    kernels.mkdir()
+    for name, text in (("k.cu", "source"), ("h.cuh", "header"), ("g.cuh", "other"), ("x.py", "not copied")):
+        (kernels / name).write_text(text)
+    copy = patched_copy(kernels / "k.cu", {"h.cuh": "patched"}, tmp_path / "copy")
+    assert copy == tmp_path / "copy" / "k.cu"
+    assert {f.name: f.read_text() for f in copy.parent.iterdir()} == {"k.cu": "source", "h.cuh": "patched",
+                                                                      "g.cuh": "other"}
+    with pytest.raises(ValueError, match=r"not k.cu or a header beside it: \['x.py'\]"):
+        patched_copy(kernels / "k.cu", {"x.py": ""}, tmp_path / "again")
+
+
 def test_a_header_edit_rebuilds(monkeypatch, tmp_path):
     """An edited header (`mma_bf16.cuh`, which `quest_scores.cu` includes) builds a new
     library, not the cached one."""

@@ -7,14 +7,12 @@ takes, and at the 128K benchmark's shape in a CUDA graph, with and without PDL. 
 past a request's `n - recent` are NaN: the contract says they are never read.
 On the CPU: the errors for bad input, `takes`/`runs_on` off a GPU, the build (where nvcc is);
 its ctypes table and ptxas report: test_nvcc_build.py."""
-import shutil
-
 import pytest
 import torch
 
 from sparseengine.kernels import omnikv_select_cuda as OC
 from sparseengine.kernels import omnikv_select_triton
-from sparseengine.kernels.nvcc_build import find_nvcc, ptxas_usage
+from sparseengine.kernels.nvcc_build import find_nvcc, patched_copy, ptxas_usage
 from sparseengine.methods.omnikv import pick_tokens
 
 from .test_omnikv_select import (CASES, _case_id, _definition, _poison_torch_empty, _scores,  # noqa: F401 (fixture)
@@ -201,7 +199,5 @@ def test_stage_probe_patches_the_source(load_script, tmp_path):
         assert "cluster_arrive();\n    cluster_wait();" in stop, name
     assert "constexpr int PASSES = 2;" in variants["pass2"]
     if find_nvcc() is not None:
-        for f in probe.HEADERS:
-            shutil.copy(probe.KERNELS / f, tmp_path / f)
-        (tmp_path / probe.SOURCE).write_text(variants["count"])
-        assert all(u["spill_stores"] == 0 for u in ptxas_usage(tmp_path / probe.SOURCE, []).values())
+        source = patched_copy(probe.KERNELS / probe.SOURCE, {probe.SOURCE: variants["count"]}, tmp_path)
+        assert all(u["spill_stores"] == 0 for u in ptxas_usage(source, []).values())
