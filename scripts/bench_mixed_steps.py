@@ -81,7 +81,8 @@ def run(llm: LLM, args, method: str, decoders: list[Sequence], route: bool, warm
     got = sum(len(s.output_token_ids) for s in decoders) - before
     timed_steps(llm, lambda: seq.finish_time is not None)  # its first token (and the release of its pages)
     decode = [one_step(llm) for _ in range(args.decode_steps)]
-    return {"kind": "mixed_steps_engine", "provider": llm.provider.name, "method": method, "route_decode_rows": route, "warmup": warmup,
+    return {"kind": "mixed_steps_engine", "provider": llm.provider.name, "method": method, "route_decode_rows": route,
+            "warmup": warmup,
             "decoders": len(decoders), "context": args.context, "prompt": n, "chunk": args.chunk,
             "mixed_steps": len(mixed),
             "ttft_s": sum(mixed), "mixed_step_ms_median": 1e3 * statistics.median(mixed),

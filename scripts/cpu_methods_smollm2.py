@@ -53,7 +53,8 @@ def main() -> None:
     kv_per_token = 2 * base.model_config.num_layers * base.model_config.num_kv_heads * base.model_config.head_dim * 4
     base.close()
     methods = [m for m in decode_methods() if m != "deltakv" or args.deltakv_checkpoint]
-    jobs = [(ctx, frac, m) for ctx in map(int, args.contexts.split(",")) for frac in map(int, args.fractions.split(",")) for m in methods]
+    contexts, fractions = map(int, args.contexts.split(",")), [int(f) for f in args.fractions.split(",")]
+    jobs = [(ctx, frac, m) for ctx in contexts for frac in fractions for m in methods]
     refs: dict[int, list[list[int]]] = {}
     for ctx, frac, method in tqdm(jobs, desc="methods x budgets"):
         prompts = [passkey_prompt(tok, ctx, k) for k in KEYS[: args.prompts]]

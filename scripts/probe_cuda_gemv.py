@@ -41,8 +41,8 @@ HEADERS = Path(__file__).resolve().parents[1] / "sparseengine" / "kernels"  # la
 def build() -> ctypes.CDLL:
     nvcc = shutil.which("nvcc") or os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
     lib = Path(tempfile.mkdtemp()) / "libse_gemv.so"
-    cmd = [nvcc, "-O3", "-arch=sm_90a", "-shared", "-Xcompiler", "-fPIC", "-Xptxas", "-v", f"-I{HEADERS}", "-o", str(lib),
-           str(SOURCE)]
+    cmd = [nvcc, "-O3", "-arch=sm_90a", "-shared", "-Xcompiler", "-fPIC", "-Xptxas", "-v", f"-I{HEADERS}",
+           "-o", str(lib), str(SOURCE)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"nvcc failed:\n{done.stderr}")

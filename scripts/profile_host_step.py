@@ -66,7 +66,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print the cProfile of the timed steps")
     ap.add_argument("--sort", default="cumulative", help="the profile's order: cumulative or tottime")
     ap.add_argument("--kv-gib", type=float, default=None,
-                    help="the KV pool (default: every prompt's full KV; an eviction method at a large batch needs less)")
+                    help="the KV pool (default: every prompt's full KV; an eviction method at a large batch "
+                         "needs less)")
     ap.add_argument("--before-batches", default="", metavar="B1,B2,...",
                     help="first run these batches (each --before-tokens tokens) through the engine, as the "
                          "benchmark's lane runs its smaller batches before the largest")

@@ -22,7 +22,8 @@ def main(argv: list[str]) -> None:
             print(line.rstrip()[-300:])
             continue
         if isinstance(record, dict) and record.get("kind") == kind:
-            print("  ".join(f"{cell(record.get(f, '')):>16}" for f in fields + (["error"] if "error" in record else [])))
+            shown = fields + (["error"] if "error" in record else [])
+            print("  ".join(f"{cell(record.get(f, '')):>16}" for f in shown))
 
 
 if __name__ == "__main__":

@@ -108,7 +108,8 @@ def validate_method_config(config: "Config") -> None:
     if config.prefill_policy != "auto":
         if config.prefill_policy not in PREFILL_POLICIES:
             raise ConfigError(
-                f"Invalid prefill_policy={config.prefill_policy!r}.{suggest(config.prefill_policy, list(PREFILL_POLICIES))}"
+                f"Invalid prefill_policy={config.prefill_policy!r}."
+                f"{suggest(config.prefill_policy, list(PREFILL_POLICIES))}"
                 f" Valid values: auto, {', '.join(PREFILL_POLICIES)}"
             )
         if config.prefill_policy != spec.prefill_policy:

@@ -32,7 +32,8 @@ def render(acc: pd.DataFrame, out_dir: str | Path, name: str = "accuracy_vs_budg
                 ax.axhline(ref["score"].mean(), color="0.3", ls=["--", ":", "-."][ci % 3], lw=1,
                            label=f"{REFERENCE} {int(ctx)}")
             for mi, method in enumerate(methods):
-                pts = t[(t["sparse_method"] == method) & (t["context_length"] == ctx)].groupby("fraction")["score"].mean()
+                lane = t[(t["sparse_method"] == method) & (t["context_length"] == ctx)]
+                pts = lane.groupby("fraction")["score"].mean()
                 if len(pts):
                     ax.plot(pts.index, pts.values, marker=MARKERS[ci % len(MARKERS)], color=cmap(mi % 10),
                             label=f"{method} {int(ctx)}")

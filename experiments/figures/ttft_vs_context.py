@@ -17,7 +17,8 @@ def render(tp: pd.DataFrame, out_dir: str | Path, name: str = "ttft_vs_context")
         rows = tp[tp["lane"] == ln]
         smallest = rows[rows["batch"] == rows["batch"].min()]
         pts = smallest.groupby("context_length")["ttft_s_mean"].mean().sort_index()
-        ax.plot(pts.index, pts.values, marker="o", color=colour(ln, lanes), label=f"{ln} (bs={int(rows['batch'].min())})")
+        ax.plot(pts.index, pts.values, marker="o", color=colour(ln, lanes),
+                label=f"{ln} (bs={int(rows['batch'].min())})")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("TTFT (s)")

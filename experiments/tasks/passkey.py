@@ -28,7 +28,8 @@ def token_passkey(vocab_size: int, length: int, seed: int, index: int) -> Prompt
     filler = [rng.randrange(_FIRST_FILLER, vocab_size) for _ in range(max(0, length - len(needle) - 2))]
     at = rng.randrange(len(filler) + 1)
     ids = filler[:at] + needle + filler[at:] + [_QUERY, _MARK]
-    return Prompt("passkey", index, ids, [" ".join(map(str, key))], max_tokens=5, meta={"depth": at / max(1, len(filler))})
+    return Prompt("passkey", index, ids, [" ".join(map(str, key))], max_tokens=5,
+                  meta={"depth": at / max(1, len(filler))})
 
 
 @dataclass

@@ -83,7 +83,8 @@ def summarize(samples: list[ClockSample], t0: float, t1: float) -> ClockSummary 
         clock_samples=len(inside), sm_mhz_min=min(s.sm_mhz for s in inside),
         sm_mhz_mean=sum(s.sm_mhz for s in inside) / len(inside), mem_mhz_min=min(s.mem_mhz for s in inside),
         power_w_mean=sum(power) / len(power) if power else None, power_w_max=max(power) if power else None,
-        power_capped_share=sum(bool(s.reasons & POWER_REASONS) for s in inside) / len(inside), clock_event_reasons=hex(seen))
+        power_capped_share=sum(bool(s.reasons & POWER_REASONS) for s in inside) / len(inside),
+        clock_event_reasons=hex(seen))
 
 
 def gpu_selector(device) -> str | None:

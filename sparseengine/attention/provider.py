@@ -98,7 +98,8 @@ def make_provider(name: str, device: torch.device, split_plan: str = "auto") -> 
         if split_plan != "auto":
             raise ConfigError(f"decode_split_plan={split_plan!r} chooses the Triton split-K decode's plan, but "
                               f"attention_provider={name!r} runs the torch reference here (no split plan); use "
-                              "attention_provider='triton' (on CPU under TRITON_INTERPRET=1) or decode_split_plan='auto'")
+                              "attention_provider='triton' (on CPU under TRITON_INTERPRET=1) or "
+                              "decode_split_plan='auto'")
         return TorchAttentionProvider()
     if name == "auto":
         name = "triton"

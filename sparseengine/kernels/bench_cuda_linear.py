@@ -2,7 +2,8 @@
 ran before (`skinny_linear` with `engine_tiles`), with the folds each layer takes in the
 model (`python -m sparseengine.kernels.bench_gpu --cuda-linear --out FILE`):
 
-- per launch at the Llama-3.1-8B shape, 1, 6 and 8 rows (a batch of 6 replays the graph of 8), in CUDA graphs of launches cycling
+- per launch at the Llama-3.1-8B shape, 1, 6 and 8 rows (a batch of 6 replays the graph of 8), in CUDA graphs of
+launches cycling
   over weight copies (no weight in L2), as `bench_linear.bench_skinny_linear`: qkv with the
   norm, o and down with the residual, gate_up with the norm (Triton: then the SiLU kernel;
   CUDA: gated), CUDA with x staged and not;

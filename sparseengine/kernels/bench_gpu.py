@@ -121,7 +121,8 @@ PARTS = {
                                 "bench_deltakv", ("bench_deltakv_rebuild_batched",)),
     "quest-select": ("Quest's page selection, page score and sparse-page attention variants side by side",
                      "bench_quest", ("bench_quest_select", "bench_quest_scores", "bench_quest_attention")),
-    "quest-attention-splits": ("Quest's sparse-page attention: fixed chunks against each row's own splits, by grid size",
+    "quest-attention-splits": ("Quest's sparse-page attention: fixed chunks against each row's own splits, "
+                               "by grid size",
                                "bench_quest", ("bench_quest_attention_splits",)),
     "quest-attention-widths": ("Quest's sparse-page attention at 1 to 512 chosen pages: its fixed and per-byte time",
                                "bench_quest", ("bench_quest_attention_widths",)),

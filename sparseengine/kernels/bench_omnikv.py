@@ -134,8 +134,8 @@ def bench_omnikv_attention_cold(out_path, B=6, P=8320, n=131072, sink=64, budget
                          torch.arange(n - recent, n, device="cuda").expand(B, recent)], 1).int()
         rows = (table.gather(1, (idx // PS).long()) * PS + idx % PS).int()
         pages = torch.rand(B, HKV, n // PS, generator=gen, device="cuda").argsort(-1)[..., :129].int()
-        cases.append((table, idx[:, None, :].expand(B, HKV, idx.shape[1]), rows[:, None, :].expand(B, HKV, idx.shape[1]),
-                      pages))
+        shared = (B, HKV, idx.shape[1])
+        cases.append((table, idx[:, None, :].expand(shared), rows[:, None, :].expand(shared), pages))
     width = cases[0][1].shape[-1]
     counts = torch.full((B, HKV), width, dtype=torch.int32, device="cuda")
     page_counts = torch.full((B, HKV), 129, dtype=torch.int32, device="cuda")

@@ -130,8 +130,9 @@ def _emit_registers(out_path):
 
     for cache in _decode_split_kernel._jitted.device_caches.values():
         for key, kernel in cache[0].items():
-            emit(out_path, {"kind": "registers", "kernel": "_decode_split_kernel", "n_regs": getattr(kernel, "n_regs", None),
-                            "n_spills": getattr(kernel, "n_spills", None), "num_warps": kernel.metadata.num_warps,
+            emit(out_path, {"kind": "registers", "kernel": "_decode_split_kernel",
+                            "n_regs": getattr(kernel, "n_regs", None), "n_spills": getattr(kernel, "n_spills", None),
+                            "num_warps": kernel.metadata.num_warps,
                             "key": str(key)[-400:]})
 
 

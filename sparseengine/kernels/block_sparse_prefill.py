@@ -96,11 +96,13 @@ def _block_sparse_kernel(
             offs_n = kb * BLOCK + tl.arange(0, BLOCK)
             n_ok = offs_n < n
             kv_mask = n_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + offs_n[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+            k = tl.load(k_ptr + offs_n[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :], mask=kv_mask,
+                        other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
             s = tl.where(n_ok[None, :] & (offs_n[None, :] <= offs_m[:, None]), s, float("-inf"))
             m_new, alpha, p, l_i = softmax_step(s, m_i, l_i)
-            v = tl.load(v_ptr + offs_n[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + offs_n[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :], mask=kv_mask,
+                        other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
             m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

@@ -147,7 +147,8 @@ def h2o_victim_ref(scores, positions, table, layers, num_tokens, n, sink_tokens,
 
 def h2o_victim_triton(scores, positions, table, layers, num_tokens, n, sink_tokens, recent_tokens,
                       *, block_n: int = 128):
-    if scores.dim() != 4 or positions.shape != scores.shape or not (scores.is_contiguous() and positions.is_contiguous()):
+    contiguous = scores.is_contiguous() and positions.is_contiguous()
+    if scores.dim() != 4 or positions.shape != scores.shape or not contiguous:
         raise ValueError(f"scores and positions must be contiguous [L, num_pages, page_size, Hkv] pools, got "
                          f"{tuple(scores.shape)} and {tuple(positions.shape)}")
     device = check_launch(scores, positions, table, layers, num_tokens)

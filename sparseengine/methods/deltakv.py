@@ -67,7 +67,8 @@ from sparseengine.methods.deltakv_bytes import DeltaKVBytes, rebuild_read_bytes,
 from sparseengine.methods.deltakv_fit import load_down_up
 from sparseengine.methods.deltakv_layout import map_chosen
 from sparseengine.methods.deltakv_flush import flush_history
-from sparseengine.methods.deltakv_pool import FULL_LAYERS, DeltaKVPool, layer_roles  # noqa: F401 (FULL_LAYERS: here too)
+# FULL_LAYERS: importable from here too
+from sparseengine.methods.deltakv_pool import FULL_LAYERS, DeltaKVPool, layer_roles  # noqa: F401
 from sparseengine.methods.deltakv_store import STATE_KEY, CodecStore, RequestState
 from sparseengine.methods import omnikv
 from sparseengine.methods.omnikv import choose_tokens

@@ -291,8 +291,9 @@ def launch_every_kernel(device):
         store = CodecStore(60, 10, bits, 4, 2 * hkv * d, 32, bf, device)
         store.write_random(60, gen)
         up = randn(32, 2 * hkv * d, generator=gen, device=device)
-        K.deltakv_rebuild_triton(store.full(), up, torch.ones(d // 2, device=device), torch.arange(4, 11, device=device),
-                                 torch.arange(7, device=device), kv.k_cache, kv.v_cache, 4)
+        K.deltakv_rebuild_triton(store.full(), up, torch.ones(d // 2, device=device),
+                                 torch.arange(4, 11, device=device), torch.arange(7, device=device),
+                                 kv.k_cache, kv.v_cache, 4)
         # a batched step's: two rows, the second without a codec, float16 Up
         K.deltakv_rebuild_batched_triton([store.full(), None], up.half(), torch.ones(d // 2, device=device),
                                          torch.arange(4, 18, device=device).view(2, 7),

@@ -222,10 +222,12 @@ def test_checkpoint_round_trip(tmp_path):
 
 def test_checkpoint_errors(tmp_path):
     pair = deltakv_fit.fit_down_up(rand(20, 16, seed=1), 8)
+    path = tmp_path / "a.safetensors"
     with pytest.raises(ValueError, match="neighbors"):
-        deltakv_fit.save_checkpoint(tmp_path / "a.safetensors", {0: pair}, {"model_name": "m", "latent_dim": 8, "center_ratio": 0.1})
+        deltakv_fit.save_checkpoint(path, {0: pair}, {"model_name": "m", "latent_dim": 8, "center_ratio": 0.1})
     with pytest.raises(ValueError, match="latent_dim=4"):
-        deltakv_fit.save_checkpoint(tmp_path / "a.safetensors", {0: pair}, {"model_name": "m", "latent_dim": 4, "center_ratio": 0.1, "neighbors": 2})
+        deltakv_fit.save_checkpoint(path, {0: pair},
+                                    {"model_name": "m", "latent_dim": 4, "center_ratio": 0.1, "neighbors": 2})
     from safetensors.torch import save_file
 
     save_file({"x": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
@@ -239,10 +241,14 @@ def test_checkpoint_errors(tmp_path):
 @pytest.mark.parametrize(
     "call,match",
     [
-        (lambda: dk.encode(rand(10, 64, seed=0), rand(64, 32, seed=0), center_ratio=0.1, neighbors=2, latent_bits=8), "deltakv_latent_bits"),
-        (lambda: dk.encode(rand(10, 64, seed=0), rand(64, 20, seed=0), center_ratio=0.1, neighbors=2, latent_bits=4), "multiple of 32"),
-        (lambda: dk.encode(rand(10, 64, seed=0), rand(48, 32, seed=0), center_ratio=0.1, neighbors=2), r"down must be \[D=64"),
-        (lambda: dk.encode(rand(10, 64, seed=0), rand(64, 32, seed=0), center_ratio=0.1, neighbors=0), "deltakv_neighbors"),
+        (lambda: dk.encode(rand(10, 64, seed=0), rand(64, 32, seed=0), center_ratio=0.1, neighbors=2,
+                           latent_bits=8), "deltakv_latent_bits"),
+        (lambda: dk.encode(rand(10, 64, seed=0), rand(64, 20, seed=0), center_ratio=0.1, neighbors=2,
+                           latent_bits=4), "multiple of 32"),
+        (lambda: dk.encode(rand(10, 64, seed=0), rand(48, 32, seed=0), center_ratio=0.1, neighbors=2),
+         r"down must be \[D=64"),
+        (lambda: dk.encode(rand(10, 64, seed=0), rand(64, 32, seed=0), center_ratio=0.1, neighbors=0),
+         "deltakv_neighbors"),
         (lambda: deltakv_fit.fit_down_up(rand(10, 16, seed=0), 17), "deltakv_latent_dim=17"),
         (lambda: dk.split_kv(rand(3, 10, seed=0), 2, 4), r"\[n, 16\]"),
         (lambda: deltakv_bytes.stored_bytes_per_token(0, 2, 4, 32, 0.1, 2, 4), "n must be"),

@@ -67,7 +67,8 @@ def test_deltakv_graph_replays_across_history_flushes(tiny_llama, tiny_method_kn
     params = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)  # two flushes each
     out = eager_and_graph(tiny_llama[0], "deltakv", tiny_method_knobs, prompts, params)
     assert out[True][1] == 0 and out[False][1] >= 140, out
-    assert [size for size, _ in out[False][2]] == [2], out[False][2]  # flushes within the buffers' capacity keep the graph
+    # flushes within the buffers' capacity keep the graph
+    assert [size for size, _ in out[False][2]] == [2], out[False][2]
     assert out[False][0] == out[True][0]
 
 

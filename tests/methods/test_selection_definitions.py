@@ -231,7 +231,8 @@ def test_h2o_accumulate_matches_reference(hq, hkv, n_old, n, rows):
 
 
 @pytest.mark.parametrize("hkv", [1, 2, 3])
-@pytest.mark.parametrize("n,sink,budget,recent", [(100, 4, 20, 16), (40, 0, 10, 5), (30, 4, 30, 4), (37, 4, 29, 4), (50, 3, 1, 0)])
+@pytest.mark.parametrize("n,sink,budget,recent",
+                         [(100, 4, 20, 16), (40, 0, 10, 5), (30, 4, 30, 4), (37, 4, 29, 4), (50, 3, 1, 0)])
 def test_h2o_keep_matches_reference(hkv, n, sink, budget, recent):
     acc = rand(hkv, n, seed=n * hkv + budget)
     got = sel.h2o_keep(acc, sink, budget, recent)
@@ -276,7 +277,8 @@ def test_quest_minmax_and_bounds_match_reference(hq, hkv, n, ps):
 @pytest.mark.parametrize("hkv", [1, 3])
 @pytest.mark.parametrize(
     "n,ps,sink,recent,budget",
-    [(200, 8, 4, 16, 40), (200, 16, 0, 0, 16), (203, 16, 20, 5, 64), (100, 4, 4, 4, 92), (90, 4, 4, 4, 60), (64, 8, 8, 8, 1)],
+    [(200, 8, 4, 16, 40), (200, 16, 0, 0, 16), (203, 16, 20, 5, 64), (100, 4, 4, 4, 92), (90, 4, 4, 4, 60),
+     (64, 8, 8, 8, 1)],
 )
 def test_quest_select_matches_reference(hkv, n, ps, sink, recent, budget):
     pages = (n + ps - 1) // ps

@@ -69,8 +69,12 @@ def test_sigterm_records_the_running_job_as_interrupted(tmp_path) -> None:
                             cwd=ROOT, env={**os.environ, "WANDB_MODE": "offline"},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     record_json = tmp_path / "run" / "record.json"
+
+    def written() -> str:
+        return record_json.read_text() if record_json.exists() else ""
+
     deadline = time.time() + 120
-    while time.time() < deadline and "decode/max_batch" not in (record_json.read_text() if record_json.exists() else ""):
+    while time.time() < deadline and "decode/max_batch" not in written():
         time.sleep(0.5)
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=60)
