@@ -12,8 +12,8 @@ Two paths choose the tokens at a filter layer:
   :meth:`OmniKV.observe`), so K is read once; ``probs`` needs each head's softmax
   normaliser first, so one scoring call reads K again (:func:`score_cached_tokens`).
   Then one batched sink + top-``budget`` + recent pick (:func:`pick_tokens`, or on a
-  Triton provider ``kernels.omnikv_select_triton``, or with ``logits`` scores on an sm_90
-  GPU ``kernels.omnikv_select_cuda``, one launch: both fold in the max over KV heads and
+  Triton provider :func:`gpu_pick`'s: ``kernels.omnikv_select_cuda`` on an sm_90 GPU, one
+  launch, else ``kernels.omnikv_select_triton``; both fold in the max over KV heads and
   give ties to the earlier token), a fixed-width Selection. No per-request Python, no host
   sync, no allocation whose size depends on device values.
 - mixed prefill + decode steps: per request (:func:`choose_tokens`), prefill rows dense.
@@ -174,11 +174,12 @@ class OmniKV(SparseMethodRuntime):
         ``probs``: the scoring pass is not fused with the attention: it reads the layer's K
         again (half of K+V per token) twice (softmax partials, then the scores; the
         attention's lse is computed after the choice) and writes one fp32 score per token,
-        which the Triton pick reads, writing one int32 key that five later passes read."""
+        which the pick reads (plus :func:`pick_key_bytes`)."""
+        device = self.cache.kv.device
         if self.mode == "logits":
-            per_token = max_logit_bytes_per_token(self.model.num_kv_heads, self.cache.kv.device)
+            per_token = max_logit_bytes_per_token(self.model.num_kv_heads, device)
         else:
-            per_token = 2 * kv_bytes_per_token_layer // 2 + 8 * 4
+            per_token = 2 * kv_bytes_per_token_layer // 2 + 2 * 4 + pick_key_bytes(device)
         return sum(seq.layer_lens[l] * per_token for l in self.filters)
 
     def _choose_batched(self, layer, q, ctx) -> Selection:
@@ -189,7 +190,7 @@ class OmniKV(SparseMethodRuntime):
         view = ctx.views[layer]
         triton = ctx.provider.triton_kernels
         scores = score_cached_tokens(q, k_cache, view.page_table, view.kv_lens, self.mode, triton)
-        pick = kernels.omnikv_select_triton if triton else pick_tokens
+        pick = gpu_pick(scores) if triton else pick_tokens
         cfg = self.config
         return self._selection_of(*pick(scores, view.kv_lens, cfg.sink_tokens, cfg.budget, cfg.recent_tokens))
 
@@ -229,11 +230,25 @@ def pick_from_max_logits(colsums: torch.Tensor, kv_lens: torch.Tensor, config,
     cfg = config
     if triton:
         table, page_size = rows_of if rows_of is not None else (None, 0)
-        pick = omnikv_select_cuda.omnikv_select_cuda if omnikv_select_cuda.takes(colsums, table) else \
-            kernels.omnikv_select_triton
-        return pick(colsums, kv_lens, cfg.sink_tokens, cfg.budget, cfg.recent_tokens, page_table=table,
+        return gpu_pick(colsums, table)(colsums, kv_lens, cfg.sink_tokens, cfg.budget, cfg.recent_tokens, page_table=table,
                     page_size=page_size)
     return pick_tokens(colsums.amax(dim=1), kv_lens, cfg.sink_tokens, cfg.budget, cfg.recent_tokens)
+
+
+def gpu_pick(scores: torch.Tensor, page_table: torch.Tensor | None = None):
+    """The pick a Triton provider runs on these scores (either score mode):
+    ``kernels.omnikv_select_cuda`` where it ``takes`` them, else ``kernels.omnikv_select_triton``."""
+    if omnikv_select_cuda.takes(scores, page_table):
+        return omnikv_select_cuda.omnikv_select_cuda
+    return kernels.omnikv_select_triton
+
+
+def pick_key_bytes(device=None) -> int:
+    """Bytes the GPU pick moves per cached token beyond reading its scores, on `device`: none
+    for the CUDA pick (where it ``runs_on`` the device: its keys stay in shared memory); the
+    Triton pick's first pass writes one int32 key that its five later passes read (three
+    radix passes, the counts, the output)."""
+    return 0 if device is not None and omnikv_select_cuda.runs_on(device) else 6 * 4
 
 
 def pick_kernel(device, provider) -> str:
@@ -253,13 +268,11 @@ def max_logit_bytes_per_token(num_kv_heads: int, device=None) -> int:
     (``omnikv_scores.FOLD_KV_HEADS``, the default): one fp32 score filled with -inf, then
     written by the attention's atomic max and read by the pick; else one fp32 max logit per
     KV head written by the attention (no fill: the pick reads each row's tokens only) and
-    read by the pick. The CUDA pick (where it ``runs_on`` the device) keeps its keys in shared
-    memory; the Triton pick's first pass writes one int32 key that its five later passes read
-    (three radix passes, the counts, the output). The torch path moves more (its scores
+    read by the pick; plus :func:`pick_key_bytes`. The torch path moves more (its scores
     filled with -inf first, the max over heads written, then read and written by the masking,
     read by the top-k), in many more launches."""
     scores = 3 * 4 if kernels.omnikv_scores.FOLD_KV_HEADS else 2 * 4 * num_kv_heads
-    return scores + (0 if device is not None and omnikv_select_cuda.runs_on(device) else 6 * 4)
+    return scores + pick_key_bytes(device)
 
 
 def pure_decode(ctx) -> bool:

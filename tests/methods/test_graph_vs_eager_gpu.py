@@ -116,20 +116,24 @@ def test_quest_cuda_choice_gives_the_triton_choices_tokens(tiny_llama, tiny_meth
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["omnikv", "deltakv"])
-def test_omnikv_cuda_pick_gives_the_triton_picks_tokens(method, tiny_llama, tiny_method_knobs, monkeypatch):
-    """OmniKV's filter layers (and DeltaKV's full layers) pick with the CUDA kernel where it runs
-    (`omnikv_select_cuda`): eager and replayed tokens equal those of the Triton pick's run, on
-    prompts past the total (a real choice) and within it."""
+@pytest.mark.parametrize("method,score", [("omnikv", "logits"), ("omnikv", "probs"), ("deltakv", None)])
+def test_omnikv_cuda_pick_gives_the_triton_picks_tokens(method, score, tiny_llama, tiny_method_knobs, monkeypatch):
+    """OmniKV's filter layers (either score mode; and DeltaKV's full layers) pick with the CUDA
+    kernel where it runs (`omnikv_select_cuda`): eager and replayed tokens equal those of the
+    Triton pick's run, on prompts past the total (a real choice) and within it."""
     from sparseengine import SamplingParams
     from sparseengine.kernels import omnikv_select_cuda
 
     assert omnikv_select_cuda.runs_on("cuda")  # the H200 runs it: its absence there is a failure
+    knobs = {**tiny_method_knobs, **({"omnikv_score": score} if score else {})}
     gen = torch.Generator().manual_seed(12)
     prompts = [torch.randint(3, 500, (n,), generator=gen).tolist() for n in (160, 75, 131, 20)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    cuda = eager_and_graph(tiny_llama[0], method, tiny_method_knobs, prompts, params)
+    picks, real = [], omnikv_select_cuda.omnikv_select_cuda
+    monkeypatch.setattr(omnikv_select_cuda, "omnikv_select_cuda", lambda *a, **k: picks.append(1) or real(*a, **k))
+    cuda = eager_and_graph(tiny_llama[0], method, knobs, prompts, params)
+    assert picks  # the CUDA kernel made the picks
     monkeypatch.setattr(omnikv_select_cuda, "ENGINE", False)
-    triton = eager_and_graph(tiny_llama[0], method, tiny_method_knobs, prompts, params)
+    triton = eager_and_graph(tiny_llama[0], method, knobs, prompts, params)
     assert cuda[False][1] >= 30 and triton[False][1] >= 30
     assert cuda[True][0] == triton[True][0] and cuda[False][0] == triton[False][0]

@@ -280,7 +280,7 @@ def test_the_record_names_the_pick_and_its_bytes():
     `engine/method_kernels/omnikv_select`), and the byte model counts what that pick moves per
     cached token: the Triton pick's int32 keys (written once, read five times) beside the
     folded fp32 score; the CUDA pick keeps its keys in shared memory."""
-    from sparseengine.kernels import omnikv_select_cuda
+    from sparseengine.kernels import omnikv_select_cuda, omnikv_select_triton
 
     cpu = torch.device("cpu")
     assert omnikv.pick_kernel(cpu, make_provider("torch", cpu)) == "torch"
@@ -289,5 +289,7 @@ def test_the_record_names_the_pick_and_its_bytes():
     name = omnikv.pick_kernel(device, make_provider("triton", device))
     if omnikv_select_cuda.runs_on(device):
         assert name.startswith("cuda (clusters of 16") and omnikv.max_logit_bytes_per_token(8, device) == 12
+        assert omnikv.pick_key_bytes(device) == 0
     else:
         assert name == "triton" and omnikv.max_logit_bytes_per_token(8, device) == 12 + 24
+        assert omnikv.pick_key_bytes(device) == 24 and omnikv.gpu_pick(torch.zeros(2, 40)) is omnikv_select_triton
