@@ -230,7 +230,8 @@ def pick_from_max_logits(colsums: torch.Tensor, kv_lens: torch.Tensor, config,
     cfg = config
     if triton:
         table, page_size = rows_of if rows_of is not None else (None, 0)
-        return gpu_pick(colsums, table)(colsums, kv_lens, cfg.sink_tokens, cfg.budget, cfg.recent_tokens, page_table=table,
+        pick = gpu_pick(colsums, table)
+        return pick(colsums, kv_lens, cfg.sink_tokens, cfg.budget, cfg.recent_tokens, page_table=table,
                     page_size=page_size)
     return pick_tokens(colsums.amax(dim=1), kv_lens, cfg.sink_tokens, cfg.budget, cfg.recent_tokens)
 
