@@ -4,9 +4,11 @@ builds (the FA2 paged decode and prefill JIT modules): every file but CUDA sourc
 cutlass, cccl, spdlog). The kernel sources of other modules (MoE, the experimental and
 Blackwell kernels) are dropped; a module that needs them fails to build on a trimmed
 install. The device tool carries at most 64 MiB a call: the full wheel (59 MiB) with
-apache-tvm-ffi left no room for the repository; the trimmed one is 29 MiB. Usage: python
-scripts/trim_flashinfer_wheel.py .whl/flashinfer/flashinfer_python-*.whl
-.whl/flashinfer_trim/ (copy the apache-tvm-ffi wheel beside it)."""
+apache-tvm-ffi left no room for the repository; the trimmed one is 29 MiB. Usage (then copy the
+apache-tvm-ffi wheel beside the trimmed one):
+
+    python scripts/trim_flashinfer_wheel.py .whl/flashinfer/flashinfer_python-*.whl .whl/flashinfer_trim/
+"""
 from __future__ import annotations
 
 import base64

@@ -3,8 +3,7 @@ ran before (`skinny_linear` with `engine_tiles`), with the folds each layer take
 model (`python -m sparseengine.kernels.bench_gpu --cuda-linear --out FILE`):
 
 - per launch at the Llama-3.1-8B shape, 1, 6 and 8 rows (a batch of 6 replays the graph of 8), in CUDA graphs of
-launches cycling
-  over weight copies (no weight in L2), as `bench_linear.bench_skinny_linear`: qkv with the
+  launches cycling over weight copies (no weight in L2), as `bench_linear.bench_skinny_linear`: qkv with the
   norm, o and down with the residual, gate_up with the norm (Triton: then the SiLU kernel;
   CUDA: gated), CUDA with x staged and not;
 - the step's linears in model order for 32 layers of their own weights (qkv, a stand-in for

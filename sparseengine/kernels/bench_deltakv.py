@@ -3,8 +3,7 @@
 layer, 2048 chosen entries (the benchmark's sink 64, budget 1472, recent 512), the
 `budget` history tokens rebuilt from an int4 codec of a 128K history (8 KV heads, head dim
 128, rank 256, 4 neighbours) into a bf16 paged cache. The fused kernel's tile and warps side by side with the engine's
-torch path
-(the codec's fixed-width decode, RoPE, then the provider's KV write), each per launch in a
+torch path (the codec's fixed-width decode, RoPE, then the provider's KV write), each per launch in a
 CUDA graph of 30 launches."""
 from __future__ import annotations
 

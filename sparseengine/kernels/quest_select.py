@@ -45,8 +45,7 @@ graph; `bench_gpu --quest-select`, commit 5af64cf): the full search (radix 2, bl
 27 us at 2, 33 us at 1. Blocks of 4096 pages (8 warps) are the default since commit
 52e1017: 20.6 us at radix 4 against 24.1 with 8192 (16 warps), 21.5 with 8192 and 8 warps,
 26.7 with 8192 and 4 warps (results/quest_kernels_h200.jsonl). A variant that held the row's keys in registers through
-the
-full search (one 16384-page block, commit e8e8c56, since removed) ran slower: radix 1 98
+the full search (one 16384-page block, commit e8e8c56, since removed) ran slower: radix 1 98
 us, 2 144 us, 4 770 us. Fixed shapes, no host sync: CUDA-graph capturable. `kv_lens` past P pages is an
 invalid input; the kernel then stays in bounds, its choice unspecified.
 """

@@ -30,8 +30,7 @@ made the chain slower (results/README.md, `pdl_chain_h200.jsonl`; `bench_gpu
 --skinny-linear`, `--pdl-chain`); a persistent CUDA probe launched that way gave back
 136-319 us of the same chain, its tensor-core version 2.2% under this kernel's chain
 while slower launch by launch (`scripts/cuda_gemv.cu`, `cuda_gemv_h200.jsonl`). Spreading the features evenly over
-whole waves of the
-SMs (qkv on 132 programs, not 96) made the step slower (session 21,
+whole waves of the SMs (qkv on 132 programs, not 96) made the step slower (session 21,
 `ab_switches_h200.jsonl`): removed.
 """
 from __future__ import annotations

@@ -5,8 +5,7 @@ modules (input layer norm, q/k/v projections, Qwen3 q/k norms, HF's rotary embed
 o_proj, MLP) and keeps, per (layer, KV head), the list of logical tokens its cache holds.
 Each method's rule is written straight from METHODS.md with plain loops (in
 ``selection_reference.py``); nothing is imported from ``sparseengine.methods``. Its dense prefill is checked against
-HF's own
-``output_hidden_states`` first, so its Q/K/V are HF's.
+HF's own ``output_hidden_states`` first, so its Q/K/V are HF's.
 
 The engine is driven step by step (``llm.step()``) on random tiny models of four GQA
 groupings (Hq/Hkv = 4/4, 4/2, 6/2 Qwen3, 8/2). After every step:

@@ -3,8 +3,7 @@
 - On random paged K/Q (shuffled pages, unowned slots NaN), driven through the runtime's
   hooks and the provider's attention as the attention layer calls them (``logits`` scores
   come from the filter layer's own attention), with a CUDA-graph-shaped context (``seqs = [None] * B``, dummy host
-  lengths):
-  each request's selection == ``omnikv_select(omnikv_token_scores(q_b, K_b))``, ties
+  lengths): each request's selection == ``omnikv_select(omnikv_token_scores(q_b, K_b))``, ties
   aside, for lengths below, at and past the total, several budgets, GQA groupings and
   both score modes; layers before the first filter and the filter layers stay dense.
 - ``omnikv_scores_torch`` == ``omnikv_scores_ref``; the Triton scores (interpreted on a
